@@ -1,0 +1,230 @@
+"""`MoEConfig`: one validated description of a Mixture-of-Experts layer.
+
+Field names are Megatron-Core's ``moe_*`` flags without the prefix where one exists, so a
+Megatron user can translate a launch script line by line (README.md carries the table).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Literal, Optional, Union
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+DROP_POLICIES = ("probs", "position")
+ACTIVATIONS = ("swiglu", "gelu", "relu", "squared_relu")
+EXPERT_BACKENDS = ("auto", "grouped_mm", "te", "loop")
+DISPATCHER_TYPES = ("alltoall", "allgather", "deepep")
+
+
+@dataclass
+class MoEConfig:
+    """Configuration of one MoE layer.
+
+    Args:
+        hidden_size: model width ``D`` (Megatron ``hidden_size``).
+        ffn_hidden_size: width ``F`` of each routed expert (``moe_ffn_hidden_size``).
+        num_experts: number of routed experts ``E`` (``num_moe_experts``).
+        router_topk: experts per token ``K`` (``moe_router_topk``).
+        router_score_function: "softmax" or "sigmoid".
+        router_pre_softmax: softmax over all experts before top-k (default: softmax over the
+            selected k logits). Required when ``router_topk == 1`` with softmax, as in Megatron.
+        router_num_groups / router_group_topk: group-limited routing (DeepSeek-V3): experts are
+            split into ``router_num_groups`` groups, tokens pick experts only from the
+            ``router_group_topk`` best groups.
+        router_topk_scaling_factor: multiplies the routing probabilities after top-k.
+        router_enable_expert_bias: aux-loss-free balancing with an fp32 ``expert_bias`` used for
+            selection only (sigmoid routing only, as in Megatron).
+        router_bias_update_rate: step of the bias update ``bias += rate * sign(mean - count)``.
+        router_load_balancing_type: one of "aux_loss", "seq_aux_loss", "global_aux_loss",
+            "none", or a list of them (one coefficient each in ``aux_loss_coeff``).
+        aux_loss_coeff: coefficient(s) of the load-balancing loss(es).
+        z_loss_coeff: coefficient of the router z-loss (None: off).
+        input_jitter_eps: multiplicative uniform jitter on router input in training (None: off).
+        expert_capacity_factor: capacity per expert as a multiple of ``T*K/E`` (None: dropless).
+        token_drop_policy: "probs" keeps the highest-probability tokens of a full expert,
+            "position" keeps the earliest ones.
+        pad_expert_input_to_capacity: pad every expert's input to exactly its capacity.
+        shared_expert_intermediate_size: width of the shared expert(s) MLP (None: none).
+        shared_expert_gate: gate the shared expert output by ``sigmoid(x @ w)``.
+        token_dispatcher_type: "alltoall", "allgather" or "deepep" (used under expert
+            parallelism; a single rank always dispatches locally).
+        apply_probs_on_input: multiply routing probabilities into the expert input instead of
+            the expert output (``moe_apply_probs_on_input``; needs ``router_topk == 1``).
+        activation: expert activation; "swiglu" fuses gate and up projections.
+        expert_backend: "auto", "grouped_mm" (``torch._grouped_mm``), "te" (Transformer
+            Engine ``GroupedLinear``) or "loop" (per-expert reference).
+        expert_alignment: pad each expert's token group to a multiple of this (1, 8, 16, 32,
+            128) for quantized GEMMs (``moe_router_padding_for_quantization``).
+        init_method_std: std of the normal initialisation of expert and router weights.
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    router_topk: int = 2
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    router_pre_softmax: bool = False
+    router_num_groups: Optional[int] = None
+    router_group_topk: Optional[int] = None
+    router_topk_scaling_factor: Optional[float] = None
+    router_enable_expert_bias: bool = False
+    router_bias_update_rate: float = 1e-3
+    router_load_balancing_type: Union[str, list[str]] = "aux_loss"
+    aux_loss_coeff: Union[float, list[float]] = 0.0
+    z_loss_coeff: Optional[float] = None
+    input_jitter_eps: Optional[float] = None
+    expert_capacity_factor: Optional[float] = None
+    token_drop_policy: Literal["probs", "position"] = "probs"
+    pad_expert_input_to_capacity: bool = False
+    shared_expert_intermediate_size: Optional[int] = None
+    shared_expert_gate: bool = False
+    token_dispatcher_type: Literal["alltoall", "allgather", "deepep"] = "alltoall"
+    apply_probs_on_input: bool = False
+    activation: Literal["swiglu", "gelu", "relu", "squared_relu"] = "swiglu"
+    expert_backend: Literal["auto", "grouped_mm", "te", "loop"] = "auto"
+    expert_alignment: int = 1
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "ffn_hidden_size", "num_experts", "router_topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}.")
+        if self.router_topk > self.num_experts:
+            raise ValueError(
+                f"router_topk={self.router_topk} exceeds num_experts={self.num_experts}: "
+                "lower router_topk or add experts."
+            )
+        _check_choice("router_score_function", self.router_score_function, SCORE_FUNCTIONS)
+        _check_choice("token_drop_policy", self.token_drop_policy, DROP_POLICIES)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("expert_backend", self.expert_backend, EXPERT_BACKENDS)
+        _check_choice("token_dispatcher_type", self.token_dispatcher_type, DISPATCHER_TYPES)
+        self._validate_groups()
+        self._validate_balancing()
+        self._validate_capacity()
+        if self.router_topk == 1 and self.router_score_function == "softmax" and not self.router_pre_softmax:
+            raise ValueError(
+                "router_topk=1 with softmax gives zero router gradients (softmax over one logit): "
+                "set router_pre_softmax=True."
+            )
+        if self.router_enable_expert_bias and self.router_score_function != "sigmoid":
+            raise ValueError(
+                "router_enable_expert_bias (aux-loss-free balancing) needs "
+                "router_score_function='sigmoid', as in Megatron-Core."
+            )
+        if self.router_bias_update_rate < 0:
+            raise ValueError("router_bias_update_rate must be >= 0.")
+        if self.router_topk_scaling_factor is not None and self.router_topk_scaling_factor <= 0:
+            raise ValueError("router_topk_scaling_factor must be positive (or None).")
+        if self.z_loss_coeff is not None and self.z_loss_coeff < 0:
+            raise ValueError("z_loss_coeff must be >= 0 (or None to disable).")
+        if self.input_jitter_eps is not None and not 0 < self.input_jitter_eps < 1:
+            raise ValueError("input_jitter_eps must be in (0, 1) (or None to disable).")
+        if self.shared_expert_intermediate_size is not None and self.shared_expert_intermediate_size <= 0:
+            raise ValueError("shared_expert_intermediate_size must be positive (or None for no shared expert).")
+        if self.shared_expert_gate and self.shared_expert_intermediate_size is None:
+            raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size.")
+        if self.apply_probs_on_input and self.router_topk != 1:
+            raise ValueError(
+                "apply_probs_on_input needs router_topk=1 (with k>1 a token's expert outputs "
+                "would be summed unweighted); set router_topk=1 or apply_probs_on_input=False."
+            )
+        if self.expert_alignment not in (1, 8, 16, 32, 64, 128):
+            raise ValueError(f"expert_alignment must be one of 1, 8, 16, 32, 64, 128, got {self.expert_alignment}.")
+        if self.init_method_std <= 0:
+            raise ValueError("init_method_std must be positive.")
+
+    def _validate_groups(self) -> None:
+        if self.router_group_topk is None and self.router_num_groups is None:
+            return
+        if self.router_group_topk is None or self.router_num_groups is None:
+            raise ValueError(
+                "group-limited routing needs both router_num_groups and router_group_topk "
+                f"(got {self.router_num_groups} and {self.router_group_topk})."
+            )
+        if self.router_num_groups <= 0 or self.num_experts % self.router_num_groups:
+            raise ValueError(
+                f"router_num_groups={self.router_num_groups} must divide num_experts={self.num_experts}."
+            )
+        if not 0 < self.router_group_topk <= self.router_num_groups:
+            raise ValueError(
+                f"router_group_topk={self.router_group_topk} must be in [1, router_num_groups="
+                f"{self.router_num_groups}]."
+            )
+        experts_per_group = self.num_experts // self.router_num_groups
+        if self.router_topk > self.router_group_topk * experts_per_group:
+            raise ValueError(
+                f"router_topk={self.router_topk} exceeds the {self.router_group_topk * experts_per_group} "
+                "experts in the selected groups: raise router_group_topk or lower router_topk."
+            )
+
+    def _validate_balancing(self) -> None:
+        types = self.load_balancing_types
+        coeffs = self.aux_loss_coeffs
+        for t in types:
+            _check_choice("router_load_balancing_type", t, LOAD_BALANCING_TYPES)
+        if len(coeffs) != len(types):
+            raise ValueError(
+                f"aux_loss_coeff has {len(coeffs)} value(s) for {len(types)} load-balancing type(s): "
+                "give one coefficient per type."
+            )
+        if len(set(types)) != len(types):
+            raise ValueError(f"router_load_balancing_type lists a type twice: {types}.")
+        if any(c < 0 for c in coeffs):
+            raise ValueError("aux_loss_coeff values must be >= 0.")
+
+    def _validate_capacity(self) -> None:
+        if self.expert_capacity_factor is None:
+            if self.pad_expert_input_to_capacity:
+                raise ValueError("pad_expert_input_to_capacity needs expert_capacity_factor to be set.")
+            return
+        if self.expert_capacity_factor <= 0:
+            raise ValueError(
+                f"expert_capacity_factor must be positive, got {self.expert_capacity_factor}; "
+                "use None for dropless routing."
+            )
+        if "global_aux_loss" in self.load_balancing_types:
+            raise ValueError(
+                "global_aux_loss counts tokens across micro-batches and cannot be combined with token "
+                "dropping: use aux_loss/seq_aux_loss or set expert_capacity_factor=None."
+            )
+        if self.token_dispatcher_type == "deepep":
+            raise ValueError("the deepep dispatcher is dropless: set expert_capacity_factor=None.")
+
+    @property
+    def load_balancing_types(self) -> list[str]:
+        t = self.router_load_balancing_type
+        return list(t) if isinstance(t, (list, tuple)) else [t]
+
+    @property
+    def aux_loss_coeffs(self) -> list[float]:
+        c = self.aux_loss_coeff
+        if isinstance(c, (list, tuple)):
+            return [float(v) for v in c]
+        return [float(c)] * (1 if not isinstance(self.router_load_balancing_type, (list, tuple)) else len(self.router_load_balancing_type))
+
+    @property
+    def active_aux_losses(self) -> dict[str, float]:
+        """Load-balancing losses that contribute: ``{type: coeff}`` with coeff > 0, no "none"."""
+        return {t: c for t, c in zip(self.load_balancing_types, self.aux_loss_coeffs) if t != "none" and c > 0}
+
+    @property
+    def is_gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    def expert_capacity(self, num_tokens: int) -> Optional[int]:
+        """Capacity of one expert for ``num_tokens`` local tokens, as Megatron's ``get_capacity``."""
+        if self.expert_capacity_factor is None:
+            return None
+        return math.ceil(num_tokens * self.router_topk / self.num_experts * self.expert_capacity_factor)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"MoEConfig.{name}={value!r} is not one of {choices}.")
