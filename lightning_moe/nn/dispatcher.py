@@ -1,0 +1,80 @@
+"""Token dispatchers: move routed tokens to their experts and the results back.
+
+A dispatcher is a small protocol with explicit state passed from ``dispatch`` to ``combine``
+(no hidden member state, so a layer can have several micro-batches in flight):
+
+    expert_input_RD, group_sizes_E, state = dispatcher.dispatch(x_TD, routing)
+    expert_output_RD = experts(expert_input_RD, group_sizes_E)
+    y_TD = dispatcher.combine(expert_output_RD, state)
+
+``group_sizes_E`` (int64, device) are the row counts of this rank's local experts in
+``expert_input_RD``. The local dispatcher below serves one rank; expert-parallel dispatchers
+(all-to-all, all-gather) live in ``lightning_moe.parallel`` and are installed by the strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_moe.nn.config import MoEConfig
+from lightning_moe.nn.permutation import PermutationPlan, permute, plan_permutation, row_probs, unpermute
+from lightning_moe.nn.router import RoutingResult
+
+
+class TokenDispatcher(Protocol):
+    """What ``MoELayer`` needs from a dispatcher."""
+
+    def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, Any]: ...
+
+    def combine(self, expert_output_RD: Tensor, state: Any) -> Tensor: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass
+class LocalDispatchState:
+    plan: PermutationPlan
+    combine_probs_TK: Tensor
+
+
+def plan_for(routing: RoutingResult, cfg: MoEConfig) -> PermutationPlan:
+    """The permutation of ``routing`` under ``cfg``'s alignment and capacity padding."""
+    return plan_permutation(
+        routing.experts_TK,
+        routing.num_experts,
+        keep_TK=routing.keep_TK,
+        alignment=cfg.expert_alignment,
+        capacity=routing.capacity,
+        pad_to_capacity=cfg.pad_expert_input_to_capacity,
+    )
+
+
+def input_side_probs(x_RD: Tensor, probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
+    """``apply_probs_on_input``: scale each permuted row by its routing probability."""
+    return x_RD * row_probs(probs_TK, plan).to(x_RD.dtype).unsqueeze(1)
+
+
+class LocalDispatcher:
+    """Single-rank dispatch: sort assignments by expert (sync-free), run, and combine."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        self.cfg = cfg
+
+    def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, LocalDispatchState]:
+        plan = plan_for(routing, self.cfg)
+        x_RD = permute(x_TD, plan)
+        combine_probs_TK = routing.probs_TK
+        if self.cfg.apply_probs_on_input:
+            x_RD = input_side_probs(x_RD, routing.probs_TK, plan)
+            combine_probs_TK = torch.ones_like(routing.probs_TK)  # dropped rows read the zero row
+        return x_RD, plan.group_sizes_E, LocalDispatchState(plan, combine_probs_TK)
+
+    def combine(self, expert_output_RD: Tensor, state: LocalDispatchState) -> Tensor:
+        return unpermute(expert_output_RD, state.combine_probs_TK, state.plan)
+
+    def describe(self) -> str:
+        return "local (sort-based permutation)"

@@ -1,0 +1,150 @@
+"""Routed experts as grouped GEMMs, and the always-on shared experts."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend
+
+
+def activate(h: Tensor, activation: str) -> Tensor:
+    """Expert activation on the first projection's output.
+
+    "swiglu" takes ``h = [gate | up]`` (the two halves of the fused projection, Megatron's
+    gated-linear-unit layout) and returns ``silu(gate) * up``.
+    """
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(h)
+    if activation == "relu":
+        return F.relu(h)
+    if activation == "squared_relu":
+        return F.relu(h).square()
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+class GroupedGemm(Protocol):
+    """A replacement grouped GEMM (e.g. FP8) set by a precision plugin on ``GroupedExperts``."""
+
+    def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor: ...
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor parameter (experts sharded over EP), or ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` MLPs applied to contiguous row groups with one GEMM per projection.
+
+    Parameters (fp32 masters; cast to the activation dtype by the GEMM):
+        fc1_weight: [E, D, F1] with F1 = 2F for SwiGLU (gate and up fused) else F.
+        fc2_weight: [E, F, D].
+
+    ``forward(x_RD, group_sizes_E)`` takes rows grouped by expert (``group_sizes_E`` int64 [E]
+    on the device; rows past their sum are zero padding) and returns [R, D].
+    A precision plugin may set ``quantization`` to an object with
+    ``grouped_mm(x_RK, w_EKN, offsets_E)`` to run quantized GEMMs instead.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str = "swiglu",
+        backend: str = "auto",
+        init_std: float = 0.02,
+        output_init_std: Optional[float] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.activation = activation
+        self.requested_backend = backend
+        self.backend = resolve_backend(backend)
+        self.init_std = init_std
+        self.output_init_std = init_std if output_init_std is None else output_init_std
+        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        factory = {"device": device, "dtype": dtype}
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, hidden_size, fc1_out, **factory))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **factory))
+        self.quantization: Optional[GroupedGemm] = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.fc1_weight, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.fc2_weight, mean=0.0, std=self.output_init_std)
+
+    def _mm(self, x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:
+        if self.quantization is not None:
+            from lightning_moe.nn.grouped_gemm import group_offsets
+
+            return self.quantization.grouped_mm(x_RK, w_EKN, group_offsets(group_sizes_E, x_RK.shape[0]))
+        return BACKENDS[self.backend](x_RK, w_EKN, group_sizes_E)
+
+    def forward(self, x_RD: Tensor, group_sizes_E: Tensor) -> Tensor:
+        fc1 = local_tensor(self.fc1_weight)
+        fc2 = local_tensor(self.fc2_weight)
+        if group_sizes_E.shape[0] != fc1.shape[0]:
+            raise ValueError(
+                f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts"
+            )
+        h_RF = activate(self._mm(x_RD, fc1, group_sizes_E), self.activation)
+        return self._mm(h_RF, fc2, group_sizes_E)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "
+            f"activation={self.activation}, backend={self.backend}"
+        )
+
+
+class SharedExperts(nn.Module):
+    """A dense MLP every token passes through (DeepSeek / Qwen2-MoE shared experts).
+
+    ``linear_fc1``: D -> 2F (SwiGLU) or F; ``linear_fc2``: F -> D; with ``gate=True`` the output
+    is scaled by ``sigmoid(x @ gate_weight.T)`` per token (Megatron's ``moe_shared_expert_gate``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str = "swiglu",
+        gate: bool = False,
+        init_std: float = 0.02,
+        output_init_std: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        self.activation = activation
+        self.init_std = init_std
+        self.output_init_std = init_std if output_init_std is None else output_init_std
+        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.linear_fc1 = nn.Linear(hidden_size, fc1_out, bias=False)
+        self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        self.gate_weight = nn.Parameter(torch.empty(1, hidden_size)) if gate else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.linear_fc1.weight, std=self.init_std)
+        nn.init.normal_(self.linear_fc2.weight, std=self.output_init_std)
+        if self.gate_weight is not None:
+            nn.init.normal_(self.gate_weight, std=self.init_std)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        y_TD = self.linear_fc2(activate(self.linear_fc1(x_TD), self.activation))
+        if self.gate_weight is not None:
+            y_TD = y_TD * torch.sigmoid(F.linear(x_TD, self.gate_weight.to(x_TD.dtype)))
+        return y_TD

@@ -1,0 +1,96 @@
+"""`MoELayer`: router -> dispatcher -> grouped experts -> combine (+ shared experts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_moe.nn.config import MoEConfig
+from lightning_moe.nn.dispatcher import LocalDispatcher, TokenDispatcher
+from lightning_moe.nn.experts import GroupedExperts, SharedExperts
+from lightning_moe.nn.router import RoutingResult, TopKRouter
+
+
+@dataclass
+class RoutingStats:
+    """Routing statistics of the last forward, kept on the device (reading them syncs).
+
+    tokens_per_expert_E: int64 [E] kept (token, expert) assignments per expert on this rank.
+    num_dropped: 0-dim int64, assignments dropped by the capacity limit.
+    num_assignments: T*K of this rank.
+    """
+
+    tokens_per_expert_E: Tensor
+    num_dropped: Tensor
+    num_assignments: int
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts feed-forward block, plain PyTorch.
+
+    ``forward(x)`` takes ``x`` of shape [..., D] ([B, S, D] is treated as B sequences for the
+    sequence-level aux loss) and returns the same shape. Load-balancing and z losses are
+    attached to the routing probabilities and reach the router's gradient without any user
+    code; their latest values are in ``layer.router.latest_losses``.
+
+    Submodules: ``router`` (`TopKRouter`, fp32 ``weight`` [E, D]), ``experts``
+    (`GroupedExperts`), ``shared_experts`` (optional). The dispatcher defaults to the local
+    one; a parallel strategy installs an expert-parallel one with ``set_dispatcher``.
+    """
+
+    def __init__(self, cfg: MoEConfig, output_init_std: Optional[float] = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.router = TopKRouter(cfg)
+        self.experts = GroupedExperts(
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.ffn_hidden_size,
+            activation=cfg.activation,
+            backend=cfg.expert_backend,
+            init_std=cfg.init_method_std,
+            output_init_std=output_init_std,
+        )
+        self.shared_experts: Optional[SharedExperts] = None
+        if cfg.shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExperts(
+                cfg.hidden_size,
+                cfg.shared_expert_intermediate_size,
+                activation=cfg.activation,
+                gate=cfg.shared_expert_gate,
+                init_std=cfg.init_method_std,
+                output_init_std=output_init_std,
+            )
+        self.dispatcher: TokenDispatcher = LocalDispatcher(cfg)
+        self.last_stats: Optional[RoutingStats] = None
+
+    def set_dispatcher(self, dispatcher: TokenDispatcher) -> None:
+        """Install a token dispatcher (the strategy does this for expert parallelism)."""
+        self.dispatcher = dispatcher
+
+    def reset_parameters(self) -> None:
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.config.hidden_size
+        if x.shape[-1] != hidden:
+            raise ValueError(f"MoELayer expects inputs [..., {hidden}], got {tuple(x.shape)}")
+        x_TD = x.reshape(-1, hidden)
+        routing: RoutingResult = self.router(x if x.dim() == 3 else x_TD)
+        expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing)
+        expert_output_RD = self.experts(expert_input_RD, group_sizes_E)
+        y_TD = self.dispatcher.combine(expert_output_RD, state)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        self.last_stats = RoutingStats(
+            tokens_per_expert_E=routing.tokens_per_expert_E.detach(),
+            num_dropped=routing.num_dropped.detach(),
+            num_assignments=routing.experts_TK.numel(),
+        )
+        return y_TD.view(x.shape)

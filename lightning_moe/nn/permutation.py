@@ -1,0 +1,206 @@
+"""Token permutation: group the (token, expert) assignments of a batch by expert and back.
+
+The layout is described by a `PermutationPlan` built from the routing result on the device,
+with no host sync: every expert's rows are contiguous in the permuted buffer, in token order,
+optionally padded to an alignment (quantized GEMMs) or to the expert capacity. The buffer has
+a static number of rows ``R`` known from shapes alone, so shapes never depend on the routing:
+
+- dropless, unpadded: ``R = T*K`` (every row holds a token);
+- padded to ``alignment``: ``R = T*K + E*(alignment-1)`` (an upper bound; unused rows are zero);
+- padded to capacity: ``R = E*C``.
+
+Rows that hold no token are zero. Experts see those rows as part of the last group (zero
+input gives zero output through a bias-free MLP), so no row of the buffer is ever left
+unwritten.
+
+Both directions are gathers (no scatter-add, no atomics) in forward and backward:
+``permute`` gathers token rows, its backward gathers each token's ``K`` row gradients and sums
+them; ``unpermute`` gathers each token's ``K`` expert outputs and reduces them with the routing
+probabilities in one batched matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PermutationPlan:
+    """Where every (token, expert) assignment lives in the permuted buffer.
+
+    Attributes:
+        row_assignment_R: int64 [R], the flat assignment ``t*K + k`` each row holds; ``T*K``
+            (a zero entry) for padding rows.
+        row_token_R: int64 [R], the token each row holds; ``T`` (a zero row) for padding.
+        dest_TK: int64 [T, K], the row of each assignment; ``R`` (a zero row) when dropped.
+        group_sizes_E: int64 [E], rows per expert including padding (device tensor).
+        tokens_per_expert_E: int64 [E], real (kept) assignments per expert.
+        num_tokens: T. num_rows: R.
+        dense_rows: True when every row holds a token and nothing is dropped (the fast path:
+            no sentinel rows are needed).
+    """
+
+    row_assignment_R: Tensor
+    row_token_R: Tensor
+    dest_TK: Tensor
+    group_sizes_E: Tensor
+    tokens_per_expert_E: Tensor
+    num_tokens: int
+    num_rows: int
+    dense_rows: bool
+
+
+def plan_permutation(
+    experts_TK: Tensor,
+    num_experts: int,
+    keep_TK: Optional[Tensor] = None,
+    alignment: int = 1,
+    capacity: Optional[int] = None,
+    pad_to_capacity: bool = False,
+) -> PermutationPlan:
+    """Build the permutation plan for ``experts_TK`` (int64 [T, K]) on its device, sync-free.
+
+    ``keep_TK`` (bool [T, K]) marks assignments that survived capacity dropping. With
+    ``pad_to_capacity`` every expert gets exactly ``capacity`` rows; otherwise each expert's
+    group is rounded up to a multiple of ``alignment``.
+    """
+    num_tokens, topk = experts_TK.shape
+    num_assign = num_tokens * topk
+    device = experts_TK.device
+    flat_expert_N = experts_TK.reshape(-1)
+    if keep_TK is not None:
+        # Dropped assignments get the sentinel expert E so that they sort to the end.
+        flat_expert_N = torch.where(keep_TK.reshape(-1), flat_expert_N, num_experts)
+    order_N = torch.argsort(flat_expert_N, stable=True)
+    counts = torch.bincount(flat_expert_N, minlength=num_experts + 1)
+    tokens_per_expert_E = counts[:num_experts]
+
+    if pad_to_capacity:
+        if capacity is None:
+            raise ValueError("pad_to_capacity needs a capacity.")
+        group_sizes_E = torch.full((num_experts,), capacity, dtype=torch.long, device=device)
+        num_rows = num_experts * capacity
+    elif alignment > 1:
+        group_sizes_E = (tokens_per_expert_E + alignment - 1) // alignment * alignment
+        num_rows = num_assign + num_experts * (alignment - 1)
+    else:
+        group_sizes_E = tokens_per_expert_E
+        num_rows = num_assign
+
+    dense_rows = keep_TK is None and num_rows == num_assign and not pad_to_capacity
+    if dense_rows:
+        # Fast path: row j of the buffer is the j-th assignment in expert order.
+        dest_TK = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(num_assign, device=device))
+        return PermutationPlan(
+            row_assignment_R=order_N,
+            row_token_R=order_N // topk,
+            dest_TK=dest_TK.view(num_tokens, topk),
+            group_sizes_E=group_sizes_E,
+            tokens_per_expert_E=tokens_per_expert_E,
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            dense_rows=True,
+        )
+
+    # Row of the j-th sorted assignment: start of its expert's (padded) group + rank in expert.
+    sorted_expert_N = flat_expert_N[order_N]
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    count_start = torch.cat([zero, torch.cumsum(counts, 0)[:-1]])  # [E+1]
+    group_start = torch.cat([zero, torch.cumsum(group_sizes_E, 0)])  # [E+1]; entry E = rows used
+    rank_in_expert_N = torch.arange(num_assign, device=device) - count_start[sorted_expert_N]
+    dest_sorted_N = group_start[sorted_expert_N] + rank_in_expert_N
+    dropped_sorted_N = sorted_expert_N == num_experts
+    dest_sorted_N = torch.where(dropped_sorted_N, num_rows, dest_sorted_N)
+    dest_N = torch.empty_like(dest_sorted_N).scatter_(0, order_N, dest_sorted_N)
+    # One spare slot at index R absorbs the writes of dropped assignments; padding rows keep
+    # the sentinel assignment T*K, whose token (T*K) // K = T is the zero row.
+    row_assignment = torch.full((num_rows + 1,), num_assign, dtype=torch.long, device=device)
+    row_assignment.scatter_(0, dest_sorted_N, order_N)
+    row_assignment_R = row_assignment[:num_rows]
+    return PermutationPlan(
+        row_assignment_R=row_assignment_R,
+        row_token_R=row_assignment_R // topk,
+        dest_TK=dest_N.view(num_tokens, topk),
+        group_sizes_E=group_sizes_E,
+        tokens_per_expert_E=tokens_per_expert_E,
+        num_tokens=num_tokens,
+        num_rows=num_rows,
+        dense_rows=False,
+    )
+
+
+def _with_zero_row(x_ND: Tensor) -> Tensor:
+    """[N, D] -> [N+1, D] with a zero last row, the target of sentinel indices."""
+    return torch.cat([x_ND, x_ND.new_zeros(1, x_ND.shape[1])])
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, plan: PermutationPlan) -> Tensor:
+        ctx.plan = plan
+        source = x_TD if plan.dense_rows else _with_zero_row(x_TD)
+        return source.index_select(0, plan.row_token_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD: Tensor):
+        plan: PermutationPlan = ctx.plan
+        grad_RD = grad_RD.contiguous()
+        source = grad_RD if plan.dense_rows else _with_zero_row(grad_RD)
+        num_tokens, topk = plan.dest_TK.shape
+        grad_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, -1)
+        return grad_TKD.sum(1), None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_RD: Tensor, probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
+        num_tokens, topk = plan.dest_TK.shape
+        source = y_RD if plan.dense_rows else _with_zero_row(y_RD)
+        y_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, -1)
+        weights_T1K = probs_TK.to(y_RD.dtype).unsqueeze(1)
+        ctx.save_for_backward(y_TKD, weights_T1K)
+        ctx.plan = plan
+        ctx.probs_dtype = probs_TK.dtype
+        return torch.bmm(weights_T1K, y_TKD).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_TD: Tensor):
+        y_TKD, weights_T1K = ctx.saved_tensors
+        plan: PermutationPlan = ctx.plan
+        grad_TD = grad_TD.contiguous()
+        grad_probs_TK = None
+        if ctx.needs_input_grad[1]:
+            grad_probs_TK = torch.bmm(y_TKD, grad_TD.unsqueeze(2)).squeeze(2).to(ctx.probs_dtype)
+        grad_y = None
+        if ctx.needs_input_grad[0]:
+            # Row r gets probs[t, k] * grad[t] for the assignment (t, k) it holds: gathers only.
+            weighted_TKD = weights_T1K.transpose(1, 2) * grad_TD.unsqueeze(1)
+            flat = weighted_TKD.reshape(-1, grad_TD.shape[1])
+            source = flat if plan.dense_rows else _with_zero_row(flat)
+            grad_y = source.index_select(0, plan.row_assignment_R)
+        return grad_y, grad_probs_TK, None
+
+
+def permute(x_TD: Tensor, plan: PermutationPlan) -> Tensor:
+    """Gather token rows into expert order: [T, D] -> [R, D] (padding rows are zero)."""
+    return _Permute.apply(x_TD, plan)
+
+
+def unpermute(y_RD: Tensor, probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
+    """Combine expert outputs back to tokens: ``out[t] = sum_k probs[t,k] * y[dest[t,k]]``.
+
+    [R, D] -> [T, D]; dropped assignments contribute zero. The weighted sum runs as one
+    batched matmul in ``y``'s dtype (fp32 accumulation inside the GEMM), so bf16 activations
+    make no fp32 round trip.
+    """
+    return _Unpermute.apply(y_RD, probs_TK, plan)
+
+
+def row_probs(probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
+    """Routing probability of each permuted row: [R] (0 for padding rows), differentiable."""
+    flat = torch.cat([probs_TK.reshape(-1), probs_TK.new_zeros(1)])
+    return flat[plan.row_assignment_R]

@@ -1,0 +1,91 @@
+"""Permutation plans and the gather-only permute/unpermute against direct definitions."""
+
+import pytest
+import torch
+
+from lightning_moe.nn.permutation import permute, plan_permutation, row_probs, unpermute
+
+
+def _random_routing(T, K, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    probs = torch.rand(T, K, generator=g, dtype=torch.float64)
+    return experts, probs
+
+
+@pytest.mark.parametrize("alignment", [1, 8, 16])
+@pytest.mark.parametrize("drop", [False, True])
+def test_plan_groups_rows_by_expert_in_token_order(alignment, drop):
+    T, K, E = 37, 3, 6
+    experts, _ = _random_routing(T, K, E, seed=alignment + drop)
+    keep = torch.rand(T, K, generator=torch.Generator().manual_seed(3)) > 0.3 if drop else None
+    plan = plan_permutation(experts, E, keep_TK=keep, alignment=alignment)
+    kept = keep if keep is not None else torch.ones(T, K, dtype=torch.bool)
+    counts = torch.bincount(experts[kept], minlength=E)
+    assert torch.equal(plan.tokens_per_expert_E, counts)
+    assert torch.all(plan.group_sizes_E % alignment == 0)
+    assert torch.all(plan.group_sizes_E >= counts)
+    starts = torch.cumsum(plan.group_sizes_E, 0) - plan.group_sizes_E
+    for e in range(E):
+        tokens = [t for t in range(T) for k in range(K) if experts[t, k] == e and kept[t, k]]
+        rows = plan.row_token_R[starts[e] : starts[e] + plan.group_sizes_E[e]].tolist()
+        assert rows[: len(tokens)] == tokens
+        assert all(r == T for r in rows[len(tokens) :])  # padding rows point at the zero row
+    for t in range(T):
+        for k in range(K):
+            if kept[t, k]:
+                assert plan.row_token_R[plan.dest_TK[t, k]] == t
+            else:
+                assert plan.dest_TK[t, k] == plan.num_rows
+
+
+def test_pad_to_capacity_gives_static_rows():
+    T, K, E, C = 20, 2, 4, 6
+    experts, _ = _random_routing(T, K, E, seed=0)
+    keep = torch.zeros(T, K, dtype=torch.bool)
+    for e in range(E):  # keep the first C assignments of each expert (position policy)
+        idx = (experts == e).nonzero()[:C]
+        keep[idx[:, 0], idx[:, 1]] = True
+    plan = plan_permutation(experts, E, keep_TK=keep, capacity=C, pad_to_capacity=True)
+    assert plan.num_rows == E * C
+    assert torch.equal(plan.group_sizes_E, torch.full((E,), C))
+
+
+@pytest.mark.parametrize("alignment,drop", [(1, False), (1, True), (8, False), (16, True)])
+def test_permute_unpermute_match_definition_with_gradients(alignment, drop):
+    T, K, E, D = 29, 4, 7, 5
+    experts, probs = _random_routing(T, K, E, seed=11)
+    keep = torch.rand(T, K, generator=torch.Generator().manual_seed(5)) > 0.25 if drop else None
+    plan = plan_permutation(experts, E, keep_TK=keep, alignment=alignment)
+    x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    p = probs.clone().requires_grad_(True)
+    x_R = permute(x, plan)
+    assert x_R.shape == (plan.num_rows, D)
+    w = torch.randn(plan.num_rows, D, dtype=torch.float64)
+    y_R = x_R * w  # an arbitrary per-row "expert"
+    out = unpermute(y_R, p, plan)
+    kept = keep if keep is not None else torch.ones(T, K, dtype=torch.bool)
+    ref = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            if kept[t, k]:
+                ref[t] += p[t, k] * x[t] * w[plan.dest_TK[t, k]]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    g = torch.randn(T, D, dtype=torch.float64)
+    gx, gp = torch.autograd.grad(out, (x, p), g)
+    rx, rp = torch.autograd.grad(ref, (x, p), g)
+    torch.testing.assert_close(gx, rx, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gp, rp, rtol=0, atol=1e-12)
+
+
+def test_row_probs_and_gradcheck():
+    T, K, E = 6, 2, 3
+    experts, probs = _random_routing(T, K, E, seed=2)
+    plan = plan_permutation(experts, E, alignment=8)
+    rp = row_probs(probs, plan)
+    for t in range(T):
+        for k in range(K):
+            assert rp[plan.dest_TK[t, k]] == probs[t, k]
+    x = torch.randn(T, 3, dtype=torch.float64, requires_grad=True)
+    p = probs.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: unpermute(permute(a, plan) * 1.5, b, plan), (x, p))
