@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_moe.kernels import use_triton
 from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend
 
 
@@ -19,6 +20,10 @@ def activate(h: Tensor, activation: str) -> Tensor:
     gated-linear-unit layout) and returns ``silu(gate) * up``.
     """
     if activation == "swiglu":
+        if use_triton(h):
+            from lightning_moe.kernels.swiglu_triton import swiglu
+
+            return swiglu(h)
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
     if activation == "gelu":

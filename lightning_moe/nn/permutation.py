@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_moe.kernels import use_triton
+
 
 @dataclass
 class PermutationPlan:
@@ -149,6 +151,11 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, grad_RD: Tensor):
         plan: PermutationPlan = ctx.plan
         grad_RD = grad_RD.contiguous()
+        if use_triton(grad_RD):
+            from lightning_moe.kernels.combine_triton import combine
+
+            ones_TK = torch.ones(plan.dest_TK.shape, dtype=torch.float32, device=grad_RD.device)
+            return combine(grad_RD, plan.dest_TK, ones_TK), None
         source = grad_RD if plan.dense_rows else _with_zero_row(grad_RD)
         num_tokens, topk = plan.dest_TK.shape
         grad_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, -1)
@@ -158,20 +165,35 @@ class _Permute(torch.autograd.Function):
 class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RD: Tensor, probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
+        ctx.plan = plan
+        ctx.probs_dtype = probs_TK.dtype
+        ctx.fused = use_triton(y_RD)
+        if ctx.fused:
+            from lightning_moe.kernels.combine_triton import combine
+
+            ctx.save_for_backward(y_RD, probs_TK)
+            return combine(y_RD, plan.dest_TK, probs_TK)
         num_tokens, topk = plan.dest_TK.shape
         source = y_RD if plan.dense_rows else _with_zero_row(y_RD)
         y_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, -1)
         weights_T1K = probs_TK.to(y_RD.dtype).unsqueeze(1)
         ctx.save_for_backward(y_TKD, weights_T1K)
-        ctx.plan = plan
-        ctx.probs_dtype = probs_TK.dtype
         return torch.bmm(weights_T1K, y_TKD).squeeze(1)
 
     @staticmethod
     def backward(ctx, grad_TD: Tensor):
-        y_TKD, weights_T1K = ctx.saved_tensors
         plan: PermutationPlan = ctx.plan
         grad_TD = grad_TD.contiguous()
+        if ctx.fused:
+            from lightning_moe.kernels.combine_triton import combine_backward
+
+            y_RD, probs_TK = ctx.saved_tensors
+            grad_y, grad_w = combine_backward(
+                y_RD, plan.dest_TK, probs_TK, grad_TD, plan.num_rows,
+                zero_fill=not plan.dense_rows, need_grad_w=ctx.needs_input_grad[1],
+            )
+            return grad_y, (grad_w.to(ctx.probs_dtype) if grad_w is not None else None), None
+        y_TKD, weights_T1K = ctx.saved_tensors
         grad_probs_TK = None
         if ctx.needs_input_grad[1]:
             grad_probs_TK = torch.bmm(y_TKD, grad_TD.unsqueeze(2)).squeeze(2).to(ctx.probs_dtype)
@@ -193,9 +215,10 @@ def permute(x_TD: Tensor, plan: PermutationPlan) -> Tensor:
 def unpermute(y_RD: Tensor, probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
     """Combine expert outputs back to tokens: ``out[t] = sum_k probs[t,k] * y[dest[t,k]]``.
 
-    [R, D] -> [T, D]; dropped assignments contribute zero. The weighted sum runs as one
-    batched matmul in ``y``'s dtype (fp32 accumulation inside the GEMM), so bf16 activations
-    make no fp32 round trip.
+    [R, D] -> [T, D]; dropped assignments contribute zero. On CUDA one Triton kernel gathers and
+    reduces each token's K rows with fp32 accumulation (no [T, K, D] intermediate); elsewhere
+    the weighted sum runs as one batched matmul in ``y``'s dtype. bf16 activations make no
+    fp32 round trip either way.
     """
     return _Unpermute.apply(y_RD, probs_TK, plan)
 

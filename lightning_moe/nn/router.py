@@ -201,14 +201,17 @@ class TopKRouter(nn.Module):
         expert_bias: fp32 ``[E]`` selection bias (persistent), only with
             ``cfg.router_enable_expert_bias``; else None.
         local_tokens_per_expert: fp32 ``[E]`` kept assignments accumulated over the micro-batches
-            of the current step, for :meth:`update_expert_bias` (persistent; bias only).
+            of the current step, for :meth:`update_expert_bias` (persistent; bias only). Under
+            ``pad_expert_input_to_capacity`` every expert counts ``min(capacity, T)``, as Megatron.
         global_tokens_per_expert / global_aux_num_microbatches: fp32 ``[E]`` and 0-dim
             accumulators for the global aux loss (persistent; only when that loss is active).
         aux_loss_scale: gradient the aux and z losses receive per unit of loss weight; the
             training strategy sets it to its main-loss scale (e.g. ``1 / grad_accumulation``).
         latest_losses: detached fp32 loss values of the last forward without their coefficients
-            (keys among "aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss"). Under sequence
-            parallelism each rank holds its share; the shares sum to the loss of the batch.
+            (keys among "aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss"), the values
+            Megatron logs. When counts are reduced over a group, each rank's load-balancing value
+            is its share (the shares sum to the batch's loss); "z_loss" is the mean over the
+            local tokens. Empty after a forward in eval mode or under ``no_grad``.
         sequence_parallel_group: ranks that hold slices of the same sequences (Megatron's TP x CP
             group); token counts of the aux and seq-aux losses are summed over it and the z-loss
             coefficient is divided by its size. None: nothing is reduced.
@@ -250,21 +253,22 @@ class TopKRouter(nn.Module):
         """Route ``x``: ``[T, D]`` (one sequence) or ``[B, S, D]`` (B sequences, batch-first).
 
         Tokens are flattened batch-major (``t = b * S + s``). Logits are computed in fp32 whatever
-        the input dtype. In training mode with gradients enabled, jitter is applied and the
-        active aux losses and the z-loss are attached to the routing graph (they reach
-        ``weight.grad`` in backward with no change to the user's loss).
+        the input dtype. In training mode the input is jittered; in training mode with gradients
+        enabled the active aux losses and the z-loss are attached to the routing graph (they
+        reach ``weight.grad`` in backward with no change to the user's loss), and with gradients
+        enabled the expert-bias counters accumulate.
         """
         x_TD, num_seqs = _flatten_tokens(x, self.cfg.hidden_size)
-        training = self.training and torch.is_grad_enabled()
+        track_losses = self.training and torch.is_grad_enabled()
         if self.training and self.cfg.input_jitter_eps:
             eps = self.cfg.input_jitter_eps
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
         logits_TE = F.linear(x_TD.float(), self.weight.to(torch.float32))
         losses: dict[str, Tensor] = {}
-        if training and self.cfg.z_loss_coeff:
+        if track_losses and self.cfg.z_loss_coeff:
             logits_TE = self._attach_z_loss(logits_TE, losses)
         result = route(logits_TE, self.cfg, self.expert_bias)
-        if training and self.cfg.active_aux_losses:
+        if track_losses and self.cfg.active_aux_losses:
             result.probs_TK = self._attach_aux_losses(result.probs_TK, logits_TE, num_seqs, losses)
         if self.expert_bias is not None and torch.is_grad_enabled():
             # Megatron counts whenever gradients are on (evaluation runs under no_grad).
@@ -325,7 +329,8 @@ class TopKRouter(nn.Module):
         if name == "aux_loss":
             group = self.sequence_parallel_group
             counts_E = all_reduce_counts(tokens_per_expert(experts_TK, num_experts), group)
-            return switch_load_balancing_loss(scores_TE, counts_E, num_tokens * group_size(group), k, num_experts, coeff)
+            total_tokens = num_tokens * group_size(group)
+            return switch_load_balancing_loss(scores_TE, counts_E, total_tokens, k, num_experts, coeff)
         if name == "seq_aux_loss":
             group = self.sequence_parallel_group
             seq_len = num_tokens // num_seqs

@@ -1,0 +1,161 @@
+"""MoE block benchmark (BENCHMARKS.md): router + dispatch + SwiGLU experts + combine, fwd+bwd.
+
+    python benchmarks/moe_block.py                       # all three shapes, bf16, native experts
+    python benchmarks/moe_block.py --backend te          # Transformer Engine GroupedLinear experts
+    python benchmarks/moe_block.py --cases qwen3_30b_a3b --profile
+
+Checks correctness first (bf16 block vs an fp32 copy of the same weights running the
+per-expert loop backend: relative error of output and input gradient), then times forward +
+backward with CUDA events (median of --iters runs after warm-up) on random inputs, and writes
+``benchmarks/results/moe_block_<tag>.json``.
+FLOPs (fwd+bwd = 3 x fwd), T = B*S: ``3 * (2*T*D*E + 3 * 2*T*k*D*F)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import cuda_time_ms, relative_error, write_results  # noqa: E402
+from lightning_moe.nn import MoEConfig, MoELayer  # noqa: E402
+
+CASES = {
+    "qwen3_30b_a3b": dict(D=2048, F=768, E=128, k=8, B=4, S=4096),
+    "mixtral_8x7b": dict(D=4096, F=14336, E=8, k=2, B=2, S=4096),
+    "deepseek_v3_slice": dict(D=7168, F=2048, E=32, k=8, B=2, S=4096),
+}
+
+
+def block_flops(c: dict) -> float:
+    t = c["B"] * c["S"]
+    return 3 * (2 * t * c["D"] * c["E"] + 3 * 2 * t * c["k"] * c["D"] * c["F"])
+
+
+def build_layer(c: dict, backend: str, dtype: torch.dtype) -> MoELayer:
+    cfg = MoEConfig(
+        hidden_size=c["D"], ffn_hidden_size=c["F"], num_experts=c["E"], router_topk=c["k"],
+        router_score_function="softmax", expert_backend=backend,
+    )
+    layer = MoELayer(cfg).cuda()
+    layer.experts.to(dtype)  # router stays fp32 by design
+    return layer
+
+
+def precision_context(precision: str):
+    if precision == "bf16":
+        return contextlib.nullcontext()
+    from lightning_moe.precision import fp8_context  # lazily: optional feature
+
+    return fp8_context(precision)
+
+
+def check_correctness(layer: MoELayer, c: dict, tokens: int) -> dict:
+    """bf16 layer vs fp32 copy (loop backend) on ``tokens`` tokens: output and dx rel. errors."""
+    ref = copy.deepcopy(layer).float()
+    ref.experts.backend = "loop"
+    x = torch.randn(tokens, c["D"], device="cuda")
+    g = torch.randn(tokens, c["D"], device="cuda")
+    x_lp = x.to(torch.bfloat16).requires_grad_(True)
+    y = layer(x_lp)
+    y.backward(g.to(torch.bfloat16))
+    x_ref = x_lp.detach().float().requires_grad_(True)
+    y_ref = ref(x_ref)
+    y_ref.backward(g)
+    return {
+        "rel_err_out": relative_error(y.float(), y_ref),
+        "rel_err_dx": relative_error(x_lp.grad.float(), x_ref.grad),
+        "rel_err_dw_fc1": relative_error(layer.experts.fc1_weight.grad.float(), ref.experts.fc1_weight.grad),
+    }
+
+
+def run_case(name: str, c: dict, args) -> dict:
+    torch.manual_seed(0)
+    layer = build_layer(c, args.backend, torch.bfloat16)
+    correctness = check_correctness(layer, c, tokens=min(4096, c["B"] * c["S"]))
+    layer.zero_grad(set_to_none=True)
+    x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        # Fresh gradients each step, as a training step after optimizer.zero_grad(set_to_none=True).
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x)
+        y.backward(dy)
+
+    torch.cuda.reset_peak_memory_stats()
+    median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
+    flops = block_flops(c)
+    result = {
+        "shape": c,
+        "backend": layer.experts.backend,
+        "precision": args.precision,
+        "median_ms": median_ms,
+        "min_ms": min(times),
+        "tflops": flops / (median_ms * 1e-3) / 1e12,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "flops": flops,
+        **correctness,
+    }
+    if args.profile:
+        result["profile_top"] = profile_step(step)
+    del layer, x, dy
+    torch.cuda.empty_cache()
+    return result
+
+
+def profile_step(step) -> list[dict]:
+    """Per-kernel CUDA time of one step (top 25), to see where the block spends its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events if e.device_time_total > 0) or 1.0
+    for e in events[:25]:
+        rows.append({"name": e.key[:120], "cuda_ms": e.device_time_total / 1e3, "share": e.device_time_total / total, "calls": e.count})
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--backend", default="grouped_mm", choices=["grouped_mm", "te", "loop"])
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--tag", default=None, help="suffix of the results file (default: backend_precision)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_block.py needs a CUDA GPU")
+    results = {}
+    with precision_context(args.precision):
+        for name in args.cases:
+            results[name] = run_case(name, CASES[name], args)
+            r = results[name]
+            print(
+                f"{name:20s} {r['backend']:10s} {args.precision:6s} {r['median_ms']:8.2f} ms "
+                f"{r['tflops']:7.1f} TFLOP/s peak {r['peak_gib']:6.1f} GiB  err out {r['rel_err_out']:.2e} dx {r['rel_err_dx']:.2e}",
+                flush=True,
+            )
+            for row in r.get("profile_top", [])[:12]:
+                print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:7.3f} ms x{row['calls']:<3d} {row['name'][:90]}")
+    tag = args.tag or f"{args.backend}_{args.precision}"
+    path = write_results(f"moe_block_{tag}", {"cases": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Triton kernels for the weighted gather-reduce that combines expert outputs per token.
+
+``combine``:  out[t] = sum_k w[t,k] * y[dest[t,k]]            (dest == R: dropped, skipped)
+``combine_backward``: grad_y[dest[t,k]] = w[t,k] * g[t]  and  grad_w[t,k] = <y[dest[t,k]], g[t]>
+
+One program per token streams over D in blocks; the K rows of a token are loaded together, so
+no [T, K, D] intermediate is written, accumulation is fp32 and activations keep their dtype.
+Every permuted row belongs to at most one (t, k), so the backward scatter needs no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _combine_fwd_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, num_rows, D, K: tl.constexpr, BD: tl.constexpr):
+    # One program per (token, D-block); the K rows are visited in an unrolled loop so the sum
+    # stays in registers (no cross-warp reduction).
+    t = tl.program_id(0)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = offs_d < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for k in tl.static_range(K):
+        dest = tl.load(dest_ptr + t * K + k)
+        w = tl.load(w_ptr + t * K + k).to(tl.float32)
+        y = tl.load(y_ptr + dest.to(tl.int64) * D + offs_d, mask=dmask & (dest < num_rows), other=0.0)
+        acc += y.to(tl.float32) * w
+    tl.store(out_ptr + t.to(tl.int64) * D + offs_d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _combine_bwd_kernel(
+    y_ptr, dest_ptr, w_ptr, g_ptr, grad_y_ptr, grad_w_ptr, num_rows, D,
+    K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, NEED_GW: tl.constexpr, NEED_GY: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_k = tl.arange(0, KP)
+    kmask = offs_k < K
+    dest = tl.load(dest_ptr + t * K + offs_k, mask=kmask, other=num_rows)
+    w = tl.load(w_ptr + t * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    valid = kmask & (dest < num_rows)
+    row_off = dest.to(tl.int64) * D
+    dot = tl.zeros([KP], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        dmask = offs_d < D
+        g = tl.load(g_ptr + t.to(tl.int64) * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        m2 = valid[:, None] & dmask[None, :]
+        if NEED_GW:
+            y = tl.load(y_ptr + row_off[:, None] + offs_d[None, :], mask=m2, other=0.0)
+            dot += tl.sum(y.to(tl.float32) * g[None, :], axis=1)
+        if NEED_GY:
+            gy = w[:, None] * g[None, :]
+            tl.store(grad_y_ptr + row_off[:, None] + offs_d[None, :], gy.to(grad_y_ptr.dtype.element_ty), mask=m2)
+    if NEED_GW:
+        tl.store(grad_w_ptr + t * K + offs_k, dot, mask=kmask)
+
+
+def _meta(D: int, K: int) -> tuple[int, int, int]:
+    kp = triton.next_power_of_2(K)
+    bd = min(triton.next_power_of_2(D), max(128, 4096 // kp))
+    warps = 4 if bd * kp <= 2048 else 8
+    return kp, bd, warps
+
+
+def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
+    """``out[t] = sum_k w[t,k] * y[dest[t,k]]`` -> [T, D] in ``y``'s dtype."""
+    y_RD = y_RD.contiguous()
+    num_tokens, k = dest_TK.shape
+    d = y_RD.shape[1]
+    out = torch.empty(num_tokens, d, dtype=y_RD.dtype, device=y_RD.device)
+    if num_tokens == 0:
+        return out
+    bd = min(triton.next_power_of_2(d), 1024)
+    _combine_fwd_kernel[(num_tokens, triton.cdiv(d, bd))](
+        y_RD, dest_TK.contiguous(), w_TK.contiguous(), out, y_RD.shape[0], d, K=k, BD=bd, num_warps=4
+    )
+    return out
+
+
+def combine_backward(
+    y_RD: Tensor | None, dest_TK: Tensor, w_TK: Tensor, g_TD: Tensor, num_rows: int, zero_fill: bool, need_grad_w: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Gradients of :func:`combine`: ``grad_y`` [R, D] (rows no token owns are zero when
+    ``zero_fill``) and ``grad_w`` [T, K] fp32 (when ``need_grad_w``)."""
+    g_TD = g_TD.contiguous()
+    num_tokens, k = dest_TK.shape
+    d = g_TD.shape[1]
+    alloc = torch.zeros if zero_fill else torch.empty
+    grad_y = alloc(num_rows, d, dtype=g_TD.dtype, device=g_TD.device)
+    grad_w = torch.empty(num_tokens, k, dtype=torch.float32, device=g_TD.device) if need_grad_w else None
+    if num_tokens == 0:
+        return grad_y, grad_w
+    kp, bd, warps = _meta(d, k)
+    _combine_bwd_kernel[(num_tokens,)](
+        y_RD.contiguous() if need_grad_w else g_TD, dest_TK.contiguous(), w_TK.contiguous(), g_TD, grad_y,
+        grad_w if need_grad_w else g_TD, num_rows, d, K=k, KP=kp, BD=bd, NEED_GW=need_grad_w, NEED_GY=True,
+        num_warps=warps,
+    )
+    return grad_y, grad_w
