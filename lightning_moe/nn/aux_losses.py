@@ -16,8 +16,6 @@ so that the sum of the per-rank losses is the loss of the whole batch.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -34,7 +32,7 @@ class AuxLossAutoScaler(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, loss: Tensor, scale: Union[float, Tensor]) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, loss: Tensor, scale: float | Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(loss)
         ctx.scale = scale
         return x
@@ -45,12 +43,12 @@ class AuxLossAutoScaler(torch.autograd.Function):
         return grad_x, torch.ones_like(loss) * ctx.scale, None
 
 
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
+def group_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in ``group``; 1 for ``None`` (nothing to reduce)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
-def all_reduce_counts(counts: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+def all_reduce_counts(counts: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Sum integer token counts over ``group`` (Megatron's ``reduce_from_tensor_model_parallel_region``).
 
     Returns a new tensor; the input is left as it was. With ``None`` or a one-rank group it returns
@@ -63,9 +61,7 @@ def all_reduce_counts(counts: Tensor, group: Optional[dist.ProcessGroup]) -> Ten
     return reduced
 
 
-def compute_routing_scores_for_aux_loss(
-    logits_TE: Tensor, topk: int, score_function: str
-) -> tuple[Tensor, Tensor]:
+def compute_routing_scores_for_aux_loss(logits_TE: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
     """Scores over all experts and the plain top-k choice that the load-balancing losses use.
 
     Equals Megatron's ``compute_routing_scores_for_aux_loss`` in sparse form: softmax scores, or
@@ -93,7 +89,7 @@ def compute_routing_scores_for_aux_loss(
     return experts_TK, scores_TE
 
 
-def tokens_per_expert(experts_TK: Tensor, num_experts: int, keep_TK: Optional[Tensor] = None) -> Tensor:
+def tokens_per_expert(experts_TK: Tensor, num_experts: int, keep_TK: Tensor | None = None) -> Tensor:
     """Int64 ``[E]`` count of (kept) assignments per expert, computed on device without host sync.
 
     ``scatter_add_`` instead of ``bincount``: bincount reads the maximum index back to the host.
@@ -195,9 +191,7 @@ def global_load_balancing_loss(
         topk: ``K``. num_experts: ``E``. coeff: loss coefficient.
     """
     mean_tokens_per_expert_E = accumulated_tokens_per_expert_E / num_accumulated
-    return switch_load_balancing_loss(
-        scores_TE, mean_tokens_per_expert_E, total_num_tokens, topk, num_experts, coeff
-    )
+    return switch_load_balancing_loss(scores_TE, mean_tokens_per_expert_E, total_num_tokens, topk, num_experts, coeff)
 
 
 def z_loss(logits_TE: Tensor, coeff: float) -> Tensor:

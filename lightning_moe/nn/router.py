@@ -10,7 +10,6 @@ scores over all experts, and nothing here reads a device value back to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -50,10 +49,10 @@ class RoutingResult:
 
     probs_TK: Tensor
     experts_TK: Tensor
-    keep_TK: Optional[Tensor]
+    keep_TK: Tensor | None
     tokens_per_expert_E: Tensor
     num_experts: int
-    capacity: Optional[int]
+    capacity: int | None
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """Megatron's dense layout: ``(probs_TE fp32, routing_map_TE bool)``, both ``[T, E]``.
@@ -83,7 +82,7 @@ class RoutingResult:
         return self.keep_TK.numel() - self.keep_TK.sum()
 
 
-def route(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Optional[Tensor] = None) -> RoutingResult:
+def route(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None) -> RoutingResult:
     """Choose ``K`` experts per token from router logits; Megatron-Core's routing math in fp32.
 
     Steps, as in Megatron's ``topk_routing_with_score_function`` and
@@ -114,7 +113,7 @@ def route(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Optional[Tensor] = Non
     return RoutingResult(probs_TK, experts_TK, keep_TK, counts_E, num_experts, capacity)
 
 
-def _topk_probs(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def _topk_probs(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """Top-k combine weights ``[T, K]`` and expert ids ``[T, K]`` for the configured score function.
 
     softmax: over all experts before top-k (``router_pre_softmax``) or over the top-k logits.
@@ -235,8 +234,8 @@ class TopKRouter(nn.Module):
         self.register_buffer("global_aux_num_microbatches", _zeros_or_none(with_global))
         self.aux_loss_scale: float = 1.0
         self.latest_losses: dict[str, Tensor] = {}
-        self.sequence_parallel_group: Optional[dist.ProcessGroup] = None
-        self.global_aux_loss_group: Optional[dist.ProcessGroup] = None
+        self.sequence_parallel_group: dist.ProcessGroup | None = None
+        self.global_aux_loss_group: dist.ProcessGroup | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -263,7 +262,9 @@ class TopKRouter(nn.Module):
         if self.training and self.cfg.input_jitter_eps:
             eps = self.cfg.input_jitter_eps
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
-        logits_TE = F.linear(x_TD.float(), self.weight.to(torch.float32))
+        # fp32 logits even inside a bf16 autocast region (autocast would downcast F.linear).
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.to(torch.float32))
         losses: dict[str, Tensor] = {}
         if track_losses and self.cfg.z_loss_coeff:
             logits_TE = self._attach_z_loss(logits_TE, losses)
@@ -278,7 +279,7 @@ class TopKRouter(nn.Module):
         return result
 
     @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert_E: Optional[Tensor] = None) -> None:
+    def update_expert_bias(self, tokens_per_expert_E: Tensor | None = None) -> None:
         """Aux-loss-free balancing step: ``bias += rate * sign(mean(count) - count)``.
 
         Args:
@@ -379,7 +380,7 @@ class TopKRouter(nn.Module):
         return self
 
 
-def _zeros_or_none(enabled: bool, *shape: int) -> Optional[Tensor]:
+def _zeros_or_none(enabled: bool, *shape: int) -> Tensor | None:
     return torch.zeros(shape, dtype=torch.float32) if enabled else None
 
 

@@ -1,0 +1,229 @@
+"""`LMDataModule`: fixed-length language-model windows, sharded over data-parallel ranks only.
+
+Data comes from the embedded corpus (`lightning_moe.data.corpus`) or from a Megatron
+indexed dataset (``data_path`` prefix of ``.bin``/``.idx``).
+
+Sampling. Window ``i`` is ``tokens[i*S : i*S + S + 1]`` of the flat token stream (documents
+back to back, each followed by its separator where the data has one), split into
+``input_ids`` and ``labels`` shifted by one. Training windows are shuffled by a
+``DistributedSampler(shuffle=True, seed=seed, drop_last=True)`` whose ``num_replicas`` and
+``rank`` come from ``trainer.strategy.distributed_sampler_kwargs``: `MegatronMoEStrategy`
+reports the data-parallel size and rank there, so tensor-, context- and expert-parallel
+peers read the same batch. Its permutation of all windows depends only on ``seed`` and the
+epoch, and rank ``r`` takes every ``num_replicas``-th entry, so one optimizer step consumes
+the same windows for every layout with the same global batch
+(``dp * micro_batch_size * accumulate_grad_batches``).
+
+Lightning. Lightning 2.6 replaces a DataLoader's sampler only when it is not already a
+``DistributedSampler`` (``_DataConnector._requires_distributed_sampler``), so the sampler
+built here is kept whatever ``use_distributed_sampler`` says, and the fit loop calls its
+``set_epoch`` at each epoch start. In a plain loop, call ``loader.sampler.set_epoch(epoch)``.
+One exception: ``Trainer(overfit_batches=...)`` swaps in a ``SequentialSampler`` on every
+rank (Lightning's ``_resolve_overfit_batches``), so all data-parallel ranks then read the
+same windows.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_moe.data.corpus import VOCAB_SIZE, load_corpus
+from lightning_moe.data.indexed_dataset import IndexedDataset, MappedTokens
+
+
+class TokenWindowDataset(Dataset):
+    """Non-overlapping windows of ``seq_length`` tokens (+1 for the shifted labels).
+
+    Item ``i`` is ``{"input_ids": tokens[i*S : i*S+S], "labels": tokens[i*S+1 : i*S+S+1]}``,
+    both ``int64 [S]``. The last token of the stream is only ever a label.
+
+    Args:
+        tokens: a 1-D array, or a ``MappedTokens`` file range that is mapped lazily (and
+            re-mapped in each DataLoader worker instead of being copied into it).
+        seq_length: ``S``.
+    """
+
+    def __init__(self, tokens: Union[np.ndarray, MappedTokens], seq_length: int) -> None:
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        self.seq_length = seq_length
+        self._source = tokens
+        self._tokens: Optional[np.ndarray] = tokens if isinstance(tokens, np.ndarray) else None
+        self._num_windows = max(0, (len(tokens) - 1) // seq_length)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if isinstance(self._source, MappedTokens):
+            state["_tokens"] = None  # workers map the file themselves
+        return state
+
+    def __len__(self) -> int:
+        return self._num_windows
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self._num_windows:
+            raise IndexError(f"window {i} out of range for {self._num_windows} windows")
+        if self._tokens is None:
+            self._tokens = self._source.open()
+        start = i * self.seq_length
+        window = torch.from_numpy(self._tokens[start : start + self.seq_length + 1].astype(np.int64))
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+def _file_range(tokens: np.ndarray) -> Union[np.ndarray, MappedTokens]:
+    """A cached corpus stream (``np.load(mmap_mode="r")``) as a file range, so DataLoader
+    workers map the cache file instead of receiving a pickled copy; in-memory arrays as is."""
+    if isinstance(tokens, np.memmap) and tokens.filename is not None:
+        return MappedTokens(tokens.filename, tokens.dtype.str, int(tokens.offset), int(tokens.size))
+    return tokens
+
+
+class LMDataModule(LightningDataModule):
+    """Language-model batches ``{"input_ids": [B, S], "labels": [B, S]}`` (int64).
+
+    Args:
+        seq_length: tokens per sample ``S``.
+        micro_batch_size: samples per rank per step ``B``.
+        num_workers: DataLoader worker processes.
+        data_path: Megatron ``.bin``/``.idx`` path prefix; None uses the embedded corpus.
+        max_corpus_bytes: cap on the embedded corpus size (None: all of it).
+        seed: seed of the training shuffle (the epoch is added by ``set_epoch``).
+        val_fraction: share of documents held out for validation. Corpus: documents chosen by
+            path hash (see `corpus`). ``data_path``: the last documents, Megatron-style
+            contiguous split; 0 disables validation there.
+        vocab_size: vocabulary size for ``data_path`` (default: largest token id + 1, one pass
+            over the data). The corpus always has 256.
+    """
+
+    def __init__(
+        self,
+        seq_length: int,
+        micro_batch_size: int,
+        num_workers: int = 0,
+        data_path: Optional[str] = None,
+        max_corpus_bytes: Optional[int] = None,
+        seed: int = 1234,
+        val_fraction: float = 0.02,
+        vocab_size: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if seq_length < 1 or micro_batch_size < 1:
+            raise ValueError(
+                f"seq_length and micro_batch_size must be >= 1, got {seq_length} and {micro_batch_size}"
+            )
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if data_path is None and vocab_size not in (None, VOCAB_SIZE):
+            raise ValueError(
+                f"the embedded corpus is byte-level (vocab_size {VOCAB_SIZE}); drop vocab_size={vocab_size} "
+                "or pass data_path"
+            )
+        if data_path is not None and max_corpus_bytes is not None:
+            raise ValueError("max_corpus_bytes applies to the embedded corpus only; drop it or data_path")
+        self.save_hyperparameters()
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.num_workers = num_workers
+        self.data_path = data_path
+        self.max_corpus_bytes = max_corpus_bytes
+        self.seed = seed
+        self.val_fraction = val_fraction
+        self._vocab_size = vocab_size
+        self._indexed: Optional[IndexedDataset] = None
+        self.train_dataset: Optional[TokenWindowDataset] = None
+        self.val_dataset: Optional[TokenWindowDataset] = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size: 256 for the corpus; explicit or largest token id + 1 for ``data_path``."""
+        if self.data_path is None:
+            return VOCAB_SIZE
+        if self._vocab_size is None:
+            self._vocab_size = self._indexed_dataset().max_token() + 1
+        return self._vocab_size
+
+    def _indexed_dataset(self) -> IndexedDataset:
+        if self._indexed is None:
+            self._indexed = IndexedDataset(self.data_path)
+        return self._indexed
+
+    def prepare_data(self) -> None:
+        """Build the corpus cache once per node (Lightning calls this on local rank 0)."""
+        if self.data_path is None:
+            load_corpus(max_bytes=self.max_corpus_bytes, val_fraction=self.val_fraction)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:
+            return
+        if self.data_path is None:
+            corpus = load_corpus(max_bytes=self.max_corpus_bytes, val_fraction=self.val_fraction)
+            train, val = _file_range(corpus.train_tokens), _file_range(corpus.val_tokens)
+        else:
+            data = self._indexed_dataset()
+            num_val = int(round(data.num_documents * self.val_fraction))
+            if self.val_fraction > 0 and data.num_documents > 1:
+                num_val = max(1, num_val)
+            first_val = data.num_documents - num_val
+            train = data.mapped_tokens(0, first_val)
+            val = data.mapped_tokens(first_val, data.num_documents)
+        self.train_dataset = TokenWindowDataset(train, self.seq_length)
+        self.val_dataset = TokenWindowDataset(val, self.seq_length)
+        if len(self.train_dataset) < self._data_parallel_kwargs()["num_replicas"] * self.micro_batch_size:
+            raise ValueError(
+                f"{len(self.train_dataset)} training windows of {self.seq_length} tokens cannot fill one "
+                f"micro-batch of {self.micro_batch_size} on every data-parallel rank; use more data "
+                "(max_corpus_bytes) or a shorter seq_length"
+            )
+
+    def _data_parallel_kwargs(self) -> dict[str, int]:
+        """``num_replicas``/``rank`` of this process's data-parallel group (1/0 without a trainer)."""
+        strategy = getattr(self.trainer, "strategy", None)
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+        if not kwargs:
+            return {"num_replicas": 1, "rank": 0}
+        num_replicas, rank = int(kwargs["num_replicas"]), int(kwargs["rank"])
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"{type(strategy).__name__}.distributed_sampler_kwargs gave rank {rank} of {num_replicas}; "
+                "set up the strategy (its devices/process group) before requesting dataloaders"
+            )
+        return {"num_replicas": num_replicas, "rank": rank}
+
+    def _loader(self, dataset: TokenWindowDataset, train: bool) -> DataLoader:
+        # The sampler's drop_last gives every data-parallel rank the same number of windows
+        # (no rank waits in a collective for a batch another rank lacks) and reads no window
+        # twice. Training also drops the last partial batch: every micro-batch is [B, S].
+        sampler = DistributedSampler(
+            dataset, shuffle=train, seed=self.seed, drop_last=True, **self._data_parallel_kwargs()
+        )
+        return DataLoader(
+            dataset,
+            batch_size=self.micro_batch_size,
+            sampler=sampler,
+            drop_last=train,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled (``seed`` + epoch), data-parallel-sharded training windows."""
+        if self.train_dataset is None:
+            self.setup()
+        return self._loader(self.train_dataset, train=True)
+
+    def val_dataloader(self) -> Union[DataLoader, list]:
+        """Validation windows in order, data-parallel-sharded ([] when there are none)."""
+        if self.val_dataset is None:
+            self.setup()
+        if len(self.val_dataset) == 0:
+            return []
+        return self._loader(self.val_dataset, train=False)
+
+
+__all__ = ["LMDataModule", "TokenWindowDataset"]

@@ -1,0 +1,169 @@
+"""`ModelConfig`: the validated shape of the reference MoE decoder.
+
+One dataclass covers dense, all-MoE (Mixtral, Qwen3-MoE) and DeepSeek-style mixed stacks
+(``first_k_dense_layers`` dense blocks, then MoE blocks). The MoE layer itself is described by
+an embedded :class:`~lightning_moe.nn.config.MoEConfig`, so the routing flags keep their
+Megatron names. Field names follow Megatron-Core's ``TransformerConfig`` where one exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from lightning_moe.nn.config import MoEConfig
+
+
+@dataclass
+class ModelConfig:
+    """Configuration of :class:`~lightning_moe.models.decoder.MoEDecoder`.
+
+    Args:
+        vocab_size: number of token ids ``V``.
+        hidden_size: model width ``D``.
+        num_layers: number of transformer blocks ``L``.
+        num_attention_heads: query heads ``H``.
+        num_query_groups: key/value heads ``G`` (grouped-query attention); None: ``H`` (MHA).
+        head_dim: width of one head; None: ``D // H`` (Megatron's ``kv_channels``). Qwen3 sets it
+            explicitly (``H * head_dim != D`` is allowed).
+        ffn_hidden_size: width of the SwiGLU MLP of dense blocks; required when any block is dense.
+        moe: the MoE layer of MoE blocks (None: a dense model). A dict is accepted (e.g. from YAML);
+            its ``hidden_size`` defaults to this config's ``hidden_size`` and its
+            ``init_method_std`` to this config's ``init_method_std``.
+        first_k_dense_layers: the first ``k`` blocks use the dense MLP (DeepSeek's
+            ``first_k_dense_replace``), the rest follow ``moe_layer_freq``.
+        moe_layer_freq: Megatron's ``moe_layer_freq``. An int ``f``: block ``i`` is MoE when
+            ``i % f == 0`` (and ``i >= first_k_dense_layers``); a list of 0/1 of length
+            ``num_layers``: the explicit pattern (1 = MoE).
+        max_seq_length: longest sequence the model is trained on (rotary positions beyond it are
+            still computed; this bounds the data pipeline and the FLOP estimates).
+        rope_theta: rotary embedding base.
+        norm_eps: RMSNorm epsilon.
+        tie_word_embeddings: share the input embedding with the output projection.
+        init_method_std: std of the normal initialisation of every weight matrix; the output
+            projections of each block (``o_proj``, ``down_proj``, expert ``fc2``) use
+            ``init_method_std / sqrt(2 * num_layers)`` (Megatron's ``output_layer_init_method``).
+        qk_norm: RMSNorm over each query and key head before rotary embedding (Qwen3).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: Optional[int] = None
+    head_dim: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    moe: Optional[Union[MoEConfig, dict[str, Any]]] = None
+    first_k_dense_layers: int = 0
+    moe_layer_freq: Union[int, list[int]] = 1
+    max_seq_length: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    init_method_std: float = 0.02
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_seq_length"):
+            _check_positive_int(name, getattr(self, name))
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        _check_positive_int("num_query_groups", self.num_query_groups)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_query_groups={self.num_query_groups}: change one so that the query groups divide the heads."
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}: set head_dim explicitly."
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _check_positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+        for name in ("rope_theta", "norm_eps", "init_method_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)!r}.")
+        self._resolve_moe()
+        self._validate_layer_pattern()
+
+    def _resolve_moe(self) -> None:
+        if isinstance(self.moe, dict):
+            kwargs = {"hidden_size": self.hidden_size, "init_method_std": self.init_method_std, **self.moe}
+            self.moe = MoEConfig(**kwargs)
+        if self.moe is None:
+            return
+        if not isinstance(self.moe, MoEConfig):
+            raise ValueError(
+                f"ModelConfig.moe must be a MoEConfig, a dict of its fields or None, got {type(self.moe).__name__}."
+            )
+        if self.moe.hidden_size != self.hidden_size:
+            raise ValueError(
+                f"moe.hidden_size={self.moe.hidden_size} differs from hidden_size={self.hidden_size}: "
+                "make them equal (or pass moe as a dict without hidden_size)."
+            )
+
+    def _validate_layer_pattern(self) -> None:
+        if not isinstance(self.first_k_dense_layers, int) or not 0 <= self.first_k_dense_layers <= self.num_layers:
+            raise ValueError(
+                f"first_k_dense_layers={self.first_k_dense_layers!r} must be an int in "
+                f"[0, num_layers={self.num_layers}]."
+            )
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            if len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
+                raise ValueError(
+                    f"moe_layer_freq as a list must hold num_layers={self.num_layers} values of 0 or 1, got {freq!r}."
+                )
+            self.moe_layer_freq = [int(v) for v in freq]
+        else:
+            _check_positive_int("moe_layer_freq", freq)
+        if not all(self.moe_layer_pattern) and self.ffn_hidden_size is None:
+            raise ValueError(
+                "some blocks are dense (no moe, first_k_dense_layers or moe_layer_freq) but ffn_hidden_size is None: "
+                "set ffn_hidden_size."
+            )
+        if self.ffn_hidden_size is not None:
+            _check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
+
+    @property
+    def moe_layer_pattern(self) -> list[bool]:
+        """``pattern[i]`` is True when block ``i`` is an MoE block."""
+        if self.moe is None:
+            return [False] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            base = [bool(v) for v in freq]
+        else:
+            base = [i % freq == 0 for i in range(self.num_layers)]
+        return [moe and i >= self.first_k_dense_layers for i, moe in enumerate(base)]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layer_pattern)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def output_init_std(self) -> float:
+        """Init std of the projections that write into the residual stream (Megatron's scaled init)."""
+        return self.init_method_std / (2.0 * self.num_layers) ** 0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-Python form (``moe`` as a dict): YAML- and ``weights_only``-checkpoint friendly."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["moe"] = None if self.moe is None else self.moe.to_dict()
+        if isinstance(out["moe_layer_freq"], list):
+            out["moe_layer_freq"] = list(out["moe_layer_freq"])
+        return out
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}.")
+

@@ -1,0 +1,337 @@
+"""Reference decoder-only MoE transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU / MoE.
+
+Plain PyTorch, no parallel state. Module names are chosen so a parallel strategy can address
+them with tensor-parallel plans (see :meth:`MoEDecoder.tensor_parallel_plan`)::
+
+    embed_tokens
+    layers.{i}.attention_norm        RMSNorm
+    layers.{i}.attention.{q_proj, k_proj, v_proj, o_proj, q_norm, k_norm}
+    layers.{i}.mlp_norm              RMSNorm
+    layers.{i}.mlp                   DenseMLP (gate_proj, up_proj, down_proj) or MoELayer
+    norm
+    lm_head                          absent with tied embeddings
+
+Every module that owns parameters has ``reset_parameters()`` initialising exactly its own
+parameters, so Lightning's meta-device materialisation and :meth:`MoEDecoder.init_weights`
+give the intended initialisation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.nn.moe_layer import MoELayer
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+IGNORE_INDEX = -100
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (no bias by default) initialised from Normal(0, ``init_std``)."""
+
+    def __init__(self, in_features: int, out_features: int, init_std: float, bias: bool = False) -> None:
+        self.init_std = init_std  # read by reset_parameters, which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` initialised from Normal(0, ``init_std``) (Megatron's embedding init)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float) -> None:
+        self.init_std = init_std
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in fp32, returned in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """fp32 ``cos``, ``sin`` of shape ``[*positions.shape, head_dim]`` (halves repeated, HF layout).
+
+    Computed from the positions on every forward instead of a cached buffer: it costs one small
+    elementwise kernel, stays exact under any module dtype cast, and needs nothing on the meta device.
+    """
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x_BSHd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``[B, S, H, hd]`` by ``cos``/``sin`` ``[S, hd]`` or ``[B, S, hd]`` (rotate-half form)."""
+    cos = cos.unsqueeze(-2)  # broadcast over heads
+    sin = sin.unsqueeze(-2)
+    x = x_BSHd.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x_BSHd.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention through ``F.scaled_dot_product_attention``.
+
+    The number of heads is read from the projected tensors at forward time (``view(B, S, -1, hd)``),
+    so after column-parallel sharding of ``q_proj``/``k_proj``/``v_proj`` each rank runs its local
+    heads with no change here. ``qk_norm`` normalises each head before the rotary embedding.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        q_size = cfg.num_attention_heads * hd
+        kv_size = cfg.num_query_groups * hd
+        self.q_proj = Linear(cfg.hidden_size, q_size, cfg.init_method_std)
+        self.k_proj = Linear(cfg.hidden_size, kv_size, cfg.init_method_std)
+        self.v_proj = Linear(cfg.hidden_size, kv_size, cfg.init_method_std)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.output_init_std)
+        self.q_norm: Optional[RMSNorm] = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+
+    def reset_parameters(self) -> None:
+        for module in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.q_norm, self.k_norm):
+            if module is not None:
+                module.reset_parameters()
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq = x_BSD.shape[:2]
+        q_BSHd = self.q_proj(x_BSD).view(batch, seq, -1, self.head_dim)
+        k_BSGd = self.k_proj(x_BSD).view(batch, seq, -1, self.head_dim)
+        v_BSGd = self.v_proj(x_BSD).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_BSHd = self.q_norm(q_BSHd)
+            k_BSGd = self.k_norm(k_BSGd)
+        q_BSHd = apply_rotary(q_BSHd, cos, sin)
+        k_BSGd = apply_rotary(k_BSGd, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q_BSHd, k_BSGd, v_BSGd))
+        out_BHSd = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out_BHSd.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))``.
+
+    Gate and up are separate projections (not one fused ``[2F, D]`` weight) so that column-wise
+    tensor parallelism gives every rank matching gate and up rows.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, init_std: float, output_init_std: float) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, ffn_hidden_size, init_std)
+        self.up_proj = Linear(hidden_size, ffn_hidden_size, init_std)
+        self.down_proj = Linear(ffn_hidden_size, hidden_size, output_init_std)
+
+    def reset_parameters(self) -> None:
+        for module in (self.gate_proj, self.up_proj, self.down_proj):
+            module.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``; ``mlp`` dense or MoE."""
+
+    def __init__(self, cfg: ModelConfig, is_moe: bool) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp: nn.Module
+        if is_moe:
+            self.mlp = MoELayer(cfg.moe, output_init_std=cfg.output_init_std)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, cfg.output_init_std)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.mlp, MoELayer)
+
+    def reset_parameters(self) -> None:
+        for module in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
+            module.reset_parameters()
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
+        return h_BSD + self.mlp(self.mlp_norm(h_BSD))
+
+
+class MoEDecoder(nn.Module):
+    """Decoder-only language model; block ``i`` is MoE where ``cfg.moe_layer_pattern[i]``.
+
+    ``forward(input_ids [B, S], position_ids=None) -> logits [B, S, V]``;
+    ``loss(input_ids, labels)`` is the mean next-token cross-entropy. ``labels`` are already
+    shifted (``labels[b, s]`` is the target of position ``s``, as Megatron and torchtitan data
+    pipelines produce; this keeps sequence sharding for context parallelism simple) and
+    ``-100`` marks positions to ignore.
+
+    Meta-device construction then ``to_empty(device=...)`` and ``init_weights()`` gives the same
+    parameters as any other construction followed by ``init_weights()`` under the same seed.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_method_std)
+        # A ModuleDict keyed "0".."L-1" keeps parameter names stable if a pipeline stage drops layers.
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, is_moe) for i, is_moe in enumerate(cfg.moe_layer_pattern)}
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head: Optional[Linear] = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_method_std)
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and router buffer in a fixed order from the global RNG.
+
+        Use after ``to_empty(device=...)`` of a meta-device model; under a fixed seed the result
+        is the same whatever device or construction path the model came from.
+        """
+        self.embed_tokens.reset_parameters()
+        for layer in self.layers.values():
+            layer.reset_parameters()
+        self.norm.reset_parameters()
+        if self.lm_head is not None:
+            self.lm_head.reset_parameters()
+
+    def moe_layers(self) -> Iterator[MoELayer]:
+        """The MoE feed-forward blocks, in layer order."""
+        for layer in self.layers.values():
+            if isinstance(layer.mlp, MoELayer):
+                yield layer.mlp
+
+    def output_weight(self) -> Tensor:
+        """``[V, D]`` weight of the output projection (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Final normed hidden states ``[B, S, D]`` (before the output projection)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        h_BSD = self.embed_tokens(input_ids)
+        for layer in self.layers.values():
+            h_BSD = layer(h_BSD, cos, sin)
+        return self.norm(h_BSD)
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Logits ``[B, S, V]`` for ``input_ids`` ``[B, S]``; ``position_ids`` ``[S]`` or ``[B, S]``
+        (default ``0..S-1``)."""
+        h_BSD = self.hidden_states(input_ids, position_ids)
+        if self.lm_head is None:
+            return F.linear(h_BSD, self.embed_tokens.weight)
+        return self.lm_head(h_BSD)
+
+    def loss(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """Mean cross-entropy over the tokens whose label is not -100 (router losses excluded:
+        their gradients reach the routers by themselves)."""
+        return causal_lm_loss(self(input_ids, position_ids), labels)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
+        """Tensor-parallel styles for ``parallelize_module(model, tp_mesh, plan)`` (dense parts).
+
+        Attention: q/k/v column-parallel (heads split), o row-parallel; qk-norms see their input
+        sharded over the head dim (``SequenceParallel(sequence_dim=2)`` so their weight gradients
+        are summed over the TP ranks). Dense MLP: gate/up column-parallel, down row-parallel.
+        Embedding row-parallel (vocab split), output projection column-parallel with replicated
+        logits. With ``sequence_parallel`` the residual stream is sharded over the sequence
+        (``Shard(1)``): norms run on the local slice, attention and dense-MLP inputs are
+        all-gathered, their outputs reduce-scattered. MoE blocks are not in this plan: the strategy
+        makes each TP rank route a distinct slice of the sequence through them (with or without
+        sequence parallelism) and sums the router's per-slice gradients over the TP ranks.
+
+        Raises:
+            ValueError: tied embeddings.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        cfg = self.config
+        if cfg.tie_word_embeddings:
+            raise ValueError(
+                "tensor parallelism is not supported with tie_word_embeddings=True: set tie_word_embeddings=False."
+            )
+        residual = Shard(1) if sequence_parallel else Replicate()
+        plan: dict[str, ParallelStyle] = {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+            "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+        }
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        for name, layer in self.layers.items():
+            prefix = f"layers.{name}"
+            if sequence_parallel:
+                plan[f"{prefix}.attention_norm"] = SequenceParallel()
+                plan[f"{prefix}.mlp_norm"] = SequenceParallel()
+                plan[f"{prefix}.attention"] = PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                )
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
+            plan[f"{prefix}.attention.o_proj"] = RowwiseParallel(output_layouts=residual)
+            if cfg.qk_norm:
+                for norm in ("q_norm", "k_norm"):
+                    plan[f"{prefix}.attention.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            if layer.is_moe:
+                continue  # the strategy splits MoE tokens over TP (apply_moe_token_split)
+            if sequence_parallel:
+                plan[f"{prefix}.mlp"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
+            plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
+            plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
+            plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel(output_layouts=residual)
+        return plan
+
+
+def causal_lm_loss(logits_BSV: Tensor, labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Mean fp32 cross-entropy over non-ignored tokens; 0 (not NaN) when every label is ignored.
+
+    The token count stays on the device (no host sync).
+    """
+    if logits_BSV.shape[:-1] != labels_BS.shape:
+        raise ValueError(f"labels {tuple(labels_BS.shape)} do not match logits {tuple(logits_BSV.shape[:-1])}.")
+    total = F.cross_entropy(
+        logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(),
+        labels_BS.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    count = (labels_BS != ignore_index).sum().clamp(min=1)
+    return total / count

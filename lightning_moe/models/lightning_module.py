@@ -1,0 +1,234 @@
+"""`MoELanguageModel`: the reference decoder as a LightningModule (causal LM, AdamW, warmup + cosine).
+
+Batches are ``{"input_ids": [B, S], "labels": [B, S]}`` with labels already shifted and -100 for
+ignored positions (what :class:`~lightning_moe.data.datamodule.LMDataModule` yields). The decoder is
+built in :meth:`configure_model` so that a strategy can create it on the meta device and
+parallelize it before materialising. Hooks stay minimal: no host syncs beyond Lightning's own
+logging.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.decoder import IGNORE_INDEX, MoEDecoder
+from lightning_moe.models.presets import apply_overrides, get_preset
+from lightning_moe.nn.moe_layer import MoELayer
+
+
+def resolve_model_config(
+    config: Union[str, ModelConfig, dict[str, Any]], overrides: Optional[dict[str, Any]] = None
+) -> ModelConfig:
+    """A :class:`ModelConfig` from a preset name, a config, or a dict of its fields, plus overrides.
+
+    Overrides of a preset are applied before its derived values are filled in (``hidden_size``
+    carries over to the MoE layer); overrides of a config or dict apply to its values as they are.
+    """
+    overrides = overrides or {}
+    if isinstance(config, str):
+        return get_preset(config, **overrides)
+    if isinstance(config, ModelConfig):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a preset name, a ModelConfig or a dict, got {type(config).__name__}.")
+    return ModelConfig(**apply_overrides(config, overrides))
+
+
+def warmup_cosine_lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based).
+
+    Linear warmup ``(step + 1) / warmup_steps`` (the first step already trains), then cosine decay
+    from 1 to ``min_lr_ratio`` at ``max_steps``, constant afterwards.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: ``decay`` (weight matrices, expert weights, embeddings) and ``no_decay``.
+
+    No decay for vectors (norm weights, biases), router parameters (the gate ``[E, D]``; decaying
+    it pulls the logits together and flattens routing) and shared-expert gates. Embeddings are
+    decayed, as Megatron-Core does by default.
+    """
+    no_decay_ids: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            no_decay_ids.update(id(p) for p in module.router.parameters())
+            if module.shared_experts is not None and module.shared_experts.gate_weight is not None:
+                no_decay_ids.add(id(module.shared_experts.gate_weight))
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or id(param) in no_decay_ids else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+class MoELanguageModel(LightningModule):
+    """Causal language modelling with :class:`MoEDecoder`.
+
+    Args:
+        config: a preset name (see :func:`~lightning_moe.models.presets.list_presets`), a
+            :class:`ModelConfig`, or a dict of its fields.
+        overrides: ``ModelConfig`` fields to change (``moe`` as a partial dict of MoE fields).
+        learning_rate: peak AdamW learning rate.
+        min_lr_ratio: final learning rate as a fraction of the peak (cosine floor).
+        warmup_steps: optimizer steps of linear warmup.
+        max_steps: optimizer steps of the schedule; None: ``trainer.estimated_stepping_batches``.
+        weight_decay: AdamW decoupled weight decay of the ``decay`` group (see :func:`parameter_groups`).
+        betas / eps: AdamW.
+
+    Logged: ``train/loss`` (progress bar), ``train/ppl`` and the routers' losses ``train/<name>``
+    (mean over MoE blocks of ``router.latest_losses``, without coefficients) on every step from
+    this rank; ``train/lr`` every ``Trainer(log_every_n_steps)`` optimizer steps; ``val/loss`` and
+    ``val/ppl`` once per validation run, token-weighted over the batches of all ranks.
+    ``training_step`` returns only the language-model loss: the aux and z losses reach the
+    routers' gradients by themselves.
+    """
+
+    def __init__(
+        self,
+        config: Union[str, ModelConfig, dict[str, Any]] = "tiny",
+        overrides: Optional[dict[str, Any]] = None,
+        learning_rate: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        max_steps: Optional[int] = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        if not learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive, got {learning_rate}.")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}.")
+        if warmup_steps < 0 or (max_steps is not None and max_steps <= 0):
+            raise ValueError(f"need warmup_steps >= 0 and max_steps > 0 (or None), got {warmup_steps}, {max_steps}.")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
+        self.model_config = resolve_model_config(config, overrides)
+        # Plain Python values only, so that checkpoints load with weights_only=True and
+        # `load_from_checkpoint` rebuilds the same model (overrides are already merged in).
+        self.save_hyperparameters(
+            {
+                "config": self.model_config.to_dict(),
+                "learning_rate": learning_rate,
+                "min_lr_ratio": min_lr_ratio,
+                "warmup_steps": warmup_steps,
+                "max_steps": max_steps,
+                "weight_decay": weight_decay,
+                "betas": tuple(betas),
+                "eps": eps,
+            }
+        )
+        self.model: Optional[MoEDecoder] = None
+        self._val_loss_sum: Optional[Tensor] = None
+        self._val_tokens: Optional[Tensor] = None
+
+    def parallel_constraints(self) -> dict[str, Any]:
+        """Sizes a parallel layout must divide; the strategy checks them before any collective."""
+        cfg = self.model_config
+        out: dict[str, Any] = {
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_query_groups": cfg.num_query_groups or cfg.num_attention_heads,
+        }
+        if cfg.moe is not None:
+            out["num_experts"] = cfg.moe.num_experts
+            out["expert_ffn_hidden_size"] = cfg.moe.ffn_hidden_size
+        return out
+
+    def configure_model(self) -> None:
+        """Build the decoder (once: Lightning may call this hook again, e.g. when resuming)."""
+        if self.model is not None:
+            return
+        self.model = MoEDecoder(self.model_config)
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        return self.model(input_ids, position_ids)
+
+    def on_train_start(self) -> None:
+        # Lightning divides the loss by accumulate_grad_batches; the routers' aux/z-loss gradients
+        # are injected separately and must be scaled the same way (Megatron's auto-scaler).
+        scale = 1.0 / self.trainer.accumulate_grad_batches
+        for moe in self.model.moe_layers():
+            moe.router.aux_loss_scale = scale
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.model.loss(batch["input_ids"], batch["labels"])
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/ppl", torch.exp(loss.detach()), on_step=True, on_epoch=False)
+        if self.global_step % self.trainer.log_every_n_steps == 0:
+            # Only on logging steps: `self.log` turns a Python float into a device tensor, a
+            # synchronous host-to-device copy on GPU.
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        for name, value in self._router_losses().items():
+            self.log(f"train/{name}", value, on_step=True, on_epoch=False)
+        return loss
+
+    def _router_losses(self) -> dict[str, Tensor]:
+        """Mean over MoE blocks of each router loss of the last forward (device tensors, no sync)."""
+        per_name: dict[str, list[Tensor]] = {}
+        for moe in self.model.moe_layers():
+            for name, value in moe.router.latest_losses.items():
+                per_name.setdefault(name, []).append(value)
+        return {name: torch.stack(values).mean() for name, values in per_name.items()}
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_loss_sum = None
+        self._val_tokens = None
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        labels = batch["labels"]
+        loss = self.model.loss(batch["input_ids"], labels)
+        tokens = (labels != IGNORE_INDEX).sum()
+        weighted = loss.detach() * tokens
+        if self._val_loss_sum is None:
+            self._val_loss_sum, self._val_tokens = weighted, tokens
+        else:
+            self._val_loss_sum = self._val_loss_sum + weighted
+            self._val_tokens = self._val_tokens + tokens
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_loss_sum is None:
+            return
+        # One all-reduce per validation run: the token-weighted mean over every rank's batches.
+        totals = torch.stack([self._val_loss_sum.float(), self._val_tokens.float()])
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        loss = totals[0] / totals[1].clamp(min=1.0)
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            parameter_groups(self.model, hp.weight_decay), lr=hp.learning_rate, betas=hp.betas, eps=hp.eps
+        )
+        max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
+        if not math.isfinite(max_steps):
+            raise ValueError(
+                "the learning-rate schedule needs a finite length: pass max_steps to MoELanguageModel "
+                "or set Trainer(max_steps=...) / Trainer(max_epochs=...)."
+            )
+        schedule = partial(
+            warmup_cosine_lr_factor,
+            warmup_steps=hp.warmup_steps,
+            max_steps=int(max_steps),
+            min_lr_ratio=hp.min_lr_ratio,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

@@ -1,0 +1,111 @@
+"""Building blocks of the expert-parallel dispatchers: row regrouping and autograd collectives.
+
+Everything here is sync-free: index arithmetic runs on the device from sizes the caller
+already holds on the host, and the collectives take Python split sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from lightning_moe.nn.aux_losses import group_size
+from lightning_moe.nn.permutation import _with_zero_row
+
+# torch >= 2.13 renamed the tensor-form collectives to "*_single"; older releases keep the old names.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_reduce_scatter_autograd = (
+    getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+)
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    """This process's rank in ``group``; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``out[i] = x[index[i]]`` for a partial bijection of rows; index ``N`` (= ``len(x)``) reads zero.
+
+    The backward is the inverse gather ``grad_x[j] = grad_out[inverse[j]]`` (``inverse[j] =
+    len(out)`` for rows of ``x`` that no output row reads), so neither direction scatter-adds.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, index_M: Tensor, inverse_N: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_N)
+        return _with_zero_row(x_ND).index_select(0, index_M)
+
+    @staticmethod
+    def backward(ctx, grad_MD: Tensor):
+        (inverse_N,) = ctx.saved_tensors
+        return _with_zero_row(grad_MD.contiguous()).index_select(0, inverse_N), None, None
+
+
+def gather_rows(x_ND: Tensor, index_M: Tensor, inverse_N: Tensor) -> Tensor:
+    """Reorder rows by a gather whose gradient is the inverse gather (see `_GatherRows`)."""
+    return _GatherRows.apply(x_ND, index_M, inverse_N)
+
+
+def block_regroup_index(
+    counts_B: Tensor, src_start_B: Tensor, dst_start_B: Tensor, num_src: int, num_dst: int
+) -> tuple[Tensor, Tensor]:
+    """Row maps that move ``B`` contiguous blocks of rows from one buffer layout to another.
+
+    Block ``b`` holds ``counts_B[b]`` rows starting at ``src_start_B[b]`` in the source buffer
+    (``num_src`` rows) and at ``dst_start_B[b]`` in the destination buffer (``num_dst`` rows).
+    ``src_start_B`` must be non-decreasing; rows of either buffer that no block covers (gaps,
+    alignment padding) map to the other buffer's sentinel (its length).
+
+    Returns:
+        ``(src_of_dst [num_dst], dst_of_src [num_src])``: the forward gather index of
+        :func:`gather_rows` and its inverse. Computed on the device without host syncs.
+    """
+    device = counts_B.device
+    rows_N = torch.arange(num_src, device=device)
+    block_N = (torch.searchsorted(src_start_B, rows_N, right=True) - 1).clamp_(min=0)
+    within_N = rows_N - src_start_B[block_N]
+    valid_N = within_N < counts_B[block_N]
+    dst_of_src = torch.where(valid_N, dst_start_B[block_N] + within_N, num_dst)
+    # Slot num_dst absorbs the writes of uncovered source rows and is cut off.
+    src_of_dst = torch.full((num_dst + 1,), num_src, dtype=torch.long, device=device)
+    src_of_dst.scatter_(0, dst_of_src, rows_N)
+    return src_of_dst[:num_dst], dst_of_src
+
+
+def exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
+    return torch.cumsum(x, dim) - x
+
+
+def all_to_all_rows(
+    x_ND: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> Tensor:
+    """Uneven all-to-all of rows; its backward is the all-to-all with the splits swapped."""
+    return funcol.all_to_all_single_autograd(x_ND.contiguous(), output_splits, input_splits, group)
+
+
+def all_gather_rows(x_ND: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Concatenate every rank's equal-sized rows in group-rank order; backward: reduce-scatter (sum)."""
+    return _all_gather_autograd(x_ND.contiguous(), 0, group)
+
+
+def reduce_scatter_rows(x_ND: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Sum over the group, keep this rank's block of rows; backward: all-gather.
+
+    Low-precision inputs are reduced in fp32 (as Megatron does for expert outputs) and cast back.
+    """
+    dtype = x_ND.dtype
+    acc = x_ND.to(torch.promote_types(dtype, torch.float32)).contiguous()
+    return _reduce_scatter_autograd(acc, "sum", 0, group).to(dtype)
+
+
+def all_gather_plain(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Non-differentiable all-gather along dim 0 (routing metadata, token counts)."""
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    _all_gather_into(out, x.contiguous(), group=group)
+    return out

@@ -1,0 +1,57 @@
+"""Tensor (and sequence) parallelism for dense layers, and the TP boundary of MoE layers.
+
+Dense layers follow a plan the module provides (``tensor_parallel_plan(sequence_parallel)``,
+torch ``ParallelStyle``s keyed by submodule path), applied with ``parallelize_module``.
+
+MoE layers are not TP-sharded: the TP ranks of one DP replica split the tokens instead, so
+each routes and dispatches a distinct ``1/TP`` of the sequence (Megatron's MoE under sequence
+parallelism; with Parallel Folding the TP ranks are EP peers). Under sequence parallelism the
+layer's input already is a sequence shard; without it the input is replicated, so the layer
+takes its shard on the way in and all-gathers on the way out.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from lightning_moe.nn.moe_layer import MoELayer
+
+
+def find_plan_owner(root: nn.Module) -> Optional[nn.Module]:
+    """The first submodule (pre-order) that defines ``tensor_parallel_plan``."""
+    for module in root.modules():
+        if callable(getattr(module, "tensor_parallel_plan", None)):
+            return module
+    return None
+
+
+def apply_dense_tensor_parallel(root: nn.Module, tp_mesh, sequence_parallel: bool) -> Optional[nn.Module]:
+    """Apply the owner's TP plan to its dense layers; returns the owner (None: no plan found)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    owner = find_plan_owner(root)
+    if owner is None:
+        return None
+    plan = owner.tensor_parallel_plan(sequence_parallel=sequence_parallel)
+    if plan:
+        parallelize_module(owner, tp_mesh, plan)
+    return owner
+
+
+def apply_moe_token_split(layer: MoELayer, tp_mesh, sequence_parallel: bool) -> None:
+    """Make ``layer`` compute on this TP rank's sequence shard (local tensors in and out)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+
+    outer = Shard(1) if sequence_parallel else Replicate()
+    style = PrepareModuleInputOutput(
+        input_layouts=(outer,),
+        desired_input_layouts=(Shard(1),),
+        use_local_input=True,
+        output_layouts=(Shard(1),),
+        desired_output_layouts=(outer,),
+        use_local_output=True,
+    )
+    parallelize_module(layer, tp_mesh, style)

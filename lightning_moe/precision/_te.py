@@ -1,0 +1,145 @@
+"""Transformer Engine glue, imported lazily: nothing here imports TE at module import time.
+
+Written against TE 2.x's public API (``transformer_engine.pytorch`` and
+``transformer_engine.common.recipe``); exercised on GPU machines only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from lightning_utilities.core.imports import RequirementCache
+
+if TYPE_CHECKING:
+    from lightning_moe.precision.recipes import FP8Recipe
+
+_TE_MODULE = RequirementCache(module="transformer_engine.pytorch")
+
+
+@functools.lru_cache(maxsize=1)
+def _import() -> tuple[Optional[Any], str]:
+    """(``transformer_engine.pytorch`` or None, why it failed)."""
+    if not _TE_MODULE:
+        return None, "Module transformer_engine is not installed."
+    try:
+        import transformer_engine.pytorch as te
+    except Exception as err:  # a broken install (CUDA / torch mismatch) must not break import
+        return None, f"Importing transformer_engine.pytorch failed: {err!r}."
+    return te, ""
+
+
+def available() -> bool:
+    """Transformer Engine is installed and importable."""
+    return _import()[0] is not None
+
+
+def import_error() -> str:
+    return _import()[1]
+
+
+def _module() -> Any:
+    te, err = _import()
+    if te is None:
+        raise ValueError(f"Transformer Engine is required here: `pip install lightning-moe[te]`. {err}")
+    return te
+
+
+def _availability(fn: Any) -> tuple[bool, str]:
+    """Call a TE ``is_*_available`` check; TE 2.x returns ``(bool, reason)`` or, in newer
+    releases, a bool unless ``return_reason=True``."""
+    try:
+        result = fn(return_reason=True)
+    except TypeError:
+        result = fn()
+    if isinstance(result, tuple):
+        return bool(result[0]), str(result[1])
+    return bool(result), "" if result else f"transformer_engine.pytorch.{fn.__name__}() is False."
+
+
+def supports(recipe: "FP8Recipe") -> tuple[bool, str]:
+    """Whether TE can run ``recipe`` on the current GPU, and TE's reason when not."""
+    te = _module()
+    if not torch.cuda.is_available():
+        return False, "No CUDA device is visible."
+    name = {"mxfp8": "is_mxfp8_available", "nvfp4": "is_nvfp4_available",
+            "blockwise": "is_fp8_block_scaling_available"}.get(recipe.name, "is_fp8_available")
+    check = getattr(te, name, None) or te.is_fp8_available
+    try:
+        return _availability(check)
+    except Exception as err:  # TE raising instead of answering still means "cannot run"
+        return False, f"{name}() failed: {err!r}."
+
+
+def te_recipe(recipe: "FP8Recipe") -> Any:
+    """The ``transformer_engine.common.recipe`` object for ``recipe``."""
+    _module()
+    from transformer_engine.common import recipe as te_recipes
+
+    fmt = te_recipes.Format.HYBRID if recipe.fmt == "hybrid" else te_recipes.Format.E4M3
+    if recipe.name == "tensorwise":
+        return te_recipes.Float8CurrentScaling(fp8_format=fmt)
+    if recipe.name == "delayed":
+        return te_recipes.DelayedScaling(
+            fp8_format=fmt, margin=recipe.margin, amax_history_len=recipe.amax_history_len,
+            amax_compute_algo=recipe.amax_compute_algo,
+        )
+    if recipe.name == "blockwise":
+        return te_recipes.Float8BlockScaling(fp8_format=fmt)
+    if recipe.name == "mxfp8":
+        return te_recipes.MXFP8BlockScaling(fp8_format=fmt)
+    if recipe.name == "nvfp4":
+        options = {
+            "disable_rht": not recipe.nvfp4_rht,
+            "disable_stochastic_rounding": not recipe.nvfp4_stochastic_rounding,
+            "disable_2d_quantization": not recipe.nvfp4_2d_weights,
+        }
+        accepted = inspect.signature(te_recipes.NVFP4BlockScaling).parameters
+        return te_recipes.NVFP4BlockScaling(**{k: v for k, v in options.items() if k in accepted})
+    raise ValueError(f"Transformer Engine has no {recipe.name!r} recipe.")
+
+
+def autocast(recipe: Any, group: Optional[torch.distributed.ProcessGroup] = None) -> AbstractContextManager:
+    """TE's quantization autocast (``te.autocast`` in TE >= 2.8, ``te.fp8_autocast`` before)."""
+    te = _module()
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
+
+
+@functools.lru_cache(maxsize=1)
+def linear_class() -> type:
+    """``te.Linear`` without TE's ``_extra_state`` checkpoint entry.
+
+    TE stores FP8 metadata (delayed-scaling amax histories) as extra state; dropping it
+    keeps state dicts identical to ``nn.Linear``'s (``weight``, ``bias``), so FP8 can be
+    turned on or off between saving and resuming. Delayed-scaling histories restart after a
+    resume, as they would for a freshly built TE model.
+    """
+    te = _module()
+
+    class TELinear(te.Linear):
+        get_extra_state = torch.nn.Module.get_extra_state
+        set_extra_state = torch.nn.Module.set_extra_state
+
+    TELinear.__qualname__ = TELinear.__name__ = "TELinear"
+    return TELinear
+
+
+def make_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """A TE linear with ``linear``'s parameters (copied; fp32 master weights stay fp32)."""
+    weight = linear.weight
+    device = weight.device if weight.device.type in ("cuda", "meta") else torch.device("cuda", torch.cuda.current_device())
+    new = linear_class()(
+        linear.in_features, linear.out_features, bias=linear.bias is not None,
+        params_dtype=weight.dtype, device=device,
+    )
+    if weight.device.type != "meta":
+        with torch.no_grad():
+            new.weight.copy_(weight)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias)
+    return new

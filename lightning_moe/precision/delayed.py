@@ -1,0 +1,89 @@
+"""Delayed scaling: per-module amax histories and their once-per-step update.
+
+Each FP8 module owning delayed-scaling state registers two non-persistent buffers (kept out
+of checkpoints so that FP8 on/off does not change the state dict):
+
+- ``fp8_amax_history [H, 3, G]``: row 0 accumulates this step's amax (max over micro-batches)
+  of the GEMM inputs, weights and output gradients (slots 0, 1, 2) per token group G
+  (G = 1 for a linear, E for grouped experts); rows 1.. hold the previous steps;
+- ``fp8_scale [3, G]``: quantization scales used this step; 0 means "no history yet", in
+  which case the operand is scaled from its current amax (first step, or after a resume).
+
+`update_delayed_scaling` runs once per optimizer step: one MAX all-reduce of every module's
+row 0 over the given process group, then TE's update: ``amax = max(history)`` (or the most
+recent), ``scale = fmt_max / amax / 2**margin`` (old scale kept when amax is 0 or inf), and
+the history rolls by one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_moe.precision.quantize import FLT_MAX
+from lightning_moe.precision.recipes import ROLES, FP8Recipe
+
+SLOTS = {role: i for i, role in enumerate(ROLES)}
+
+
+class DelayedState(NamedTuple):
+    """Views of one module's delayed-scaling buffers handed to the GEMM functions."""
+
+    amax_history: torch.Tensor  # [H, 3, G]
+    scale: torch.Tensor  # [3, G]
+
+
+def register_delayed_buffers(module: nn.Module, recipe: FP8Recipe, groups: int = 1, device=None) -> None:
+    """Give ``module`` (non-persistent) delayed-scaling buffers for ``groups`` token groups."""
+    module.register_buffer(
+        "fp8_amax_history", torch.zeros(recipe.amax_history_len, len(ROLES), groups, device=device), persistent=False
+    )
+    module.register_buffer("fp8_scale", torch.zeros(len(ROLES), groups, device=device), persistent=False)
+
+
+def delayed_state(module: nn.Module) -> Optional[DelayedState]:
+    history = getattr(module, "fp8_amax_history", None)
+    return None if history is None else DelayedState(history, module.fp8_scale)
+
+
+@torch.no_grad()
+def record_amax(state: DelayedState, role: str, amax_G: torch.Tensor) -> None:
+    """Fold this micro-batch's per-group amax into the current step's row."""
+    row = state.amax_history[0, SLOTS[role]]
+    torch.maximum(row, amax_G.to(row.dtype), out=row)
+
+
+def _fmt_max(recipe: FP8Recipe, device: torch.device) -> torch.Tensor:
+    return torch.tensor([recipe.format(role).max for role in ROLES], device=device)[:, None]
+
+
+@torch.no_grad()
+def update_delayed_scaling(
+    modules: Iterable[nn.Module], recipe: FP8Recipe, group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Reduce and apply this step's amaxes of every module with delayed-scaling buffers.
+
+    Call once per optimizer step, after backward (the gradient amaxes are recorded there).
+    ``group``: ranks whose amaxes are reduced (None: the default group when
+    ``torch.distributed`` is initialized, else no reduction).
+    """
+    states = [s for s in (delayed_state(m) for m in modules) if s is not None]
+    if not states:
+        return
+    current = torch.cat([s.amax_history[0].reshape(-1) for s in states])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(current, op=dist.ReduceOp.MAX, group=group)  # one collective per step
+    fmt_max = _fmt_max(recipe, current.device)
+    for state, amax_now in zip(states, current.split([s.amax_history[0].numel() for s in states])):
+        history = state.amax_history
+        history[0].copy_(amax_now.view_as(history[0]))
+        amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
+        new = (fmt_max / amax).clamp(max=FLT_MAX) / 2.0**recipe.margin
+        usable = (amax > 0) & torch.isfinite(amax)
+        state.scale.copy_(torch.where(usable, new, state.scale))
+        history.copy_(torch.roll(history, 1, 0))
+        history[0].zero_()

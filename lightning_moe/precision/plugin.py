@@ -1,0 +1,116 @@
+"""`FP8Precision`: Lightning precision plugin for FP8 / NVFP4 training.
+
+``Trainer(plugins=[FP8Precision(recipe="blockwise")])``: activations run under bf16 autocast
+(``torch.autocast("cuda" | "cpu", torch.bfloat16)``), parameters stay fp32 (master weights),
+and the model's linears and grouped experts run quantized GEMMs (see `configure_fp8`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_moe.precision import _te
+from lightning_moe.precision.delayed import update_delayed_scaling
+from lightning_moe.precision.modules import FP8Summary, ModuleFilter, configure_fp8, fp8_modules
+from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
+
+_BACKEND_WORDS = {
+    "te": "Transformer Engine",
+    "torch": "torch._scaled_mm / _scaled_grouped_mm",
+    "emulated": "emulated (quantize-dequantize, high-precision GEMM)",
+}
+
+
+class FP8Precision(MixedPrecision):
+    """bf16 mixed precision with FP8 (or NVFP4) GEMMs.
+
+    Args:
+        recipe: "tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4" or an
+            `FP8Recipe`.
+        backend: "auto" (Transformer Engine when installed and able to run the recipe on
+            this GPU, else ``torch._scaled_mm`` on sm90+ for tensorwise / rowwise, else
+            emulated), "te", "torch" or "emulated". An impossible choice raises
+            ``ValueError`` at construction, naming the backends that can run the recipe.
+        keep_high_precision_layers: keep the first and the last N transformer blocks (the
+            shallowest ``nn.ModuleList`` of the model) in bf16.
+        module_filter: ``(qualified_name, module) -> bool``; False keeps that linear / experts
+            module in high precision (applied after the built-in exclusions: routers, output
+            layer; norms and embeddings are never quantized).
+        amax_reduction_group: ranks over which delayed-scaling amaxes are max-reduced once
+            per optimizer step (default: all ranks when ``torch.distributed`` is initialized).
+        device: autocast device, "cuda" or "cpu" (default: "cuda" when available).
+    """
+
+    def __init__(
+        self,
+        recipe: Union[str, FP8Recipe] = "tensorwise",
+        backend: str = "auto",
+        keep_high_precision_layers: int = 0,
+        module_filter: Optional[ModuleFilter] = None,
+        amax_reduction_group: Optional[dist.ProcessGroup] = None,
+        device: Optional[str] = None,
+    ) -> None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        super().__init__("bf16-mixed", device)
+        if keep_high_precision_layers < 0:
+            raise ValueError(f"keep_high_precision_layers must be >= 0, got {keep_high_precision_layers}.")
+        self.recipe = FP8Recipe.of(recipe)
+        self.requested_backend = backend
+        self.backend = resolve_backend(self.recipe, backend, device)  # fails here, before any setup
+        self.keep_high_precision_layers = keep_high_precision_layers
+        self.module_filter = module_filter
+        self.amax_reduction_group = amax_reduction_group
+        self.summary: Optional[FP8Summary] = None
+        self._delayed_modules: list[nn.Module] = []
+        self._te_recipe = _te.te_recipe(self.recipe) if self.backend == "te" else None
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Install FP8 modules (called by the strategy before moving and sharding the model)."""
+        self.summary = configure_fp8(
+            module, self.recipe, self.requested_backend, self.keep_high_precision_layers, self.module_filter, self.device
+        )
+        self._delayed_modules = fp8_modules(module)
+        if self.summary.experts and self.summary.experts_backend == "emulated" and self.device == "cuda":
+            rank_zero_warn(
+                f"FP8 grouped experts run emulated on this GPU ({self.recipe.name} has no native grouped kernel "
+                "here); build the experts on te.GroupedLinear (MoEConfig(expert_backend='te')) for TE's kernels."
+            )
+        return module
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with ExitStack() as stack:
+            stack.enter_context(self.autocast_context_manager())
+            if self._te_recipe is not None:
+                stack.enter_context(_te.autocast(self._te_recipe, self.amax_reduction_group))
+            yield
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        # Delayed scaling: reduce this step's amaxes (one collective) and refresh the scales.
+        update_delayed_scaling(self._delayed_modules, self.recipe, self.amax_reduction_group)
+        return output
+
+    def backend_description(self) -> str:
+        """One line for the layout table: recipe, backends and what was converted."""
+        text = f"{self.recipe.describe()}; linears: {_BACKEND_WORDS[self.backend]}"
+        if self.summary is None:
+            return text + " (model not converted yet)"
+        text += f" [{len(self.summary.converted)} FP8, {len(self.summary.kept)} kept bf16]"
+        if self.summary.experts:
+            text += f"; experts: {_BACKEND_WORDS[self.summary.experts_backend]} [{len(self.summary.experts)}]"
+        if self.summary.te_experts:
+            text += f"; experts: te.GroupedLinear [{len(self.summary.te_experts)}]"
+        return text

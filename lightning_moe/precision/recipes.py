@@ -1,0 +1,215 @@
+"""`FP8Recipe`: which low-precision recipe to train with, and `resolve_backend`: who runs it.
+
+Recipes (names follow the torchao / Transformer Engine vocabulary):
+
+| name | tiles (activations, grads / weights) | scales | TE recipe |
+|---|---|---|---|
+| tensorwise | whole tensor | fp32, current amax | ``Float8CurrentScaling`` |
+| delayed | whole tensor | fp32, max of an amax history | ``DelayedScaling`` |
+| rowwise | one per row (of the contraction) | fp32 | none (torch ``_scaled_mm``) |
+| blockwise | 1x128 / 128x128 | power-of-two fp32 | ``Float8BlockScaling`` |
+| mxfp8 | 1x32 | E8M0 | ``MXFP8BlockScaling`` (sm100+) |
+| nvfp4 | 1x16 / 16x16, E2M1 values | E4M3 + fp32 per tensor | ``NVFP4BlockScaling`` (sm100+) |
+
+Backends: "te" (Transformer Engine), "torch" (``torch._scaled_mm`` / ``_scaled_grouped_mm``),
+"emulated" (quantize-dequantize in fp32, any device), "auto" (the best of these that runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+import torch
+
+from lightning_moe.precision import _te
+from lightning_moe.precision.formats import E2M1, FloatFormat, fp8_format
+
+RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4")
+BACKENDS = ("auto", "te", "torch", "emulated")
+ROLES = ("input", "weight", "grad")
+_TORCH_RECIPES = ("tensorwise", "rowwise", "delayed")
+_TE_RECIPES = ("tensorwise", "blockwise", "delayed", "mxfp8", "nvfp4")
+_DEFAULT_FMT = {"tensorwise": "hybrid", "delayed": "hybrid", "rowwise": "e4m3", "blockwise": "e4m3", "mxfp8": "e4m3"}
+
+
+@dataclass
+class FP8Recipe:
+    """A low-precision training recipe.
+
+    Args:
+        name: one of "tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4".
+        fmt: "hybrid" (E4M3 forward, E5M2 gradients: TE's default for tensorwise/delayed) or
+            "e4m3" (everywhere: default for rowwise/blockwise/mxfp8). NVFP4 is always "e2m1".
+        margin: delayed scaling: scales are divided by ``2**margin``.
+        amax_history_len: delayed scaling: steps of amax history (TE default 1024).
+        amax_compute_algo: delayed scaling: "max" over the history or "most_recent".
+        nvfp4_2d_weights / nvfp4_rht / nvfp4_stochastic_rounding: the three NVFP4 techniques
+            (16x16 weight tiles, random Hadamard transform on the weight-gradient GEMM inputs,
+            stochastic rounding of gradients); all on by default, as in TE.
+        rht_seed: seed of the Hadamard transform's random signs.
+
+    ``alignment`` (derived) is the multiple each expert's token group must be padded to:
+    16 for FP8, 32 for MXFP8, 128 for NVFP4 (TE's ``get_align_size_for_quantization``).
+    """
+
+    name: str = "tensorwise"
+    fmt: Optional[str] = None
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    nvfp4_2d_weights: bool = True
+    nvfp4_rht: bool = True
+    nvfp4_stochastic_rounding: bool = True
+    rht_seed: int = 0
+    alignment: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.name not in RECIPES:
+            raise ValueError(f"Unknown FP8 recipe {self.name!r}; known recipes: {', '.join(RECIPES)}.")
+        if self.name == "nvfp4":
+            if self.fmt not in (None, "e2m1"):
+                raise ValueError(f"The nvfp4 recipe stores E2M1 values; got fmt={self.fmt!r} (leave it unset).")
+            self.fmt = "e2m1"
+        else:
+            self.fmt = self.fmt or _DEFAULT_FMT[self.name]
+            if self.fmt not in ("hybrid", "e4m3"):
+                raise ValueError(f"FP8 fmt must be 'hybrid' or 'e4m3' (E5M2-only training is unstable); got {self.fmt!r}.")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent'; got {self.amax_compute_algo!r}.")
+        if self.amax_history_len < 1 or self.margin < 0:
+            raise ValueError("amax_history_len must be >= 1 and margin >= 0.")
+        self.alignment = {"mxfp8": 32, "nvfp4": 128}.get(self.name, 16)
+
+    @classmethod
+    def of(cls, recipe: Union[str, "FP8Recipe"]) -> "FP8Recipe":
+        """A recipe from its name, or the recipe itself."""
+        return recipe if isinstance(recipe, FP8Recipe) else cls(name=recipe)
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.name == "nvfp4"
+
+    def format(self, role: str) -> FloatFormat:
+        """Element format of a GEMM operand: role "input", "weight" or "grad"."""
+        if self.is_fp4:
+            return E2M1
+        return fp8_format("e5m2" if role == "grad" and self.fmt == "hybrid" else "e4m3")
+
+    def tile(self, role: str) -> tuple[Optional[int], Optional[int]]:
+        """(rows, cols) of one scaling tile of an operand laid out ``[other, contraction]``;
+        None spans the whole axis (or one token group / one expert in grouped GEMMs)."""
+        weight = role == "weight"
+        if self.name in ("tensorwise", "delayed"):
+            return None, None
+        if self.name == "rowwise":
+            return 1, None
+        if self.name == "blockwise":
+            return (128, 128) if weight else (1, 128)
+        if self.name == "mxfp8":
+            return 1, 32
+        return (16, 16) if weight and self.nvfp4_2d_weights else (1, 16)
+
+    @property
+    def power_2_scales(self) -> bool:
+        """Blockwise uses power-of-two scales (TE ``Float8BlockScaling`` default)."""
+        return self.name == "blockwise"
+
+    def describe(self) -> str:
+        if self.is_fp4:
+            parts = [p for p, on in (("2-D weights", self.nvfp4_2d_weights), ("RHT", self.nvfp4_rht),
+                                     ("stochastic rounding", self.nvfp4_stochastic_rounding)) if on]
+            return f"nvfp4 ({', '.join(parts) or 'plain'})"
+        fmt = "E4M3 fwd / E5M2 grads" if self.fmt == "hybrid" else "E4M3"
+        return f"{self.name} ({fmt})"
+
+
+def cuda_capability(device: Optional[torch.device] = None) -> Optional[tuple[int, int]]:
+    """Compute capability of the current (or given) CUDA device, None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _torch_backend_problem(recipe: FP8Recipe, grouped: bool) -> Optional[str]:
+    """Why the native torch kernels cannot run ``recipe`` here (None: they can)."""
+    cc = cuda_capability()
+    need = (9, 0) if grouped or recipe.name == "rowwise" else (8, 9)
+    if cc is None:
+        return f"backend='torch' needs a CUDA GPU with compute capability {need[0]}.{need[1]}+ (none found)"
+    if cc < need:
+        return (f"backend='torch' needs compute capability {need[0]}.{need[1]}+ for "
+                f"{'grouped ' if grouped else ''}{recipe.name} FP8 GEMMs; this GPU is {cc[0]}.{cc[1]}")
+    return None
+
+
+def resolve_backend(
+    recipe: Union[str, FP8Recipe], backend: str = "auto", device: Optional[str] = None, grouped: bool = False
+) -> str:
+    """The backend that will run ``recipe``: "te", "torch" or "emulated".
+
+    Args:
+        backend: "auto", "te", "torch" or "emulated".
+        device: "cuda" or "cpu" (default: "cuda" when available); on "cpu" only the
+            emulated backend runs.
+        grouped: resolving for grouped expert GEMMs on plain weights (``[E, K, N]``
+            parameters): Transformer Engine has no functional grouped GEMM for those, so
+            "auto" picks torch / emulated and "te" is refused.
+
+    Raises:
+        ValueError: unknown recipe or backend, or a backend that cannot run the recipe
+            here; the message names the backends that can.
+    """
+    recipe = FP8Recipe.of(recipe)
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown FP8 backend {backend!r}; use one of {', '.join(BACKENDS)}.")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "emulated":
+        return "emulated"
+    if backend == "auto":
+        if device == "cpu":
+            return "emulated"
+        if not grouped and recipe.name in _TE_RECIPES and _te.available() and _te.supports(recipe)[0]:
+            return "te"
+        if recipe.name in ("tensorwise", "rowwise") and cuda_capability() is not None and cuda_capability() >= (9, 0):
+            return "torch"
+        return "emulated"
+    if backend == "torch":
+        if recipe.name not in _TORCH_RECIPES:
+            alt = "backend='te' (Transformer Engine" + (", Blackwell sm100+)" if recipe.name in ("mxfp8", "nvfp4") else ")")
+            raise ValueError(
+                f"FP8 recipe {recipe.name!r} has no native torch kernel; use {alt} or backend='emulated'."
+            )
+        problem = "backend='torch' runs on CUDA only; this plugin targets the CPU" if device == "cpu" else None
+        problem = problem or _torch_backend_problem(recipe, grouped)
+        if problem:
+            raise ValueError(f"{problem}. Use backend='emulated'" + (" or backend='te'." if not grouped else "."))
+        return "torch"
+    # backend == "te"
+    if grouped:
+        raise ValueError(
+            "Transformer Engine quantizes grouped experts only inside te.GroupedLinear "
+            "(MoEConfig(expert_backend='te')); for grouped_mm experts use backend 'torch' or 'emulated'."
+        )
+    if recipe.name not in _TE_RECIPES:
+        raise ValueError(
+            f"Transformer Engine has no {recipe.name!r} recipe; use backend='torch' (Hopper sm90+) "
+            "or backend='emulated', or recipe 'tensorwise' / 'blockwise' with TE."
+        )
+    if not _te.available():
+        raise ValueError(
+            "backend='te' needs Transformer Engine, which is not installed: "
+            "`pip install lightning-moe[te]` (or transformer_engine[pytorch]). " + _te.import_error()
+        )
+    if device == "cpu":
+        raise ValueError("backend='te' runs on CUDA only; use backend='emulated' on the CPU.")
+    ok, reason = _te.supports(recipe)
+    if not ok:
+        can = ["emulated"]
+        if recipe.name in _TORCH_RECIPES and _torch_backend_problem(recipe, grouped=False) is None:
+            can.insert(0, "torch")
+        raise ValueError(
+            f"Transformer Engine cannot run the {recipe.name!r} recipe on this GPU: {reason} "
+            f"Backends that can: {', '.join(repr(b) for b in can)}."
+        )
+    return "te"

@@ -1,0 +1,158 @@
+"""The "torch" backend: FP8 GEMMs on ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``.
+
+CUDA only (tensorwise sm89+, rowwise and grouped sm90+; `resolve_backend` checks). Operands
+are quantized exactly as in the emulated backend (same tiles and scales; torch's saturating
+float8 cast instead of the reference rounding, bit-identical), then:
+
+- ``_scaled_mm(a [M, K] row-major, b [K, N] column-major, scale_a, scale_b)``: tensorwise
+  scales are fp32 scalars, rowwise ``[M, 1]`` and ``[1, N]``; the contraction must be a
+  multiple of 16 (the token dimension is zero-padded for the weight gradient);
+- ``_scaled_grouped_mm`` (rowwise only): 2-D x 3-D ``x [R, K]`` with ``w [E, K, N]``
+  column-major per expert, scales ``[R]`` and ``[E, N]``; 2-D x 2-D for the weight
+  gradient, groups along the contraction, scales ``[E * K]`` and ``[E * N]`` (group-major).
+  Tensorwise / delayed per-expert scales are expanded to rows. The grouped kernels take
+  E4M3 only, so gradients are E4M3 here whatever the recipe's format.
+
+fprop uses fast accumulation, dgrad / wgrad split accumulation (TE's defaults).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_moe.precision.delayed import DelayedState
+from lightning_moe.precision.formats import E4M3
+from lightning_moe.precision.gemm import compute_dtype, no_autocast
+from lightning_moe.precision.operands import Layout, quantize_operand
+from lightning_moe.precision.quantize import Axis
+from lightning_moe.precision.recipes import FP8Recipe
+
+_ALIGN = 16
+
+
+def _pad_fp8(q: Tensor, multiple: int = _ALIGN) -> Tensor:
+    """Zero-pad the last dimension of a float8 tensor (zero bits are +0.0 in E4M3 / E5M2)."""
+    pad = (-q.shape[-1]) % multiple
+    return F.pad(q.view(torch.uint8), (0, pad)).view(q.dtype) if pad else q
+
+
+def _column_major(q: Tensor) -> Tensor:
+    """Same values, column-major storage (``_scaled_mm``'s second operand)."""
+    return q.t().contiguous().t()
+
+
+def _mm(a: Tensor, sa: Tensor, b_rows: Tensor, sb: Tensor, out_dtype: torch.dtype, fast: bool) -> Tensor:
+    """``a @ b_rows.T`` where both are laid out ``[other, contraction]`` (row-major)."""
+    rowwise = sa.numel() > 1 or sb.numel() > 1
+    dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
+    out = torch._scaled_mm(a, b_rows.t(), scale_a=sa.reshape(-1, 1) if rowwise else sa.reshape(()),
+                           scale_b=sb.reshape(1, -1) if rowwise else sb.reshape(()), out_dtype=dtype,
+                           use_fast_accum=fast)
+    return out.to(out_dtype)
+
+
+class _ScaledLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
+                state: Optional[DelayedState]) -> Tensor:
+        out_dtype = compute_dtype(x)
+        with no_autocast(x):
+            x2 = x.reshape(-1, x.shape[-1])
+            qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
+            qw, sw, _, _ = quantize_operand(weight, recipe, "weight", state=state, native=True)
+            y = _mm(qx, sx, qw, sw, out_dtype, fast=True)
+            if bias is not None:
+                y = y + bias.to(out_dtype)
+        tensorwise = recipe.tile("input") == (None, None)
+        # Tensorwise quantization does not depend on direction: keep the FP8 copies.
+        ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
+        ctx.tensorwise, ctx.recipe, ctx.state = tensorwise, recipe, state
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
+        recipe, state = ctx.recipe, ctx.state
+        with no_autocast(dy):
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
+            if ctx.tensorwise:
+                qx, sx, qw, sw = ctx.saved_tensors
+                qw_t, sw_t = qw.t().contiguous(), sw
+                qdy_t, sdy_t, qx_t, sx_t = qdy.t().contiguous(), sdy, qx.t().contiguous(), sx
+            else:
+                x2, weight = ctx.saved_tensors
+                qw_t, sw_t, _, _ = quantize_operand(weight.t(), recipe, "weight", state=state, native=True)
+                qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
+                qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
+            dx = _mm(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=False)
+            dw = _mm(_pad_fp8(qdy_t), sdy_t, _pad_fp8(qx_t), sx_t, ctx.w_dtype, fast=False)
+            db = None if ctx.bias_dtype is None else dy2.float().sum(0).to(ctx.bias_dtype)
+        return dx.reshape(ctx.x_shape), dw, db, None, None
+
+
+def scaled_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
+                  state: Optional[DelayedState]) -> Tensor:
+    return _ScaledLinear.apply(x, weight, bias, recipe, state)
+
+
+def _per_row(scale_inv: Tensor, rows: Axis) -> Tensor:
+    """Per-row scales of an operand quantized with whole-row tiles (rowwise or per group)."""
+    return scale_inv[:, 0].index_select(0, rows.ids).contiguous()
+
+
+def _per_group_rows(scale_inv: Tensor, rows: Axis, groups: int) -> Tensor:
+    """``[groups * P]`` group-major scales of an operand tiled per (row, group of columns)."""
+    per_row = scale_inv.index_select(0, rows.ids)  # [P, groups + 1 (tail)]
+    return per_row[:, :groups].t().contiguous().reshape(-1)
+
+
+class _ScaledGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
+                state: Optional[DelayedState]) -> Tensor:
+        out_dtype = compute_dtype(x)
+        experts, k, n = w.shape
+        with no_autocast(x):
+            qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
+            qw, sw, rw, _ = quantize_operand(w.transpose(1, 2).reshape(experts * n, k), recipe, "weight",
+                                             Layout(batch=experts), state, True, E4M3)
+            y = torch._scaled_grouped_mm(qx, qw.view(experts, n, k).transpose(1, 2), _per_row(sx, rx),
+                                         _per_row(sw, rw).view(experts, n), offs=offsets,
+                                         out_dtype=torch.bfloat16, use_fast_accum=True)
+        ctx.save_for_backward(x, w, offsets)
+        ctx.recipe, ctx.state = recipe, state
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, w, offsets = ctx.saved_tensors
+        recipe, state = ctx.recipe, ctx.state
+        experts, k, n = w.shape
+        torch._assert_async((offsets % _ALIGN == 0).all(),
+                            "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
+        with no_autocast(dy):
+            dy = dy.contiguous()
+            qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
+            qw, sw, rw, _ = quantize_operand(w.reshape(experts * k, n), recipe, "weight", Layout(batch=experts),
+                                             state, True, E4M3)
+            dx = torch._scaled_grouped_mm(qdy, qw.view(experts, k, n).transpose(1, 2), _per_row(sdy, rdy),
+                                          _per_row(sw, rw).view(experts, k), offs=offsets,
+                                          out_dtype=torch.bfloat16, use_fast_accum=False)
+            cols = Layout(col_offsets=offsets)
+            qx_t, sx_t, rx_t, _ = quantize_operand(x.t(), recipe, "input", cols, state, True, E4M3)
+            qdy_t, sdy_t, rdy_t, _ = quantize_operand(dy.t(), recipe, "grad", cols, state, True, E4M3)
+            dw = torch._scaled_grouped_mm(qx_t, qdy_t.t(), _per_group_rows(sx_t, rx_t, experts),
+                                          _per_group_rows(sdy_t, rdy_t, experts), offs=offsets,
+                                          out_dtype=torch.bfloat16, use_fast_accum=False)
+        return dx.to(x.dtype), dw.to(w.dtype), None, None, None
+
+
+def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
+                      state: Optional[DelayedState]) -> Tensor:
+    return _ScaledGroupedMM.apply(x, w, offsets, recipe, state)

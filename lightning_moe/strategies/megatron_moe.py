@@ -1,0 +1,380 @@
+"""`MegatronMoEStrategy`: Megatron-Core's MoE parallelism (Parallel Folding) as a Lightning Strategy."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_moe.layout import ParallelLayout
+from lightning_moe.parallel import checkpoint as ckpt
+from lightning_moe.parallel.fsdp import (
+    expert_params,
+    is_fsdp_managed,
+    mixed_precision_policy,
+    moe_layers,
+    moe_replicated_params,
+    shard_dense,
+    shard_experts,
+)
+from lightning_moe.parallel.gradients import all_reduce_grads, clip_grads_by_global_norm, scale_grads
+from lightning_moe.parallel.tensor_parallel import apply_dense_tensor_parallel, apply_moe_token_split
+
+ShardingMode = Literal["fsdp", "ddp"]
+
+
+class MegatronMoEStrategy(ModelParallelStrategy):
+    """Expert, tensor and data parallelism with FSDP2 for an ordinary LightningModule with MoELayers.
+
+    Attention/dense layers use the grid TP x CP x DP, MoE layers ETP x EP x EDP over the same
+    ranks (Megatron-Core's Parallel Folding, rank order ``tp-cp-ep-dp-pp``).
+
+    Args:
+        tensor_parallel_size: TP for dense layers (needs the module's ``tensor_parallel_plan``).
+        context_parallel_size: CP (accepted by the layout; execution not implemented yet: raises).
+        pipeline_parallel_size: PP (accepted by the layout; execution not implemented yet: raises).
+        expert_parallel_size: EP, experts split over this many ranks (folded over TP x CP x DP).
+        expert_tensor_parallel_size: ETP, each expert's weights split over this many ranks.
+        data_parallel_size: "auto" (derived) or an explicit DP that must match the world size.
+        sharding: "fsdp" (FSDP2 over DP x CP) or "ddp" (replicated, all-reduced) for dense params.
+        expert_sharding: "fsdp" (FSDP2 over EDP) or "ddp" for expert params.
+        sequence_parallel: with TP > 1, keep activations between layers sharded over the sequence.
+        token_dispatcher: "alltoall" | "allgather" | None (None: each layer's config decides).
+        reshard_after_forward: FSDP2 ``reshard_after_forward`` for transformer blocks and experts.
+        print_layout: print the layout/backends table once on rank 0.
+        process_group_backend / timeout: passed to ``init_process_group``.
+    """
+
+    strategy_name = "megatron_moe"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        sharding: ShardingMode = "fsdp",
+        expert_sharding: ShardingMode = "fsdp",
+        sequence_parallel: bool = True,
+        token_dispatcher: Optional[Literal["alltoall", "allgather"]] = None,
+        reshard_after_forward: bool = True,
+        print_layout: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = timedelta(minutes=30),
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        for name, value in (("sharding", sharding), ("expert_sharding", expert_sharding)):
+            if value not in ("fsdp", "ddp"):
+                raise ValueError(f"{name}={value!r}: choose 'fsdp' or 'ddp'.")
+        if token_dispatcher not in (None, "alltoall", "allgather"):
+            raise ValueError(f"token_dispatcher={token_dispatcher!r}: choose 'alltoall', 'allgather' or None.")
+        self.sizes = dict(
+            tensor_parallel_size=tensor_parallel_size,
+            context_parallel_size=context_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            expert_parallel_size=expert_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+        )
+        self.sharding = sharding
+        self.expert_sharding = expert_sharding
+        self.sequence_parallel = sequence_parallel
+        self.token_dispatcher = token_dispatcher
+        self.reshard_after_forward = reshard_after_forward
+        self.print_layout = print_layout
+        self._layout: Optional[ParallelLayout] = None
+        self._parallelized = False
+        self._dense_fsdp = False
+        self._experts_fsdp = False
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        self._crash_hook: Optional[Callable[[str], None]] = None  # tests simulate crashes
+
+    # ------------------------------------------------------------------ layout and groups
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            raise RuntimeError("The layout exists once the Trainer has set up the strategy (setup_environment).")
+        return self._layout
+
+    def _build_layout(self, world_size: int) -> ParallelLayout:
+        """Validate sizes (and the module's constraints when it declares them), no collectives."""
+        constraints: dict[str, Any] = {}
+        declare = getattr(self.lightning_module, "parallel_constraints", None)
+        if callable(declare):
+            constraints = dict(declare())
+        layout = ParallelLayout(world_size=world_size, **self.sizes, **constraints)
+        if layout.pipeline_parallel_size > 1:
+            raise ValueError(
+                "pipeline_parallel_size > 1 is accepted by ParallelLayout but pipeline execution is not "
+                "implemented in MegatronMoEStrategy yet: set pipeline_parallel_size=1 (use EP/TP/FSDP)."
+            )
+        if layout.context_parallel_size > 1:
+            raise ValueError(
+                "context_parallel_size > 1 is accepted by ParallelLayout but context-parallel attention is "
+                "not implemented in MegatronMoEStrategy yet: set context_parallel_size=1."
+            )
+        return layout
+
+    @override
+    def setup_environment(self) -> None:
+        # Validate the layout before any process-group work: a bad size fails on every rank
+        # with the same message instead of hanging in a collective.
+        self._layout = self._build_layout(self.num_nodes * self.num_processes)
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        self._layout.build_meshes(self.root_device.type)
+        self._device_mesh = self._layout.dense_mesh
+        self._data_parallel_size = self._layout.data_parallel_size
+        self._tensor_parallel_size = self._layout.tensor_parallel_size
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _group(self, mesh_name: str) -> Optional[dist.ProcessGroup]:
+        mesh = self.layout.mesh(mesh_name)
+        return mesh.get_group() if mesh.size() > 1 else None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """DP rank and size: TP/CP/EP peers of one DP replica read the same batch."""
+        rank = dist.get_rank() if _distributed_is_initialized() else 0
+        return {
+            "num_replicas": self.layout.data_parallel_size,
+            "rank": self.layout.rank_in_group("dp", rank),
+        }
+
+    # ------------------------------------------------------------------ parallelization
+    @override
+    def setup(self, trainer: "Any") -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not self._parallelized:
+            self._parallelize(self.model, trainer)
+            self._parallelized = True
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        for layer in moe_layers(self.model):
+            layer.router.float()  # router weight and state stay fp32 under any precision (bf16-true too)
+        self._install_global_norm_clipping()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if self.print_layout and self.global_rank == 0:
+            self.layout.print_summary(self.backend_summary())
+
+    def _parallelize(self, model: torch.nn.Module, trainer: Any) -> None:
+        layout = self.layout
+        layers = moe_layers(model)
+        self._validate_model(model, layers)
+        accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1)))
+        tp = layout.tensor_parallel_size
+        stage_group = self._group("stage")
+        for layer in layers:
+            # Aux-loss gradients are injected per micro-batch; Lightning divides the task loss by
+            # the accumulation count, so the aux losses get the same 1/N (Megatron's auto-scaler).
+            layer.router.aux_loss_scale = 1.0 / accumulate
+            layer.router.sequence_parallel_group = self._group("tp") if tp > 1 else None
+            layer.router.global_aux_loss_group = stage_group
+        if layout.expert_parallel_size > 1 or layout.expert_tensor_parallel_size > 1:
+            from lightning_moe.parallel.expert_parallel import expert_parallel_layer
+
+            ep_mesh = layout.expert_mesh["ep", "etp"] if layout.expert_tensor_parallel_size > 1 else layout.mesh("ep")
+            for layer in layers:
+                expert_parallel_layer(layer, ep_mesh, self.token_dispatcher or layer.config.token_dispatcher_type)
+        if tp > 1:
+            owner = apply_dense_tensor_parallel(model, layout.mesh("tp"), self.sequence_parallel)
+            if owner is None:
+                raise ValueError(
+                    "tensor_parallel_size > 1 needs a module with a `tensor_parallel_plan(sequence_parallel)` "
+                    "method returning torch ParallelStyles for its dense layers (the reference MoEDecoder has one)."
+                )
+            for layer in layers:
+                apply_moe_token_split(layer, layout.mesh("tp"), self.sequence_parallel)
+        precision = str(trainer.precision) if trainer is not None else "32-true"
+        mp_policy = mixed_precision_policy(precision)
+        if self.expert_sharding == "fsdp" and layers and layout.expert_data_parallel_size > 1:
+            shard_experts(model, layout.mesh("edp"), mp_policy, self.reshard_after_forward)
+            self._experts_fsdp = True
+        if self.sharding == "fsdp" and layout.data_parallel_size > 1:
+            shard_dense(model, layout.mesh("dp"), mp_policy, self.reshard_after_forward, moe_replicated_params(model))
+            self._dense_fsdp = True
+
+    def _validate_model(self, model: torch.nn.Module, layers: list) -> None:
+        layout = self.layout
+        for layer in layers:
+            cfg = layer.config
+            if cfg.num_experts % layout.expert_parallel_size:
+                raise ValueError(
+                    f"expert_parallel_size={layout.expert_parallel_size} does not divide num_experts="
+                    f"{cfg.num_experts}: choose an EP that divides the expert count."
+                )
+            if cfg.ffn_hidden_size % layout.expert_tensor_parallel_size:
+                raise ValueError(
+                    f"expert_tensor_parallel_size={layout.expert_tensor_parallel_size} does not divide the "
+                    f"expert ffn_hidden_size={cfg.ffn_hidden_size}."
+                )
+        if (layout.expert_parallel_size > 1 or layout.expert_tensor_parallel_size > 1) and not layers:
+            raise ValueError("expert_parallel_size > 1 but the module has no MoELayer: use EP=1.")
+
+    def backend_summary(self) -> dict[str, str]:
+        """Kernels and backends in use, for the layout table."""
+        out: dict[str, str] = {}
+        layers = moe_layers(self.model) if self.model is not None else []
+        if layers:
+            out["expert GEMM"] = layers[0].experts.backend
+            out["token dispatch"] = layers[0].dispatcher.describe()
+        out["dense params"] = f"{self.sharding} over DP" if self.layout.data_parallel_size > 1 else "replicated (DP=1)"
+        out["expert params"] = (
+            f"{self.expert_sharding} over EDP" if self.layout.expert_data_parallel_size > 1 else "local (EDP=1)"
+        )
+        out["process group"] = str(self._process_group_backend)
+        describe = getattr(self.precision_plugin, "backend_description", None)
+        out["precision"] = describe() if callable(describe) else type(self.precision_plugin).__name__
+        return out
+
+    # ------------------------------------------------------------------ gradients
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self.finalize_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    def finalize_gradients(self) -> None:
+        """After the step's last backward: reduce what FSDP did not, scale experts, update biases."""
+        model = self.model
+        assert model is not None
+        layout = self.layout
+        dp_cp = layout.data_parallel_size * layout.context_parallel_size
+        replicated = moe_replicated_params(model)
+        # Router/shared experts: distinct tokens on every rank of the stage -> sum / (DP x CP).
+        all_reduce_grads(replicated, self._group("stage"), scale=1.0 / dp_cp)
+        if not self._dense_fsdp:
+            excluded = set(replicated) | set(expert_params(model))
+            dense = [p for p in model.parameters() if p not in excluded]
+            all_reduce_grads(dense, self._group("dp"), scale=1.0 / layout.data_parallel_size)
+        experts = expert_params(model)
+        if self._experts_fsdp:
+            scale_grads(experts, layout.expert_data_parallel_size / dp_cp)
+        else:
+            all_reduce_grads(experts, self._group("edp"), scale=1.0 / dp_cp)
+        self._update_expert_bias(model)
+
+    def _update_expert_bias(self, model: torch.nn.Module) -> None:
+        layers = [layer for layer in moe_layers(model) if layer.router.expert_bias is not None]
+        if not layers:
+            return
+        counts = torch.stack([layer.router.local_tokens_per_expert for layer in layers])
+        group = self._group("stage")  # ranks that routed distinct tokens: dp x cp x tp
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        for layer, layer_counts in zip(layers, counts):
+            layer.router.update_expert_bias(layer_counts)
+
+    def _install_global_norm_clipping(self) -> None:
+        """Route Lightning's norm clipping to one norm over both meshes.
+
+        Lightning clips with ``torch.nn.utils.clip_grad_norm_``, which cannot combine DTensors
+        of different meshes (dense vs expert) into one norm; the precision plugin's hook is
+        replaced on this instance by :func:`clip_grads_by_global_norm`.
+        """
+        plugin = self.precision_plugin
+        strategy = self
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float], **_: Any) -> None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            strategy.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("MegatronMoEStrategy.save_checkpoint does not take storage_options.")
+        path = Path(self.broadcast(str(filepath)))
+        sharded = {"state_dict": checkpoint.pop("state_dict")}
+        for idx, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            sharded[f"optimizer_{idx}"] = state
+        meta = dict(checkpoint)
+        meta["lightning_moe_layout"] = repr(self.layout)
+        ckpt.save_distributed(sharded, meta, path, crash_hook=self._crash_hook)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        assert self.model is not None
+        options = StateDictOptions(strict=self.lightning_module.strict_loading)
+        sharded: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        for idx, optimizer in enumerate(self.optimizers):
+            sharded[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
+        meta = ckpt.load_distributed(sharded, path)
+        set_model_state_dict(self.model, sharded["state_dict"], options=options)
+        for idx, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, sharded[f"optimizer_{idx}"], options=options)
+        return meta
+
+    def export_consolidated(self, path: Union[str, Path]) -> None:
+        """Write the full (unsharded) model state dict to one file, atomically, from rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        ckpt.save_consolidated(state, Path(path))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Megatron-Core MoE parallelism (lightning_moe)")
