@@ -167,6 +167,19 @@ class MoELanguageModel(LightningModule):
         for moe in self.model.moe_layers():
             moe.router.aux_loss_scale = scale
 
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        # MegatronMoEStrategy updates expert biases itself (after reducing counts over the ranks
+        # that routed distinct tokens); under any other strategy every rank holds the whole
+        # model and routes its own batch, so the counts are summed over the world here.
+        if getattr(self.trainer.strategy, "owns_router_updates", False):
+            return
+        for moe in self.model.moe_layers():
+            router = moe.router
+            if router.expert_bias is not None:
+                counts = self.trainer.strategy.reduce(router.local_tokens_per_expert.clone(), reduce_op="sum")
+                router.update_expert_bias(counts)
+            router.reset_step_state()
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.model.loss(batch["input_ids"], batch["labels"])
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)

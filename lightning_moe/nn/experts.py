@@ -116,6 +116,19 @@ class GroupedExperts(nn.Module):
         )
 
 
+class _NormalInitLinear(nn.Linear):
+    """Bias-free linear whose ``reset_parameters`` draws N(0, std) (Megatron's init), so that
+    materializing a meta-device model (which calls every module's ``reset_parameters``) keeps
+    the MoE initialisation instead of nn.Linear's Kaiming default."""
+
+    def __init__(self, in_features: int, out_features: int, std: float) -> None:
+        self.init_std = std
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
 class SharedExperts(nn.Module):
     """A dense MLP every token passes through (DeepSeek / Qwen2-MoE shared experts).
 
@@ -137,14 +150,14 @@ class SharedExperts(nn.Module):
         self.init_std = init_std
         self.output_init_std = init_std if output_init_std is None else output_init_std
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
-        self.linear_fc1 = nn.Linear(hidden_size, fc1_out, bias=False)
-        self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        self.linear_fc1 = _NormalInitLinear(hidden_size, fc1_out, self.init_std)
+        self.linear_fc2 = _NormalInitLinear(ffn_hidden_size, hidden_size, self.output_init_std)
         self.gate_weight = nn.Parameter(torch.empty(1, hidden_size)) if gate else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.linear_fc1.weight, std=self.init_std)
-        nn.init.normal_(self.linear_fc2.weight, std=self.output_init_std)
+        self.linear_fc1.reset_parameters()
+        self.linear_fc2.reset_parameters()
         if self.gate_weight is not None:
             nn.init.normal_(self.gate_weight, std=self.init_std)
 

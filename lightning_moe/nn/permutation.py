@@ -78,7 +78,9 @@ def plan_permutation(
         # Dropped assignments get the sentinel expert E so that they sort to the end.
         flat_expert_N = torch.where(keep_TK.reshape(-1), flat_expert_N, num_experts)
     order_N = torch.argsort(flat_expert_N, stable=True)
-    counts = torch.bincount(flat_expert_N, minlength=num_experts + 1)
+    # scatter_add, not bincount: bincount reads the maximum back to the host on CUDA.
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat_expert_N, torch.ones_like(flat_expert_N))
     tokens_per_expert_E = counts[:num_experts]
 
     if pad_to_capacity:

@@ -1,7 +1,9 @@
 """Building blocks of the expert-parallel dispatchers: row regrouping and autograd collectives.
 
 Everything here is sync-free: index arithmetic runs on the device from sizes the caller
-already holds on the host, and the collectives take Python split sizes.
+already holds on the host, and the collectives take Python split sizes. The collectives are
+small autograd functions over the c10d ops (no functional-collective wrapper tensors), so their
+outputs are plain tensors that custom kernels can read directly.
 """
 
 from __future__ import annotations
@@ -10,18 +12,14 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from lightning_moe.nn.aux_losses import group_size
 from lightning_moe.nn.permutation import _with_zero_row
 
-# torch >= 2.13 renamed the tensor-form collectives to "*_single"; older releases keep the old names.
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-_reduce_scatter_autograd = (
-    getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
-)
+# torch >= 2.13 names the tensor-form collectives "*_single"; older releases only have the old names.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
@@ -82,16 +80,66 @@ def exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     return torch.cumsum(x, dim) - x
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (input_splits, output_splits), group
+        out = x_ND.new_empty((sum(output_splits), *x_ND.shape[1:]))
+        dist.all_to_all_single(out, x_ND.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_MD: Tensor):
+        input_splits, output_splits = ctx.splits
+        grad_x = grad_MD.new_empty((sum(input_splits), *grad_MD.shape[1:]))
+        dist.all_to_all_single(grad_x, grad_MD.contiguous(), input_splits, output_splits, group=ctx.group)
+        return grad_x, None, None, None
+
+
+def _gather_into(x: Tensor, group) -> Tensor:
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    _all_gather_into(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x: Tensor, group) -> Tensor:
+    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
+    _reduce_scatter_into(out, x.contiguous(), group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _gather_into(x_ND, group)
+
+    @staticmethod
+    def backward(ctx, grad_MD: Tensor):
+        return _reduce_scatter(grad_MD, ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _reduce_scatter(x_ND, group)
+
+    @staticmethod
+    def backward(ctx, grad_MD: Tensor):
+        return _gather_into(grad_MD, ctx.group), None
+
+
 def all_to_all_rows(
     x_ND: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
 ) -> Tensor:
     """Uneven all-to-all of rows; its backward is the all-to-all with the splits swapped."""
-    return funcol.all_to_all_single_autograd(x_ND.contiguous(), output_splits, input_splits, group)
+    return _AllToAll.apply(x_ND, output_splits, input_splits, group)
 
 
 def all_gather_rows(x_ND: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Concatenate every rank's equal-sized rows in group-rank order; backward: reduce-scatter (sum)."""
-    return _all_gather_autograd(x_ND.contiguous(), 0, group)
+    return _AllGather.apply(x_ND, group)
 
 
 def reduce_scatter_rows(x_ND: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -100,12 +148,9 @@ def reduce_scatter_rows(x_ND: Tensor, group: dist.ProcessGroup) -> Tensor:
     Low-precision inputs are reduced in fp32 (as Megatron does for expert outputs) and cast back.
     """
     dtype = x_ND.dtype
-    acc = x_ND.to(torch.promote_types(dtype, torch.float32)).contiguous()
-    return _reduce_scatter_autograd(acc, "sum", 0, group).to(dtype)
+    return _ReduceScatter.apply(x_ND.to(torch.promote_types(dtype, torch.float32)), group).to(dtype)
 
 
 def all_gather_plain(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Non-differentiable all-gather along dim 0 (routing metadata, token counts)."""
-    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    _all_gather_into(out, x.contiguous(), group=group)
-    return out
+    return _gather_into(x, group)

@@ -23,7 +23,9 @@ first and shards each, so rank ``t``'s local tensor is ``[gate_t | up_t]`` (the 
 that two-piece local shard as one chunk (DCP rejects it as overlapping); save and load the gated
 fc1 through :func:`gated_fc1_checkpoint_view`, a zero-copy ``[E, D, 2, F]`` view whose
 placements DTensor derives as ``Shard(0), Shard(3)`` (one contiguous chunk per rank, the same
-global tensor under every EP/ETP layout).
+global tensor under every EP/ETP layout). DTensor redistributes (``full_tensor``, views, DCP) such
+a standalone ``_StridedShard`` from torch 2.13 on; torch 2.11 trains with it (forward, backward,
+optimizer, norms) but cannot gather or checkpoint it.
 
 Gradients: the dispatchers' backward brings every EP x ETP peer's tokens into each expert shard's
 gradient, so expert gradients are complete for the block and must be reduced (averaged with the
@@ -33,9 +35,11 @@ replicated, plain parameters whose gradients depend on the local tokens only, li
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal, Optional
 
 import torch
+from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
@@ -45,6 +49,8 @@ from lightning_moe.nn.moe_layer import MoELayer
 from lightning_moe.parallel.dispatchers import AllGatherDispatcher, AllToAllDispatcher
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+#: Whether DTensor can redistribute the SwiGLU fc1 placement under ETP (full_tensor, DCP views).
+STRIDED_SHARD_REDISTRIBUTES = bool(RequirementCache("torch>=2.13"))
 
 
 def expert_placements(with_etp: bool, gated: bool) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
@@ -134,6 +140,13 @@ def expert_parallel_layer(
         raise ValueError(
             f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by expert_tensor_parallel_size={etp_size}: "
             "choose an ETP size dividing the expert FFN size."
+        )
+    if mesh.ndim == 2 and cfg.is_gated and not STRIDED_SHARD_REDISTRIBUTES:
+        warnings.warn(
+            "SwiGLU experts under expert tensor parallelism train on this torch version, but their fc1 "
+            "weights cannot be gathered or checkpointed (DTensor _StridedShard redistribution needs "
+            "torch>=2.13): upgrade torch before saving checkpoints.",
+            stacklevel=2,
         )
     fc1_placements, fc2_placements = expert_placements(mesh.ndim == 2, cfg.is_gated)
     experts.fc1_weight = _distribute(experts.fc1_weight, mesh, fc1_placements)

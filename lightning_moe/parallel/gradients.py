@@ -65,6 +65,24 @@ def all_reduce_grads(
 
 
 @torch.no_grad()
+def align_grad_placements(params: Iterable[torch.nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements.
+
+    Under tensor/sequence parallelism DTensor leaves the gradient of a replicated parameter
+    (e.g. a norm weight seeing a sequence shard) as ``Partial`` and that of a row-parallel
+    embedding as ``Replicate``. The optimizer would redistribute them implicitly on every
+    read (one all-reduce per read); doing it once here also makes the local shards the ones
+    the global norm must count.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+@torch.no_grad()
 def scale_grads(params: Iterable[torch.nn.Parameter], factor: float) -> None:
     grads = [_local(g) for g in grads_of(params)]
     if grads and factor != 1.0:
@@ -78,7 +96,12 @@ def _shard_groups(t: Tensor) -> list[dist.ProcessGroup]:
     if not isinstance(t, DTensor):
         return []
     mesh = t.device_mesh
-    return [mesh.get_group(i) for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    # FSDP2 on top of TP/EP shards with `_StridedShard`, which is not a `Shard` subclass.
+    return [
+        mesh.get_group(i)
+        for i, p in enumerate(t.placements)
+        if isinstance(p, Shard) or type(p).__name__ == "_StridedShard"
+    ]
 
 
 @torch.no_grad()

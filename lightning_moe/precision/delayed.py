@@ -1,7 +1,7 @@
 """Delayed scaling: per-module amax histories and their once-per-step update.
 
-Each FP8 module owning delayed-scaling state registers two non-persistent buffers (kept out
-of checkpoints so that FP8 on/off does not change the state dict):
+Each FP8 module owning delayed-scaling state has two non-persistent buffers (kept out of
+checkpoints so that FP8 on/off does not change the state dict), allocated at its first call:
 
 - ``fp8_amax_history [H, 3, G]``: row 0 accumulates this step's amax (max over micro-batches)
   of the GEMM inputs, weights and output gradients (slots 0, 1, 2) per token group G
@@ -37,15 +37,25 @@ class DelayedState(NamedTuple):
     scale: torch.Tensor  # [3, G]
 
 
-def register_delayed_buffers(module: nn.Module, recipe: FP8Recipe, groups: int = 1, device=None) -> None:
-    """Give ``module`` (non-persistent) delayed-scaling buffers for ``groups`` token groups."""
-    module.register_buffer(
-        "fp8_amax_history", torch.zeros(recipe.amax_history_len, len(ROLES), groups, device=device), persistent=False
-    )
-    module.register_buffer("fp8_scale", torch.zeros(len(ROLES), groups, device=device), persistent=False)
+def register_delayed_buffers(module: nn.Module) -> None:
+    """Declare ``module``'s (non-persistent) delayed-scaling buffers; `ensure_delayed_state`
+    allocates them at the first call, on the weights' device and with the local number of
+    groups (meta-device initialization, ``to_empty`` and expert sharding happen before that)."""
+    module.register_buffer("fp8_amax_history", None, persistent=False)
+    module.register_buffer("fp8_scale", None, persistent=False)
+
+
+def ensure_delayed_state(module: nn.Module, recipe: FP8Recipe, groups: int, device: torch.device) -> DelayedState:
+    """``module``'s delayed-scaling state for ``groups`` token groups, allocated (zeros: no
+    history yet) when missing or sized for another group count."""
+    if module.fp8_scale is None or module.fp8_scale.shape[1] != groups:
+        module.fp8_amax_history = torch.zeros(recipe.amax_history_len, len(ROLES), groups, device=device)
+        module.fp8_scale = torch.zeros(len(ROLES), groups, device=device)
+    return DelayedState(module.fp8_amax_history, module.fp8_scale)
 
 
 def delayed_state(module: nn.Module) -> Optional[DelayedState]:
+    """``module``'s allocated delayed-scaling state, if any."""
     history = getattr(module, "fp8_amax_history", None)
     return None if history is None else DelayedState(history, module.fp8_scale)
 

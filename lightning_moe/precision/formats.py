@@ -65,13 +65,19 @@ def round_to_format(x: torch.Tensor, fmt: FloatFormat, rand: Optional[torch.Tens
     """
     x = x.float()
     a = x.abs().clamp(max=fmt.max)  # saturate (inf -> max); NaN passes through clamp
-    _, exp = torch.frexp(a)  # a = m * 2**exp, m in [0.5, 1): floor(log2 a) = exp - 1
-    quantum_exp = torch.clamp(exp - 1, min=fmt.min_exp) - fmt.mantissa_bits
-    steps = torch.ldexp(a, -quantum_exp)  # exact: a power-of-two rescale
+    # floor(log2(a)) from the fp32 exponent field (0 and fp32 subnormals land below min_exp)
+    exp = ((a.view(torch.int32) >> 23) & 0xFF) - 127
+    quantum_exp = torch.clamp(exp, min=fmt.min_exp) - fmt.mantissa_bits  # grid spacing 2**quantum_exp
+    steps = a * _pow2(-quantum_exp)  # exact: a power-of-two rescale
     if rand is None:
         steps = torch.round(steps)  # round half to even
     else:
         low = torch.floor(steps)
         steps = low + (rand < (steps - low)).to(steps.dtype)
-    y = torch.ldexp(steps, quantum_exp).clamp(max=fmt.max)
-    return torch.copysign(y, x)
+    # a <= max and max lies on the grid, so rounding cannot exceed max
+    return torch.copysign(steps * _pow2(quantum_exp), x)
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2.0**k`` for int32 ``k`` in fp32's normal range, built from the exponent bits."""
+    return ((k + 127) << 23).view(torch.float32)

@@ -12,9 +12,10 @@ for tensorwise / delayed scaling). Backends:
 - "torch": ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` (`scaled_mm`), CUDA only.
 - "te" works at module level only (`FP8Precision` swaps ``nn.Linear`` for ``te.Linear``).
 
-The saved activations are the high-precision inputs, as for ``nn.Linear`` (recipes that
-tile per direction must re-quantize them along the other axis anyway); their quantization
-is recomputed in backward.
+The emulated backend saves the fp32 dequantized operands for backward when their tiles are
+transpose-symmetric (tensorwise, delayed, 2-D weight tiles), else the high-precision inputs,
+which backward re-quantizes along the other axis (the weight-gradient GEMM contracts over
+tokens).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def _hadamard(recipe: FP8Recipe) -> bool:
 
 def _grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     """``torch._grouped_mm`` on dequantized fp32 operands (fp32 result)."""
-    if a.is_cuda:  # the CUDA kernel takes bf16 operands
-        return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offsets, out_dtype=torch.float32)
+    if a.is_cuda:  # the CUDA kernel takes bf16 operands (and returns bf16)
+        return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offsets).float()
     return torch._grouped_mm(a.contiguous(), b, offs=offsets)
 
 
@@ -60,35 +61,42 @@ class _EmulatedLinear(torch.autograd.Function):
         out_dtype = compute_dtype(x)
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
-            y = dequantized_operand(x2, recipe, "input", state=state) @ dequantized_operand(
-                weight, recipe, "weight", state=state).t()
+            x_q = dequantized_operand(x2, recipe, "input", state=state)
+            w_q = dequantized_operand(weight, recipe, "weight", state=state)
+            y = x_q @ w_q.t()
             if bias is not None:
                 y = y + bias.float()
-        ctx.save_for_backward(x, weight)
+        ctx.reuse_x, ctx.reuse_w = symmetric_tiles(recipe, "input"), symmetric_tiles(recipe, "weight")
+        ctx.save_for_backward(x_q if ctx.reuse_x else x2, w_q if ctx.reuse_w else weight)
         ctx.recipe, ctx.state, ctx.bias_dtype = recipe, state, None if bias is None else bias.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
-        x, weight = ctx.saved_tensors
-        recipe, state = ctx.recipe, ctx.state
+        x_saved, w_saved = ctx.saved_tensors
+        recipe, state, hadamard = ctx.recipe, ctx.state, _hadamard(ctx.recipe)
         with no_autocast(dy):
             dy2 = dy.reshape(-1, dy.shape[-1]).float()
             dy_q = dequantized_operand(dy2, recipe, "grad", state=state)
-            dx = dy_q @ dequantized_operand(weight.t(), recipe, "weight", state=state).t()
+            w_t = w_saved.t() if ctx.reuse_w else dequantized_operand(w_saved.t(), recipe, "weight", state=state)
+            dx = dy_q @ w_t.t()
             # wgrad contracts over tokens: padding them with zeros changes nothing and lets
             # NVFP4's Hadamard transform work on whole 16-token blocks.
-            multiple = NVFP4_BLOCK if _hadamard(recipe) else 1
+            multiple = NVFP4_BLOCK if hadamard else 1
             if symmetric_tiles(recipe, "grad"):
-                dy_t = pad_contraction(dy_q.t(), multiple)
+                dy_t = dy_q.t()
             else:
                 dy_t = dequantized_operand(pad_contraction(dy2.t(), multiple), recipe, "grad", state=state,
-                                           hadamard=_hadamard(recipe))
-            x_t = dequantized_operand(pad_contraction(x.reshape(-1, x.shape[-1]).t(), multiple), recipe, "input",
-                                      state=state, hadamard=_hadamard(recipe))
+                                           hadamard=hadamard)
+            if ctx.reuse_x:
+                x_t = x_saved.t()
+            else:
+                x_t = dequantized_operand(pad_contraction(x_saved.t(), multiple), recipe, "input", state=state,
+                                          hadamard=hadamard)
             dw = dy_t @ x_t.t()
             db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)
-        return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype), db, None, None
+        return dx.to(ctx.x_dtype).reshape(ctx.x_shape), dw.to(ctx.w_dtype), db, None, None
 
 
 class _EmulatedGroupedMM(torch.autograd.Function):
@@ -100,23 +108,27 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         with no_autocast(x):
             x_q = dequantized_operand(x, recipe, "input", Layout(row_offsets=offsets), state)
             w_q = dequantized_operand(w.transpose(1, 2).reshape(experts * n, k), recipe, "weight",
-                                      Layout(batch=experts), state)
-            y = _grouped_gemm(x_q, w_q.reshape(experts, n, k).transpose(1, 2), offsets)
-        ctx.save_for_backward(x, w, offsets)
-        ctx.recipe, ctx.state = recipe, state
+                                      Layout(batch=experts), state).reshape(experts, n, k).transpose(1, 2)
+            y = _grouped_gemm(x_q, w_q, offsets)
+        ctx.reuse_x, ctx.reuse_w = symmetric_tiles(recipe, "input"), symmetric_tiles(recipe, "weight")
+        ctx.save_for_backward(x_q if ctx.reuse_x else x, w_q if ctx.reuse_w else w, offsets)
+        ctx.recipe, ctx.state, ctx.x_dtype, ctx.w_dtype = recipe, state, x.dtype, w.dtype
         return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
-        x, w, offsets = ctx.saved_tensors
-        recipe, state = ctx.recipe, ctx.state
-        experts, k, n = w.shape
-        hadamard = _hadamard(recipe)
+        x_saved, w_saved, offsets = ctx.saved_tensors
+        recipe, state, hadamard = ctx.recipe, ctx.state, _hadamard(ctx.recipe)
+        experts, k, n = w_saved.shape
         with no_autocast(dy):
             dy = dy.float().contiguous()
             dy_q = dequantized_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state)
-            w_q = dequantized_operand(w.reshape(experts * k, n), recipe, "weight", Layout(batch=experts), state)
-            dx = _grouped_gemm(dy_q, w_q.reshape(experts, k, n).transpose(1, 2), offsets)
+            if ctx.reuse_w:
+                w_q = w_saved
+            else:
+                w_q = dequantized_operand(w_saved.reshape(experts * k, n), recipe, "weight", Layout(batch=experts),
+                                          state).reshape(experts, k, n)
+            dx = _grouped_gemm(dy_q, w_q.transpose(1, 2), offsets)
             multiple = 1
             if hadamard:  # Hadamard blocks of 16 tokens must not mix two experts' tokens
                 torch._assert_async((offsets % NVFP4_BLOCK == 0).all(),
@@ -124,12 +136,16 @@ class _EmulatedGroupedMM(torch.autograd.Function):
                 multiple = NVFP4_BLOCK
             cols = Layout(col_offsets=offsets)
             if symmetric_tiles(recipe, "grad"):
-                dy_t = pad_contraction(dy_q.t(), multiple)
+                dy_t = dy_q.t()
             else:
                 dy_t = dequantized_operand(pad_contraction(dy.t(), multiple), recipe, "grad", cols, state, hadamard)
-            x_t = dequantized_operand(pad_contraction(x.t(), multiple), recipe, "input", cols, state, hadamard)
+            if ctx.reuse_x:
+                x_t = x_saved.t()
+            else:
+                x_t = dequantized_operand(pad_contraction(x_saved.t(), multiple), recipe, "input", cols, state,
+                                          hadamard)
             dw = _grouped_gemm(x_t, dy_t.t().contiguous(), offsets)
-        return dx.to(x.dtype), dw.to(w.dtype), None, None, None
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
 
 
 def _backend(recipe: FP8Recipe, backend: str, x: Tensor, grouped: bool) -> str:

@@ -13,13 +13,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from torch import Tensor, nn
 
 from lightning_moe.precision import _te
-from lightning_moe.precision.delayed import delayed_state, register_delayed_buffers
+from lightning_moe.precision.delayed import ensure_delayed_state, register_delayed_buffers
 from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_linear
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
@@ -36,26 +37,48 @@ class FP8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: FP8Recipe | str = "tensorwise",
                  backend: str = "emulated", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe = FP8Recipe.of(recipe)
-        self.backend = backend
-        if self.recipe.name == "delayed":
-            register_delayed_buffers(self, self.recipe, groups=1, device=device)
+        self._set_fp8(FP8Recipe.of(recipe), backend)
+
+    def _set_fp8(self, recipe: FP8Recipe, backend: str) -> None:
+        self.recipe, self.backend = recipe, backend
+        if recipe.name == "delayed":
+            register_delayed_buffers(self)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe, backend: str) -> "FP8Linear":
-        """Wrap ``linear``'s own parameter objects (no copy, no re-initialization)."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe, backend, device="meta")
-        new.weight = linear.weight
-        new.bias = linear.bias
-        if recipe.name == "delayed":
-            register_delayed_buffers(new, recipe, groups=1, device=linear.weight.device)
-        return new
+    def convert(cls, linear: nn.Linear, recipe: FP8Recipe, backend: str) -> "FP8Linear":
+        """Make ``linear`` itself an FP8 linear, in place: same object, parameters, hooks and
+        ``reset_parameters`` (its class becomes a subclass of both ``FP8Linear`` and its own
+        class, as FSDP2's ``fully_shard`` does); `restore` undoes it."""
+        linear.__class__ = _fp8_class(type(linear))
+        linear._set_fp8(recipe, backend)
+        return linear
+
+    @staticmethod
+    def restore(linear: "FP8Linear") -> nn.Linear:
+        """Turn a converted linear back into its original class (high precision)."""
+        base = next(c for c in type(linear).__mro__ if c is not FP8Linear and not issubclass(c, FP8Linear))
+        for name in ("fp8_amax_history", "fp8_scale"):
+            linear._buffers.pop(name, None)
+            linear._non_persistent_buffers_set.discard(name)
+        del linear.recipe, linear.backend
+        linear.__class__ = base
+        return linear
 
     def forward(self, x: Tensor) -> Tensor:
-        return fp8_linear(x, self.weight, self.recipe, self.backend, self.bias, delayed_state(self))
+        state = None
+        if self.recipe.name == "delayed":
+            state = ensure_delayed_state(self, self.recipe, 1, self.weight.device)
+        return fp8_linear(x, self.weight, self.recipe, self.backend, self.bias, state)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_class(cls: type) -> type:
+    if cls is nn.Linear:
+        return FP8Linear
+    return type(f"FP8{cls.__name__}", (FP8Linear, cls), {"__module__": cls.__module__})
 
 
 class FP8GroupedGemm(nn.Module):
@@ -70,14 +93,13 @@ class FP8GroupedGemm(nn.Module):
         self.recipe = FP8Recipe.of(recipe)
         self.backend = backend
         if self.recipe.name == "delayed":
-            # Sized at the first call: under expert parallelism only the local experts' weights arrive here.
-            self.register_buffer("fp8_amax_history", None, persistent=False)
-            self.register_buffer("fp8_scale", None, persistent=False)
+            register_delayed_buffers(self)  # one history per local expert, sized at the first call
 
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
-        if self.recipe.name == "delayed" and (self.fp8_scale is None or self.fp8_scale.shape[1] != w_EKN.shape[0]):
-            register_delayed_buffers(self, self.recipe, groups=w_EKN.shape[0], device=w_EKN.device)
-        return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, delayed_state(self))
+        state = None
+        if self.recipe.name == "delayed":
+            state = ensure_delayed_state(self, self.recipe, w_EKN.shape[0], w_EKN.device)
+        return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state)
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe.name}, backend={self.backend}"
@@ -100,33 +122,38 @@ def _is_grouped_experts(module: nn.Module) -> bool:
     return hasattr(module, "quantization") and hasattr(module, "fc1_weight") and hasattr(module, "fc2_weight")
 
 
-def _block_list(model: nn.Module) -> tuple[str, Optional[nn.ModuleList]]:
-    """The transformer blocks: the shallowest ``nn.ModuleList`` with at least two entries."""
-    best: tuple[int, str, Optional[nn.ModuleList]] = (10**9, "", None)
+def _block_names(model: nn.Module) -> Optional[list[str]]:
+    """Qualified names of the transformer blocks, in order: the children of the shallowest
+    ``nn.ModuleList`` / ``nn.ModuleDict`` holding at least two modules."""
+    best: Optional[tuple[int, str, nn.Module]] = None
     for name, module in model.named_modules():
         depth = name.count(".") + bool(name)
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and depth < best[0]:
-            best = (depth, name, module)
-    return best[1], best[2]
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) >= 2:
+            if best is None or depth < best[0]:
+                best = (depth, name, module)
+    if best is None:
+        return None
+    _, name, blocks = best
+    return [f"{name}.{child}" if name else child for child, _ in blocks.named_children()]
 
 
 def _high_precision_prefixes(model: nn.Module, keep: int) -> list[str]:
     if keep <= 0:
         return []
-    name, blocks = _block_list(model)
+    blocks = _block_names(model)
     if blocks is None:
         raise ValueError(
-            "keep_high_precision_layers needs the model's transformer blocks in an nn.ModuleList; none was "
-            "found. Pass module_filter=lambda name, module: ... to choose the FP8 modules instead."
+            "keep_high_precision_layers needs the model's transformer blocks in an nn.ModuleList or "
+            "nn.ModuleDict; none was found. Pass module_filter=lambda name, module: ... to choose the FP8 "
+            "modules instead."
         )
-    indices = sorted(set(range(min(keep, len(blocks)))) | set(range(max(len(blocks) - keep, 0), len(blocks))))
-    return [f"{name}.{i}." if name else f"{i}." for i in indices]
+    return [f"{name}." for name in blocks[:keep] + blocks[max(len(blocks) - keep, keep):]]
 
 
 def _excluded(name: str, module: nn.Linear, tied: set[int]) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     in_router = any(part in _ROUTER_NAMES or "router" in part for part in name.split("."))
-    return in_router or leaf in _OUTPUT_NAMES or id(module.weight) in tied
+    return in_router or leaf.endswith("_gate") or leaf in _OUTPUT_NAMES or id(module.weight) in tied
 
 
 def configure_fp8(
@@ -137,18 +164,21 @@ def configure_fp8(
     module_filter: Optional[ModuleFilter] = None,
     device: Optional[str] = None,
 ) -> FP8Summary:
-    """Install FP8 in ``model`` in place.
+    """Install FP8 in ``model`` in place and say what was done.
 
-    Converted: every ``nn.Linear`` (attention projections, dense / shared-expert MLPs) except
-    routers (a module path part named ``router``/``gate``), output layers (leaf named
-    ``lm_head``, ``output_layer``, ``output``, ``head``, ``classifier``, or a weight tied to an
-    ``nn.Embedding``), linears in the first / last ``keep_high_precision_layers`` blocks, and
-    those ``module_filter(name, module)`` rejects; under "te" / "torch", also linears whose
-    dimensions are not multiples of 16 (their FP8 kernels need it). Grouped experts get an
-    `FP8GroupedGemm` (Transformer Engine has no grouped GEMM on fused ``[E, K, N]`` weights,
-    so under "te" they use "torch" where it runs, else "emulated"; experts built on
-    ``te.GroupedLinear`` are quantized by TE's autocast and left alone). Norms and embeddings
-    are not linears and never change.
+    Converted, in place (`FP8Linear.convert`; ``te.Linear`` under the "te" backend): every
+    ``nn.Linear`` (attention projections, dense and shared-expert MLPs), including
+    subclasses that keep ``nn.Linear.forward``. Kept in high precision: routers and gates (a
+    module path part named ``router`` or ``gate``, a leaf ending in ``_gate``), output layers
+    (leaf ``lm_head``, ``output_layer``, ``output``, ``head``, ``classifier``, or a weight tied
+    to an ``nn.Embedding``), the first / last ``keep_high_precision_layers`` blocks, modules
+    ``module_filter(name, module)`` rejects, and, under "te" / "torch", linears whose sizes are
+    not multiples of 16 (32 for mxfp8 / nvfp4; the kernels need it). Norms and embeddings are never touched.
+
+    Grouped experts (``fc1_weight`` / ``fc2_weight`` / ``quantization``) get an
+    `FP8GroupedGemm`. Transformer Engine has no grouped GEMM for fused ``[E, K, N]`` weights,
+    so under "te" they run on "torch" where it can, else "emulated"; experts built on
+    ``te.GroupedLinear`` are quantized by TE's autocast and left alone.
     """
     recipe = FP8Recipe.of(recipe)
     linear_backend = resolve_backend(recipe, backend, device)
@@ -173,16 +203,18 @@ def configure_fp8(
             summary.experts.append(name)
         elif _is_te_grouped_linear(module):
             summary.te_experts.append(name)
-        elif type(module) is nn.Linear:
-            if _excluded(name, module, tied) or not wanted(name, module) or not _kernel_fits(module, linear_backend):
+        elif _is_plain_linear(module):
+            if _excluded(name, module, tied) or not wanted(name, module) or not _kernel_fits(module, recipe, linear_backend):
                 summary.kept.append(name)
             else:
                 replacements.append((name, module))
     for name, module in replacements:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = _te.make_linear(module) if linear_backend == "te" else FP8Linear.from_linear(module, recipe, linear_backend)
-        setattr(parent, leaf, new)
+        if linear_backend == "te":
+            setattr(parent, leaf, _te.make_linear(module))
+        else:
+            FP8Linear.convert(module, recipe, linear_backend)
         summary.converted.append(name)
     return summary
 
@@ -196,14 +228,22 @@ def _experts_backend(recipe: FP8Recipe, backend: str, linear_backend: str, devic
         return "emulated"
 
 
+def _is_plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` (or a subclass that only changes initialization) not yet converted."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
 def _is_te_grouped_linear(module: nn.Module) -> bool:
     return type(module).__name__ == "GroupedLinear" and type(module).__module__.startswith("transformer_engine")
 
 
-def _kernel_fits(linear: nn.Linear, backend: str) -> bool:
-    return backend == "emulated" or (linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
+def _kernel_fits(linear: nn.Linear, recipe: FP8Recipe, backend: str) -> bool:
+    """FP8 kernels need both sizes in multiples of 16 (32 for the MX / NVFP4 block formats)."""
+    multiple = 32 if recipe.name in ("mxfp8", "nvfp4") else 16
+    return backend == "emulated" or (linear.in_features % multiple == 0 and linear.out_features % multiple == 0)
 
 
 def fp8_modules(model: nn.Module) -> list[nn.Module]:
-    """Modules holding delayed-scaling state (for `update_delayed_scaling`)."""
-    return [m for m in model.modules() if delayed_state(m) is not None]
+    """Modules with delayed-scaling state, including state allocated at the first call
+    (for `update_delayed_scaling`)."""
+    return [m for m in model.modules() if "fp8_amax_history" in m._buffers]

@@ -93,6 +93,8 @@ def quantize_operand(
     from the emulated rounding. ``fmt`` overrides the recipe's format for this role.
     """
     fmt = fmt or recipe.format(role)
+    if native:
+        t = t.contiguous()  # FP8 GEMM kernels take row-major [other, contraction] operands
     rows, cols = operand_axes(recipe.tile(role), tuple(t.shape), layout, t.device)
     scale = None
     if recipe.name == "delayed":

@@ -106,6 +106,8 @@ class FP8Precision(MixedPrecision):
     def backend_description(self) -> str:
         """One line for the layout table: recipe, backends and what was converted."""
         text = f"{self.recipe.describe()}; linears: {_BACKEND_WORDS[self.backend]}"
+        if self._te_recipe is not None:
+            text += f" ({type(self._te_recipe).__name__})"
         if self.summary is None:
             return text + " (model not converted yet)"
         text += f" [{len(self.summary.converted)} FP8, {len(self.summary.kept)} kept bf16]"

@@ -81,9 +81,9 @@ def groups_axis(offsets: torch.Tensor, n: int, block: Optional[int] = None) -> A
 
 
 def abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
-    """``|x|`` in fp32 with NaN replaced by 0 (so an amax ignores NaN but keeps ``inf``)."""
-    a = x.float().abs()
-    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    """``|x|`` (in ``x``'s dtype: exact) with NaN replaced by 0, so an amax ignores NaN but
+    keeps ``inf``."""
+    return torch.nan_to_num(x.abs(), nan=0.0, posinf=float("inf"))
 
 
 def _reduce_axis(t: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
@@ -105,8 +105,12 @@ def tile_amax(a: torch.Tensor, rows: Axis, cols: Axis) -> torch.Tensor:
 
 
 def expand(grid: torch.Tensor, rows: Axis, cols: Axis) -> torch.Tensor:
-    """Broadcast a per-tile ``grid`` back to the elements ``[P, L]``."""
-    return grid.index_select(0, rows.ids).index_select(1, cols.ids)
+    """A per-tile ``grid`` spread back over the elements: broadcastable to ``[P, L]``
+    (axes with a single tile stay size 1, axes with one tile per position are kept)."""
+    for dim, axis in ((0, rows), (1, cols)):
+        if axis.count > 1 and axis.block != 1:
+            grid = grid.index_select(dim, axis.ids)
+    return grid
 
 
 def scale_from_amax(amax: torch.Tensor, fmt_max: float, power_2: bool = False) -> torch.Tensor:
@@ -137,15 +141,15 @@ def e8m0_scale_inv(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(v), exp)
 
 
-def cast_scaled(x_scaled: torch.Tensor, fmt: FloatFormat, native: bool = False) -> torch.Tensor:
-    """Round already-scaled fp32 values to ``fmt``.
+def scale_and_cast(t: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, native: bool = False) -> torch.Tensor:
+    """``t * scale`` in fp32, rounded to ``fmt``.
 
     ``native=False``: the emulated rounding, fp32 values on the grid. ``native=True``: a real
-    float8 tensor through torch's cast after saturating (bit-identical, faster on GPU).
+    float8 tensor through torch's cast after saturating (bit-identical; fewer passes on GPU).
     """
     if native:
-        return x_scaled.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
-    return round_to_format(x_scaled, fmt)
+        return t.to(torch.float32, copy=True).mul_(scale).clamp_(-fmt.max, fmt.max).to(fmt.torch_dtype)
+    return round_to_format(t.float() * scale, fmt)
 
 
 def quantize_tiles(
@@ -176,7 +180,7 @@ def quantize_tiles(
         else:
             scale = scale_from_amax(amax, fmt.max, power_2)
     scale_inv = 1.0 / scale
-    q = cast_scaled(t.float() * expand(scale, rows, cols), fmt, native)
+    q = scale_and_cast(t, expand(scale, rows, cols), fmt, native)
     return q, scale_inv, amax
 
 

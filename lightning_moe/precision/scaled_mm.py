@@ -49,7 +49,7 @@ def _mm(a: Tensor, sa: Tensor, b_rows: Tensor, sb: Tensor, out_dtype: torch.dtyp
     """``a @ b_rows.T`` where both are laid out ``[other, contraction]`` (row-major)."""
     rowwise = sa.numel() > 1 or sb.numel() > 1
     dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
-    out = torch._scaled_mm(a, b_rows.t(), scale_a=sa.reshape(-1, 1) if rowwise else sa.reshape(()),
+    out = torch._scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=sa.reshape(-1, 1) if rowwise else sa.reshape(()),
                            scale_b=sb.reshape(1, -1) if rowwise else sb.reshape(()), out_dtype=dtype,
                            use_fast_accum=fast)
     return out.to(out_dtype)

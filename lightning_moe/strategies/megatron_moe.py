@@ -27,7 +27,12 @@ from lightning_moe.parallel.fsdp import (
     shard_dense,
     shard_experts,
 )
-from lightning_moe.parallel.gradients import all_reduce_grads, clip_grads_by_global_norm, scale_grads
+from lightning_moe.parallel.gradients import (
+    align_grad_placements,
+    all_reduce_grads,
+    clip_grads_by_global_norm,
+    scale_grads,
+)
 from lightning_moe.parallel.tensor_parallel import apply_dense_tensor_parallel, apply_moe_token_split
 
 ShardingMode = Literal["fsdp", "ddp"]
@@ -56,6 +61,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "megatron_moe"
+    owns_router_updates = True  # expert-bias updates and router step state are handled here
 
     def __init__(
         self,
@@ -222,7 +228,12 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             shard_experts(model, layout.mesh("edp"), mp_policy, self.reshard_after_forward)
             self._experts_fsdp = True
         if self.sharding == "fsdp" and layout.data_parallel_size > 1:
-            shard_dense(model, layout.mesh("dp"), mp_policy, self.reshard_after_forward, moe_replicated_params(model))
+            # FSDP over DP must not take the router/shared experts (reduced over the stage) nor
+            # experts it does not shard over EDP (they live on the expert mesh).
+            ignored = moe_replicated_params(model)
+            if not self._experts_fsdp:
+                ignored += expert_params(model)
+            shard_dense(model, layout.mesh("dp"), mp_policy, self.reshard_after_forward, ignored)
             self._dense_fsdp = True
 
     def _validate_model(self, model: torch.nn.Module, layers: list) -> None:
@@ -274,6 +285,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         assert model is not None
         layout = self.layout
         dp_cp = layout.data_parallel_size * layout.context_parallel_size
+        align_grad_placements(model.parameters())
         replicated = moe_replicated_params(model)
         # Router/shared experts: distinct tokens on every rank of the stage -> sum / (DP x CP).
         all_reduce_grads(replicated, self._group("stage"), scale=1.0 / dp_cp)
@@ -287,6 +299,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         else:
             all_reduce_grads(experts, self._group("edp"), scale=1.0 / dp_cp)
         self._update_expert_bias(model)
+        self._reset_router_step_state(model)
 
     def _update_expert_bias(self, model: torch.nn.Module) -> None:
         layers = [layer for layer in moe_layers(model) if layer.router.expert_bias is not None]
@@ -298,6 +311,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             dist.all_reduce(counts, group=group)
         for layer, layer_counts in zip(layers, counts):
             layer.router.update_expert_bias(layer_counts)
+
+    def _reset_router_step_state(self, model: torch.nn.Module) -> None:
+        for layer in moe_layers(model):
+            layer.router.reset_step_state()
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping to one norm over both meshes.

@@ -75,6 +75,7 @@ def train(
     clip: Optional[float] = None,
     lr: float = 0.5,
     precision: str = "32-true",
+    accelerator: str = "cpu",
 ) -> Optional[dict]:
     """Run in every process (forked by ``run_distributed``)."""
     import lightning as L
@@ -100,7 +101,7 @@ def train(
             pass
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
+        accelerator=accelerator, devices=world_size, strategy=strategy, max_steps=steps,
         accumulate_grad_batches=ref_accumulate, gradient_clip_val=clip, precision=precision,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[Record()], num_sanity_val_steps=0,
@@ -111,7 +112,7 @@ def train(
     loader = DataLoader(dataset, batch_size=None, sampler=indices)
     trainer.fit(model, loader)
     # Mean loss per step over this rank's micro-batches; the caller averages over DP ranks.
-    per_step = torch.tensor(recorder.losses).view(steps, accumulate).mean(1)
+    per_step = torch.tensor(recorder.losses).view(steps, accumulate).mean(1).to(strategy.root_device)
     gathered = [torch.zeros_like(per_step) for _ in range(world_size)]
     torch.distributed.all_gather(gathered, per_step)
     state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -121,8 +122,8 @@ def train(
     # numpy, not tensors: tensors sent through a multiprocessing pipe travel as shared-memory
     # handles that die with the child process.
     return {
-        "rank_losses": torch.stack(gathered).numpy(),
-        "state": {k: v.detach().numpy().copy() for k, v in state.items() if torch.is_tensor(v)},
+        "rank_losses": torch.stack(gathered).cpu().numpy(),
+        "state": {k: v.detach().float().cpu().numpy().copy() for k, v in state.items() if torch.is_tensor(v)},
         "grad_norm": norm,
     }
 

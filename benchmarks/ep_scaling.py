@@ -1,0 +1,137 @@
+"""Expert-parallel scaling of the MoE block: per-GPU throughput at EP = 1, 2, ... (same tokens per GPU).
+
+    python benchmarks/ep_scaling.py --ep 1 2                      # needs 2 GPUs for EP=2
+    python benchmarks/ep_scaling.py --ep 1 2 4 8 --cases qwen3_30b_a3b
+
+Each EP size runs in its own set of processes (one per GPU, NCCL): every GPU holds E/EP
+experts and routes the block's full token count (B x S of BENCHMARKS.md), so per-GPU work is
+constant and a perfect scaling keeps per-GPU TFLOP/s. The all-to-all dispatcher moves tokens;
+the share of step time spent in NCCL kernels comes from a profiled step. Correctness first:
+at EP > 1 the block's output on every rank equals the EP=1 block (same weights, same tokens)
+within bf16 tolerance. Writes ``benchmarks/results/ep_scaling.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import cuda_time_ms, relative_error, write_results  # noqa: E402
+from benchmarks.moe_block import CASES, block_flops, build_layer  # noqa: E402
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+def nccl_share(step) -> float:
+    """Fraction of GPU kernel time spent in NCCL kernels during one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    total = nccl = 0.0
+    for e in prof.key_averages():
+        t = e.device_time_total
+        if t <= 0:
+            continue
+        total += t
+        if "nccl" in e.key.lower():
+            nccl += t
+    return nccl / total if total else 0.0
+
+
+def worker(rank: int, world: int, port: int, cases: list[str], iters: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_moe.parallel.expert_parallel import expert_parallel_layer
+
+    out = {}
+    for name in cases:
+        c = CASES[name]
+        torch.manual_seed(0)
+        layer = build_layer(c, "grouped_mm", torch.bfloat16)
+        reference = None
+        g = torch.Generator(device="cuda").manual_seed(100 + rank)
+        x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, generator=g)
+        if world > 1:
+            with torch.no_grad():
+                reference = layer(x[:1, :1024]).float()  # full layer (all experts) on this rank's tokens
+            mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
+            expert_parallel_layer(layer, mesh, "alltoall")
+        err = None
+        if reference is not None:
+            with torch.no_grad():
+                err = relative_error(layer(x[:1, :1024]).float(), reference)
+        x.requires_grad_(True)
+        dy = torch.randn_like(x)
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            layer(x).backward(dy)
+
+        torch.cuda.reset_peak_memory_stats()
+        median_ms, _ = cuda_time_ms(step, warmup=5, iters=iters)
+        share = nccl_share(step)
+        times = [torch.tensor(median_ms, device="cuda") for _ in range(world)]
+        dist.all_gather(times, torch.tensor(median_ms, device="cuda"))
+        slowest = max(float(t) for t in times)  # the step ends when the slowest rank ends
+        out[name] = {
+            "ep": world,
+            "median_ms_slowest_rank": slowest,
+            "per_gpu_tflops": block_flops(c) / (slowest * 1e-3) / 1e12,
+            "nccl_share": share,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "rel_err_vs_ep1": err,
+        }
+        del layer, x, dy
+        torch.cuda.empty_cache()
+    if rank == 0:
+        queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ep", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cases", nargs="+", default=["qwen3_30b_a3b", "deepseek_v3_slice"], choices=list(CASES))
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    available = torch.cuda.device_count()
+    results = {}
+    ctx = mp.get_context("spawn")
+    for i, ep in enumerate(args.ep):
+        if ep > available:
+            print(f"EP={ep}: skipped, {available} GPU(s) here")
+            continue
+        queue = ctx.Queue()
+        mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, queue), nprocs=ep, join=True)
+        results[f"ep{ep}"] = queue.get()
+        for name, r in results[f"ep{ep}"].items():
+            err = "" if r["rel_err_vs_ep1"] is None else f" err vs EP1 {r['rel_err_vs_ep1']:.2e}"
+            print(f"EP={ep} {name:18s} {r['median_ms_slowest_rank']:8.2f} ms {r['per_gpu_tflops']:7.1f} TFLOP/s/GPU "
+                  f"all-to-all share {r['nccl_share']*100:5.1f}%{err}", flush=True)
+    if "ep1" in results:
+        for key, per_case in results.items():
+            for name, r in per_case.items():
+                r["vs_ep1"] = r["per_gpu_tflops"] / results["ep1"][name]["per_gpu_tflops"]
+    write_results("ep_scaling", {"results": results})
+
+
+if __name__ == "__main__":
+    main()

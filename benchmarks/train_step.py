@@ -1,0 +1,153 @@
+"""Whole-model training step: Trainer + MegatronMoEStrategy vs a bare torch loop, same model.
+
+    python benchmarks/train_step.py                     # qwen3_30b_a3b shape, 4 layers, seq 4096, bf16
+    python benchmarks/train_step.py --preset small --layers 8 --steps 30
+
+Both runs build the same model from the same seed, use the optimizer and LR schedule the
+LightningModule configures, bf16 autocast with fp32 master weights, random tokens (never
+zeros), and time each optimizer step with a CUDA synchronize at its end (the same in both
+runs). Reports median step time, tokens/s, TFLOP/s and MFU = model FLOPs per step
+(``model_flops_per_token``: active parameters + attention, fwd+bwd) / (time x 787e12), and
+the Lightning overhead = trainer median / bare median - 1. Writes
+``benchmarks/results/train_step_<tag>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import write_results  # noqa: E402
+
+H200_BF16_PEAK = 787e12  # measured dense bf16 GEMM rate on one H200 (BENCHMARKS.md)
+
+
+def build_module(args):
+    from lightning_moe.models.lightning_module import MoELanguageModel
+
+    overrides = {"num_layers": args.layers, "max_seq_length": args.seq}
+    return MoELanguageModel(args.preset, overrides=overrides, learning_rate=1e-4, warmup_steps=10, max_steps=10_000)
+
+
+def batches(args, vocab: int, count: int, device):
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    for _ in range(count):
+        t = torch.randint(1, vocab, (args.micro_batch, args.seq + 1), generator=g)
+        yield {"input_ids": t[:, :-1].to(device, non_blocking=True), "labels": t[:, 1:].to(device, non_blocking=True)}
+
+
+def bare_loop(args) -> list[float]:
+    """The same module, optimizer and schedule driven by a plain loop (no Lightning)."""
+    torch.manual_seed(0)
+    module = build_module(args)
+    with torch.device("meta"):
+        module.configure_model()
+    module.model.to_empty(device="cuda")
+    module.model.init_weights()
+    opt_cfg = module.configure_optimizers()  # max_steps is given: no Trainer needed
+    optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    times: list[float] = []
+    vocab = module.model_config.vocab_size
+    for batch in batches(args, vocab, args.warmup + args.steps, "cuda"):
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = module.model.loss(batch["input_ids"], batch["labels"])
+        loss.backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(module.model.parameters(), args.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()  # host sync: end of the timed step (same in the Lightning run)
+        times.append(time.perf_counter() - start)
+    final = float(loss)
+    del module, optimizer, scheduler
+    torch.cuda.empty_cache()
+    return times[args.warmup :], final
+
+
+def lightning_run(args) -> list[float]:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_moe import MegatronMoEStrategy
+
+    torch.manual_seed(0)
+    module = build_module(args)
+    times: list[float] = []
+    losses: list[float] = []
+
+    class Timer(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            torch.cuda.synchronize()  # host sync: end of the timed step (same in the bare loop)
+            times.append(time.perf_counter() - self.start)
+            losses.append(outputs["loss"])
+
+    data = list(batches(args, module.model_config.vocab_size, args.warmup + args.steps, "cpu"))
+    trainer = L.Trainer(
+        accelerator="cuda", devices=1, strategy=MegatronMoEStrategy(print_layout=False),
+        precision="bf16-mixed", max_steps=args.warmup + args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=args.clip, callbacks=[Timer()], num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None, pin_memory=True))
+    return times[args.warmup :], float(losses[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3_30b_a3b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--tag", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("train_step.py needs a CUDA GPU")
+    from lightning_moe.models import get_preset, model_flops_per_token
+
+    cfg = get_preset(args.preset, num_layers=args.layers, max_seq_length=args.seq)
+    tokens = args.micro_batch * args.seq
+    flops_per_step = model_flops_per_token(cfg, args.seq) * tokens
+    results = {}
+    for name, fn in (("bare_torch", bare_loop), ("lightning", lightning_run)):
+        torch.cuda.reset_peak_memory_stats()
+        times, final_loss = fn(args)
+        median = statistics.median(times)
+        results[name] = {
+            "median_step_s": median,
+            "tokens_per_s": tokens / median,
+            "tflops": flops_per_step / median / 1e12,
+            "mfu": flops_per_step / (median * H200_BF16_PEAK),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "final_loss": final_loss,
+            "step_times_s": times,
+        }
+        r = results[name]
+        print(f"{name:11s} {median*1e3:8.1f} ms/step {r['tokens_per_s']:9.0f} tok/s {r['tflops']:6.1f} TFLOP/s "
+              f"MFU {r['mfu']*100:5.1f}% peak {r['peak_gib']:.1f} GiB loss {final_loss:.3f}", flush=True)
+    overhead = results["lightning"]["median_step_s"] / results["bare_torch"]["median_step_s"] - 1
+    print(f"Lightning overhead: {overhead*100:+.2f}%")
+    tag = args.tag or f"{args.preset}_{args.layers}l"
+    write_results(f"train_step_{tag}", {
+        "config": {**vars(args), "tokens_per_step": tokens, "model_flops_per_step": flops_per_step},
+        "results": results,
+        "lightning_overhead": overhead,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""`MoEMonitor`: per-layer routing statistics (expert load, drops, router losses), logged periodically.
+
+Every training micro-batch adds each MoE layer's routing counts (``MoELayer.last_stats``) and
+router losses (``router.latest_losses``) to device-side accumulators; nothing leaves the device
+until a logging step. Every ``log_every_n_steps`` optimizer steps the window's sums are reduced
+over all ranks with torchmetrics (one all-gather per state) and the statistics below go to every
+logger of the Trainer. An optional heatmap (layers x experts) is written as a PNG.
+
+Which ranks to sum. Counts are summed over the WHOLE world. That is right when every rank routes
+distinct tokens, which holds under `MegatronMoEStrategy`: data-parallel ranks read different
+batches, expert-parallel peers route their own tokens before the dispatch (the counts are taken
+from the router, not from what an expert receives), and tensor-parallel peers of one replica
+each route a distinct ``1/TP`` slice of the sequence (see ``parallel.tensor_parallel``). It also
+holds for DDP / FSDP. It does NOT hold for a strategy whose tensor-parallel ranks route the same
+tokens (e.g. Lightning's own ``ModelParallelStrategy`` with TP > 1 and a replicated MoE input):
+there the counts come out ``TP`` times too large, while ratios (load_max, load_cv, dropped_frac)
+stay right.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torchmetrics import Metric
+from typing_extensions import override
+
+from lightning_moe.callbacks._logging import log_to_loggers
+from lightning_moe.nn.moe_layer import MoELayer
+
+# Losses whose per-rank value is that rank's share of the loss of the tokens routed together
+# (the router's `latest_losses` docstring); their group sum is the loss of one micro-batch.
+_SHARED_LOSS_GROUP_ATTR = {
+    "aux_loss": "sequence_parallel_group",
+    "seq_aux_loss": "sequence_parallel_group",
+    "global_aux_loss": "global_aux_loss_group",
+}
+
+
+class RoutingWindow(Metric):
+    """Sums of routing statistics of ``L`` MoE layers over the micro-batches of one window.
+
+    States (all summed over ranks on ``compute``):
+        tokens_per_expert_LE: int64 ``[L, E_max]`` kept (token, expert) assignments; layer ``l``
+            uses its first ``E_l`` columns.
+        dropped_L: int64 ``[L]`` assignments dropped by the capacity limit.
+        loss_sums_LN: fp32 ``[L, N]`` sums of the router losses named ``loss_names``.
+        num_updates: int64 micro-batches (one per rank per micro-batch).
+    """
+
+    full_state_update = False
+
+    def __init__(self, num_experts: list[int], loss_names: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.num_experts = list(num_experts)
+        self.loss_names = list(loss_names)
+        num_layers, max_experts = len(num_experts), max(num_experts)
+        self.add_state("tokens_per_expert_LE", torch.zeros(num_layers, max_experts, dtype=torch.int64), "sum")
+        self.add_state("dropped_L", torch.zeros(num_layers, dtype=torch.int64), "sum")
+        self.add_state("loss_sums_LN", torch.zeros(num_layers, len(loss_names), dtype=torch.float32), "sum")
+        self.add_state("num_updates", torch.zeros((), dtype=torch.int64), "sum")
+
+    def update(self, tokens_per_expert: list[Tensor], dropped: list[Tensor], losses: list[list[Tensor]]) -> None:
+        """Add one micro-batch: per layer its ``[E_l]`` counts, 0-dim dropped count and ``N``
+        0-dim losses (device tensors; no host sync)."""
+        for layer, counts_E in enumerate(tokens_per_expert):
+            self.tokens_per_expert_LE[layer, : counts_E.numel()] += counts_E.to(torch.int64)
+        self.dropped_L += torch.stack(dropped).to(torch.int64)
+        if self.loss_names:
+            self.loss_sums_LN += torch.stack([torch.stack(values) for values in losses]).float()
+        self.num_updates += 1
+
+    def compute(self) -> dict[str, Tensor]:
+        return {
+            "tokens_per_expert_LE": self.tokens_per_expert_LE,
+            "dropped_L": self.dropped_L,
+            "loss_sums_LN": self.loss_sums_LN,
+            "num_updates": self.num_updates,
+        }
+
+
+class MoEMonitor(Callback):
+    """Log the expert load, token drops, router losses and expert biases of every MoE layer.
+
+    Per layer (``<prefix>/<module path>/<stat>``, e.g. ``moe/model.layers.0.mlp/load_max``),
+    over the micro-batches of the window and all ranks:
+
+    - ``tokens``: kept (token, expert) assignments; ``tokens_per_expert/<e>`` each expert's share
+      of them (only with ``log_tokens_per_expert``; always in :attr:`tokens_per_expert`).
+    - ``load_max`` / ``load_min``: most / least loaded expert's count over the mean count
+      (1.0 is perfect balance; ``load_max = E`` means one expert took everything).
+    - ``load_cv``: coefficient of variation of the counts (population std / mean).
+    - ``dropped_frac``: dropped / (kept + dropped) assignments (capacity-limited routing).
+    - ``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``, ``z_loss`` (the ones the router
+      computes): mean per micro-batch, without coefficients (Megatron's logged values). A rank's
+      load-balancing loss is its share when the router sums counts over a group, so the shares are
+      added up within that group before averaging.
+    - ``expert_bias_min`` / ``expert_bias_max``: the aux-loss-free selection bias, at the log step.
+
+    Summaries over layers: ``<prefix>/load_max`` (max), ``<prefix>/load_cv`` (mean),
+    ``<prefix>/dropped_frac`` (all layers' drops over all assignments).
+
+    Args:
+        log_every_n_steps: optimizer steps per window; None: ``Trainer(log_every_n_steps)``.
+        log_tokens_per_expert: also log every expert's count (``L x E`` scalars per window).
+        heatmap_every_n_steps: write a layers x experts load heatmap (PNG, needs matplotlib) at
+            logging steps that are multiples of this; None: never. Must be a multiple of the
+            logging interval.
+        heatmap_dir: where the PNGs go; None: ``<logger log_dir>/moe_heatmaps`` (else
+            ``<Trainer default_root_dir>/moe_heatmaps``).
+        prefix: metric name prefix.
+
+    Attributes after each logging step (every rank holds the same values):
+        metrics: ``dict[str, float]`` of what was logged.
+        tokens_per_expert: ``dict[layer path, int64 CPU Tensor [E]]`` counts of the window.
+        last_heatmap: path of the latest PNG, or None.
+
+    Cost: per micro-batch a few small device ops per layer; per window one all-gather per state
+    (4) and a single device-to-host copy of the reduced sums.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        log_tokens_per_expert: bool = False,
+        heatmap_every_n_steps: Optional[int] = None,
+        heatmap_dir: Optional[Union[str, Path]] = None,
+        prefix: str = "moe",
+    ) -> None:
+        for name, value in (("log_every_n_steps", log_every_n_steps), ("heatmap_every_n_steps", heatmap_every_n_steps)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+        self.log_every_n_steps = log_every_n_steps
+        self.log_tokens_per_expert = log_tokens_per_expert
+        self.heatmap_every_n_steps = heatmap_every_n_steps
+        self.heatmap_dir = heatmap_dir
+        self.prefix = prefix
+        self.metrics: dict[str, float] = {}
+        self.tokens_per_expert: dict[str, Tensor] = {}
+        self.last_heatmap: Optional[Path] = None
+        self._layers: list[tuple[str, MoELayer]] = []
+        self._window: Optional[RoutingWindow] = None
+        self._layer_losses: list[set[str]] = []
+        self._share_sizes: list[list[int]] = []
+        self._every = 1
+        self._last_step = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in `setup`: the model is built in `configure_model` and parallelized by the
+        # strategy after the callbacks' `setup` ran.
+        self._every = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps))
+        if self.heatmap_every_n_steps is not None and self.heatmap_every_n_steps % self._every:
+            raise ValueError(
+                f"MoEMonitor(heatmap_every_n_steps={self.heatmap_every_n_steps}) must be a multiple of the "
+                f"logging interval {self._every}: heatmaps are drawn from the logged windows."
+            )
+        self._layers = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoELayer)]
+        self._window = None
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._layers:
+            return
+        self._accumulate(pl_module.device)
+        if trainer.global_step == self._last_step:
+            return  # still accumulating gradients: the optimizer step has not happened
+        self._last_step = trainer.global_step
+        if trainer.global_step % self._every == 0:
+            self._log_window(trainer)
+
+    # ------------------------------------------------------------------ accumulation (no sync)
+    def _accumulate(self, device: torch.device) -> None:
+        stats = [layer.last_stats for _, layer in self._layers]
+        if any(s is None for s in stats):
+            raise RuntimeError(
+                "MoEMonitor: an MoE layer has no routing statistics after a training step (it did not run "
+                "a forward); every MoE layer must run in every step."
+            )
+        if self._window is None:
+            self._window = self._new_window(device)
+        losses = []
+        for (_, layer), names in zip(self._layers, self._layer_losses):
+            latest = layer.router.latest_losses
+            # A loss a layer does not compute is summed as zero and never logged for it.
+            losses.append(
+                [latest[n] if n in names else _zero_like(stats[0].num_dropped) for n in self._window.loss_names]
+            )
+        self._window.update([s.tokens_per_expert_E for s in stats], [s.num_dropped for s in stats], losses)
+
+    def _new_window(self, device: torch.device) -> RoutingWindow:
+        self._layer_losses = [set(layer.router.latest_losses) for _, layer in self._layers]
+        loss_names = sorted(set().union(*self._layer_losses))
+        # Set by the strategy at setup (before training), so fixed from here on.
+        self._share_sizes = [[_share_group_size(layer, n) for n in loss_names] for _, layer in self._layers]
+        num_experts = [layer.config.num_experts for _, layer in self._layers]
+        return RoutingWindow(num_experts, loss_names).to(device)
+
+    # ------------------------------------------------------------------ logging (syncs)
+    def _log_window(self, trainer: Trainer) -> None:
+        window = self._window
+        assert window is not None
+        # Collective over all ranks (torchmetrics all-gathers each state), then one
+        # device-to-host copy of the small reduced tensors: this is the logging step's sync.
+        sums = {k: v.detach().cpu() for k, v in window.compute().items()}
+        window.reset()
+        names = [name for name, _ in self._layers]
+        self.tokens_per_expert = {
+            name: sums["tokens_per_expert_LE"][i, : window.num_experts[i]].clone() for i, name in enumerate(names)
+        }
+        self.metrics = self._statistics(sums, window)
+        # Expert biases are identical on every rank (updated from reduced counts); reading
+        # them is a device-to-host copy, done only here.
+        for name, layer in self._layers:
+            bias = layer.router.expert_bias
+            if bias is not None:
+                bias = bias.detach().float().cpu()
+                self.metrics[f"{self.prefix}/{name}/expert_bias_min"] = float(bias.min())
+                self.metrics[f"{self.prefix}/{name}/expert_bias_max"] = float(bias.max())
+        log_to_loggers(trainer, self.metrics)
+        if self.heatmap_every_n_steps is not None and trainer.global_step % self.heatmap_every_n_steps == 0:
+            self.last_heatmap = self._heatmap_dir(trainer) / f"expert_load_step{trainer.global_step:08d}.png"
+            _write_heatmap_rank_zero(self.last_heatmap, self.tokens_per_expert, trainer.global_step)
+
+    def _statistics(self, sums: dict[str, Tensor], window: RoutingWindow) -> dict[str, float]:
+        out: dict[str, float] = {}
+        p = self.prefix
+        contributions = max(1, int(sums["num_updates"]))  # micro-batches x ranks
+        load_max, load_cv = [], []
+        kept_total = dropped_total = 0
+        for i, (name, counts_E) in enumerate(self.tokens_per_expert.items()):
+            counts = counts_E.double()
+            kept, dropped = int(counts_E.sum()), int(sums["dropped_L"][i])
+            mean = counts.mean().item()
+            out[f"{p}/{name}/tokens"] = float(kept)
+            if mean > 0:
+                out[f"{p}/{name}/load_max"] = counts.max().item() / mean
+                out[f"{p}/{name}/load_min"] = counts.min().item() / mean
+                out[f"{p}/{name}/load_cv"] = counts.std(unbiased=False).item() / mean
+                load_max.append(out[f"{p}/{name}/load_max"])
+                load_cv.append(out[f"{p}/{name}/load_cv"])
+            if kept + dropped:
+                out[f"{p}/{name}/dropped_frac"] = dropped / (kept + dropped)
+            if self.log_tokens_per_expert:
+                for e, c in enumerate(counts_E.tolist()):
+                    out[f"{p}/{name}/tokens_per_expert/{e}"] = float(c)
+            for j, loss_name in enumerate(window.loss_names):
+                if loss_name in self._layer_losses[i]:
+                    # Shares of one micro-batch's loss add up within their group first.
+                    micro_batches = contributions / self._share_sizes[i][j]
+                    out[f"{p}/{name}/{loss_name}"] = float(sums["loss_sums_LN"][i, j]) / micro_batches
+            kept_total += kept
+            dropped_total += dropped
+        if load_max:
+            out[f"{p}/load_max"] = max(load_max)
+            out[f"{p}/load_cv"] = sum(load_cv) / len(load_cv)
+        if kept_total + dropped_total:
+            out[f"{p}/dropped_frac"] = dropped_total / (kept_total + dropped_total)
+        return out
+
+    def _heatmap_dir(self, trainer: Trainer) -> Path:
+        if self.heatmap_dir is not None:
+            return Path(self.heatmap_dir)
+        # The first logger's directory, else default_root_dir (a broadcast: every rank is here).
+        return Path(trainer.log_dir or trainer.default_root_dir) / "moe_heatmaps"
+
+
+def _share_group_size(layer: MoELayer, loss_name: str) -> int:
+    """Ranks whose values of ``loss_name`` are shares of one loss (1: each value is a whole loss)."""
+    attr = _SHARED_LOSS_GROUP_ATTR.get(loss_name)
+    group = getattr(layer.router, attr, None) if attr else None
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _zero_like(t: Tensor) -> Tensor:
+    return t.new_zeros((), dtype=torch.float32)
+
+
+@rank_zero_only
+def _write_heatmap_rank_zero(path: Path, tokens_per_expert: dict[str, Tensor], step: int) -> None:
+    write_load_heatmap(path, tokens_per_expert, title=f"expert load (count / mean), step {step}")
+
+
+def write_load_heatmap(path: Union[str, Path], tokens_per_expert: dict[str, Tensor], title: str = "") -> Path:
+    """Draw ``{layer: counts [E]}`` as a layers x experts image of count / mean count; write ``path``
+    atomically (a temporary file in the same directory, then a rename). Needs matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "MoEMonitor(heatmap_every_n_steps=...) needs matplotlib: pip install 'lightning-moe[plot]'."
+        ) from err
+    path = Path(path)
+    names = list(tokens_per_expert)
+    max_experts = max(c.numel() for c in tokens_per_expert.values())
+    load_LE = torch.full((len(names), max_experts), float("nan"), dtype=torch.float64)
+    for i, counts in enumerate(tokens_per_expert.values()):
+        counts = counts.double()
+        mean = counts.mean()
+        load_LE[i, : counts.numel()] = counts / mean if mean > 0 else counts
+    # A Figure with an Agg canvas, not pyplot: no global backend switch, no GUI, thread-safe.
+    fig = Figure(figsize=(min(24.0, 3.0 + 0.2 * max_experts), min(20.0, 1.5 + 0.3 * len(names))))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(load_LE.numpy(), aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(image, ax=ax, label="tokens / mean")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    if len(names) <= 64:
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+__all__ = ["MoEMonitor", "RoutingWindow", "write_load_heatmap"]

@@ -1,0 +1,109 @@
+"""Delayed scaling: amax histories, the step-end update and the amax all-reduce."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_moe.precision import FP8GroupedGemm, FP8Linear, FP8Recipe, update_delayed_scaling
+
+
+def _pair(recipe, seed=0):
+    torch.manual_seed(seed)
+    delayed = FP8Linear(64, 32, recipe=recipe)
+    current = FP8Linear(64, 32, recipe="tensorwise")
+    current.load_state_dict(delayed.state_dict())
+    return delayed, current
+
+
+def _step(layer, x, dy):
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(dy)
+    return y, x.grad
+
+
+def test_first_step_uses_current_scaling_then_history():
+    recipe = FP8Recipe("delayed", amax_history_len=4)
+    layer, reference = _pair(recipe)
+    x, dy = torch.randn(16, 64), torch.randn(16, 32)
+    y, dx = _step(layer, x, dy)
+    y_ref, dx_ref = _step(reference, x, dy)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)  # no history yet: current amax
+
+    update_delayed_scaling([layer], recipe)
+    amax = torch.stack([x.abs().max(), layer.weight.abs().max(), dy.abs().max()])
+    assert torch.allclose(layer.fp8_scale[:, 0], torch.tensor([448.0, 448.0, 57344.0]) / amax)
+    assert torch.equal(layer.fp8_amax_history[1, :, 0], amax) and not layer.fp8_amax_history[0].any()
+
+    # next step: 4x larger activations are scaled with last step's (too large) scale and saturate
+    y2, _ = _step(layer, 4 * x, dy)
+    y2_ref, _ = _step(reference, 4 * x, dy)
+    assert not torch.allclose(y2, y2_ref)
+    assert layer.fp8_amax_history[0, 0, 0] == 4 * x.abs().max()
+    update_delayed_scaling([layer], recipe)
+    assert torch.isclose(layer.fp8_scale[0, 0], 448.0 / (4 * x.abs().max()))  # max over the history
+
+
+def test_history_window_margin_and_most_recent():
+    recipe = FP8Recipe("delayed", amax_history_len=2, margin=1, amax_compute_algo="max")
+    layer, _ = _pair(recipe)
+    dy = torch.randn(8, 32)
+    x = torch.randn(8, 64)
+    for factor in (8.0, 1.0, 1.0):  # the 8x step leaves the 2-step window on the third update
+        _step(layer, factor * x, dy)
+        update_delayed_scaling([layer], recipe)
+    assert torch.isclose(layer.fp8_scale[0, 0], 448.0 / x.abs().max() / 2)
+
+    recent = FP8Recipe("delayed", amax_history_len=8, amax_compute_algo="most_recent")
+    layer, _ = _pair(recent)
+    for factor in (8.0, 1.0):
+        _step(layer, factor * x, dy)
+        update_delayed_scaling([layer], recent)
+    assert torch.isclose(layer.fp8_scale[0, 0], 448.0 / x.abs().max())
+
+
+def test_micro_batches_accumulate_the_max():
+    recipe = FP8Recipe("delayed")
+    layer, _ = _pair(recipe)
+    x, dy = torch.randn(8, 64), torch.randn(8, 32)
+    _step(layer, 3 * x, dy)
+    _step(layer, x, dy)
+    update_delayed_scaling([layer], recipe)
+    assert torch.isclose(layer.fp8_scale[0, 0], 448.0 / (3 * x.abs().max()))
+
+
+def test_grouped_delayed_has_one_history_per_expert():
+    recipe = FP8Recipe("delayed", amax_history_len=3)
+    gemm = FP8GroupedGemm(recipe)
+    x = torch.randn(48, 32, requires_grad=True)
+    x.data[:16] *= 10
+    w = torch.randn(3, 32, 16, requires_grad=True)
+    offsets = torch.tensor([16, 32, 48], dtype=torch.int32)
+    gemm.grouped_mm(x, w, offsets).sum().backward()
+    assert gemm.fp8_amax_history.shape == (3, 3, 3)
+    update_delayed_scaling([gemm], recipe)
+    x_amax = torch.stack([x.detach()[i * 16 : (i + 1) * 16].abs().max() for i in range(3)])
+    assert torch.allclose(gemm.fp8_scale[0], 448.0 / x_amax)
+    assert torch.allclose(gemm.fp8_scale[1], 448.0 / w.detach().abs().amax(dim=(1, 2)))
+
+
+def _reduce_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    recipe = FP8Recipe("delayed")
+    torch.manual_seed(0)
+    layer = FP8Linear(16, 16, recipe=recipe)
+    x = torch.ones(4, 16) * (rank + 1)  # rank 1 sees twice the amax
+    layer(x).sum().backward()
+    update_delayed_scaling([layer], recipe, group=dist.group.WORLD)
+    scales = [torch.zeros(3) for _ in range(world)]
+    dist.all_gather(scales, layer.fp8_scale[:, 0].clone())
+    assert torch.equal(scales[0], scales[1])
+    assert torch.isclose(scales[0][0], torch.tensor(448.0 / world))
+    dist.destroy_process_group()
+
+
+def test_amax_reduction_over_process_group(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_reduce_worker, args=(2, str(tmp_path / "store")), nprocs=2, start_method="fork")
