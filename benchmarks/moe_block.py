@@ -48,12 +48,17 @@ def build_layer(c: dict, backend: str, dtype: torch.dtype) -> MoELayer:
     return layer
 
 
-def precision_context(precision: str):
+def apply_precision(layer: MoELayer, precision: str):
+    """bf16: nothing to do. Otherwise ``precision`` is an FP8 recipe name ("tensorwise",
+    "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin and return
+    the plugin's forward context."""
     if precision == "bf16":
         return contextlib.nullcontext()
-    from lightning_moe.precision import fp8_context  # lazily: optional feature
+    from lightning_moe.precision import FP8Precision  # lazily: optional feature
 
-    return fp8_context(precision)
+    plugin = FP8Precision(recipe=precision, backend="auto")
+    plugin.convert_module(layer)
+    return plugin.forward_context()
 
 
 def check_correctness(layer: MoELayer, c: dict, tokens: int) -> dict:
@@ -79,6 +84,7 @@ def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
     layer = build_layer(c, args.backend, torch.bfloat16)
     correctness = check_correctness(layer, c, tokens=min(4096, c["B"] * c["S"]))
+    context = apply_precision(layer, args.precision)
     layer.zero_grad(set_to_none=True)
     x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
@@ -91,7 +97,8 @@ def run_case(name: str, c: dict, args) -> dict:
         y.backward(dy)
 
     torch.cuda.reset_peak_memory_stats()
-    median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
+    with context:
+        median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
     flops = block_flops(c)
     result = {
         "shape": c,
@@ -132,7 +139,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--backend", default="grouped_mm", choices=["grouped_mm", "te", "loop"])
-    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--precision", default="bf16", help='"bf16" or an FP8 recipe name (e.g. "tensorwise")')
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
@@ -141,17 +148,16 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("moe_block.py needs a CUDA GPU")
     results = {}
-    with precision_context(args.precision):
-        for name in args.cases:
-            results[name] = run_case(name, CASES[name], args)
-            r = results[name]
-            print(
-                f"{name:20s} {r['backend']:10s} {args.precision:6s} {r['median_ms']:8.2f} ms "
-                f"{r['tflops']:7.1f} TFLOP/s peak {r['peak_gib']:6.1f} GiB  err out {r['rel_err_out']:.2e} dx {r['rel_err_dx']:.2e}",
-                flush=True,
-            )
-            for row in r.get("profile_top", [])[:12]:
-                print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:7.3f} ms x{row['calls']:<3d} {row['name'][:90]}")
+    for name in args.cases:
+        results[name] = run_case(name, CASES[name], args)
+        r = results[name]
+        print(
+            f"{name:20s} {r['backend']:10s} {args.precision:6s} {r['median_ms']:8.2f} ms "
+            f"{r['tflops']:7.1f} TFLOP/s peak {r['peak_gib']:6.1f} GiB  err out {r['rel_err_out']:.2e} dx {r['rel_err_dx']:.2e}",
+            flush=True,
+        )
+        for row in r.get("profile_top", [])[:12]:
+            print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:7.3f} ms x{row['calls']:<3d} {row['name'][:90]}")
     tag = args.tag or f"{args.backend}_{args.precision}"
     path = write_results(f"moe_block_{tag}", {"cases": results})
     print(f"wrote {path}")

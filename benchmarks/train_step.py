@@ -68,6 +68,19 @@ def bare_loop(args) -> list[float]:
         torch.cuda.synchronize()  # host sync: end of the timed step (same in the Lightning run)
         times.append(time.perf_counter() - start)
     final = float(loss)
+    if args.profile:
+        from benchmarks.moe_block import profile_step
+
+        batch = next(batches(args, vocab, 1, "cuda"))
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                module.model.loss(batch["input_ids"], batch["labels"]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for row in profile_step(step)[:20]:
+            print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:8.2f} ms x{row['calls']:<4d} {row['name'][:100]}")
     del module, optimizer, scheduler
     torch.cuda.empty_cache()
     return times[args.warmup :], final
@@ -114,6 +127,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--tag", default=None)
+    parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one bare step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("train_step.py needs a CUDA GPU")

@@ -102,6 +102,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x_RD: Tensor, group_sizes_E: Tensor) -> Tensor:
         fc1 = local_tensor(self.fc1_weight)
         fc2 = local_tensor(self.fc2_weight)
+        device_type = x_RD.device.type
+        if torch.is_autocast_enabled(device_type):
+            # torch._grouped_mm is not on autocast's cast list: cast the operands ourselves, or an
+            # fp32 residual stream would run the experts as fp32 GEMMs.
+            x_RD = x_RD.to(torch.get_autocast_dtype(device_type))
         if group_sizes_E.shape[0] != fc1.shape[0]:
             raise ValueError(
                 f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts"

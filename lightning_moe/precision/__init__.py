@@ -19,11 +19,12 @@ from lightning_moe.precision.quantize import (
 from lightning_moe.precision.recipes import BACKENDS, RECIPES, FP8Recipe, resolve_backend
 
 __all__ = [
-    "AdamWBF16Moments",
     "BACKENDS",
     "E2M1",
     "E4M3",
     "E5M2",
+    "RECIPES",
+    "AdamWBF16Moments",
     "FP8GroupedGemm",
     "FP8Linear",
     "FP8Precision",
@@ -32,7 +33,6 @@ __all__ = [
     "FP8Summary",
     "FloatFormat",
     "NVFP4Quantized",
-    "RECIPES",
     "configure_fp8",
     "dequantize_fp8",
     "dequantize_nvfp4",

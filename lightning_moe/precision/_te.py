@@ -27,7 +27,7 @@ def _import() -> tuple[Optional[Any], str]:
         return None, "Module transformer_engine is not installed."
     try:
         import transformer_engine.pytorch as te
-    except Exception as err:  # a broken install (CUDA / torch mismatch) must not break import
+    except Exception as err:  # noqa: BLE001 - a broken install (CUDA / torch mismatch) must not break import
         return None, f"Importing transformer_engine.pytorch failed: {err!r}."
     return te, ""
 
@@ -60,7 +60,7 @@ def _availability(fn: Any) -> tuple[bool, str]:
     return bool(result), "" if result else f"transformer_engine.pytorch.{fn.__name__}() is False."
 
 
-def supports(recipe: "FP8Recipe") -> tuple[bool, str]:
+def supports(recipe: FP8Recipe) -> tuple[bool, str]:
     """Whether TE can run ``recipe`` on the current GPU, and TE's reason when not."""
     te = _module()
     if not torch.cuda.is_available():
@@ -70,11 +70,11 @@ def supports(recipe: "FP8Recipe") -> tuple[bool, str]:
     check = getattr(te, name, None) or te.is_fp8_available
     try:
         return _availability(check)
-    except Exception as err:  # TE raising instead of answering still means "cannot run"
+    except Exception as err:  # noqa: BLE001 - TE raising instead of answering still means "cannot run"
         return False, f"{name}() failed: {err!r}."
 
 
-def te_recipe(recipe: "FP8Recipe") -> Any:
+def te_recipe(recipe: FP8Recipe) -> Any:
     """The ``transformer_engine.common.recipe`` object for ``recipe``."""
     _module()
     from transformer_engine.common import recipe as te_recipes
@@ -124,6 +124,7 @@ def linear_class() -> type:
     class TELinear(te.Linear):
         get_extra_state = torch.nn.Module.get_extra_state
         set_extra_state = torch.nn.Module.set_extra_state
+        is_fp8_linear = True  # marks converted linears for configure_fp8
 
     TELinear.__qualname__ = TELinear.__name__ = "TELinear"
     return TELinear
@@ -132,7 +133,9 @@ def linear_class() -> type:
 def make_linear(linear: torch.nn.Linear) -> torch.nn.Module:
     """A TE linear with ``linear``'s parameters (copied; fp32 master weights stay fp32)."""
     weight = linear.weight
-    device = weight.device if weight.device.type in ("cuda", "meta") else torch.device("cuda", torch.cuda.current_device())
+    device = weight.device
+    if device.type not in ("cuda", "meta"):  # TE allocates on the GPU; the strategy moves the model there anyway
+        device = torch.device("cuda", torch.cuda.current_device())
     new = linear_class()(
         linear.in_features, linear.out_features, bias=linear.bias is not None,
         params_dtype=weight.dtype, device=device,

@@ -49,6 +49,8 @@ def _hadamard(recipe: FP8Recipe) -> bool:
 
 def _grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     """``torch._grouped_mm`` on dequantized fp32 operands (fp32 result)."""
+    if b.dim() == 2 and a.shape[1] == 0:  # weight gradient of a rank that received no tokens
+        return a.new_zeros(offsets.numel(), a.shape[0], b.shape[1])
     if a.is_cuda:  # the CUDA kernel takes bf16 operands (and returns bf16)
         return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offsets).float()
     return torch._grouped_mm(a.contiguous(), b, offs=offsets)
@@ -129,11 +131,12 @@ class _EmulatedGroupedMM(torch.autograd.Function):
                 w_q = dequantized_operand(w_saved.reshape(experts * k, n), recipe, "weight", Layout(batch=experts),
                                           state).reshape(experts, k, n)
             dx = _grouped_gemm(dy_q, w_q.transpose(1, 2), offsets)
-            multiple = 1
             if hadamard:  # Hadamard blocks of 16 tokens must not mix two experts' tokens
                 torch._assert_async((offsets % NVFP4_BLOCK == 0).all(),
                                     "NVFP4 grouped GEMMs need expert groups padded to a multiple of 16 tokens")
-                multiple = NVFP4_BLOCK
+            # Tokens are the wgrad contraction: zero columns past the last group change nothing,
+            # give whole 16-token Hadamard blocks and the 16-byte strides _grouped_mm needs.
+            multiple = 16
             cols = Layout(col_offsets=offsets)
             if symmetric_tiles(recipe, "grad"):
                 dy_t = dy_q.t()
@@ -144,7 +147,8 @@ class _EmulatedGroupedMM(torch.autograd.Function):
             else:
                 x_t = dequantized_operand(pad_contraction(x_saved.t(), multiple), recipe, "input", cols, state,
                                           hadamard)
-            dw = _grouped_gemm(x_t, dy_t.t().contiguous(), offsets)
+            x_t, dy_t = pad_contraction(x_t, multiple), pad_contraction(dy_t, multiple)
+            dw = _grouped_gemm(x_t.contiguous(), dy_t.t().contiguous(), offsets)
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
 
 

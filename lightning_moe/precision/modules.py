@@ -14,8 +14,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from torch import Tensor, nn
 
@@ -34,6 +35,8 @@ _OUTPUT_NAMES = ("lm_head", "output_layer", "output", "head", "classifier")
 class FP8Linear(nn.Linear):
     """``nn.Linear`` with quantized forward and backward GEMMs (see `fp8_linear`)."""
 
+    is_fp8_linear = True  # marks converted linears (FP8Linear and the Transformer Engine one)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: FP8Recipe | str = "tensorwise",
                  backend: str = "emulated", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
@@ -45,7 +48,7 @@ class FP8Linear(nn.Linear):
             register_delayed_buffers(self)
 
     @classmethod
-    def convert(cls, linear: nn.Linear, recipe: FP8Recipe, backend: str) -> "FP8Linear":
+    def convert(cls, linear: nn.Linear, recipe: FP8Recipe, backend: str) -> FP8Linear:
         """Make ``linear`` itself an FP8 linear, in place: same object, parameters, hooks and
         ``reset_parameters`` (its class becomes a subclass of both ``FP8Linear`` and its own
         class, as FSDP2's ``fully_shard`` does); `restore` undoes it."""
@@ -54,7 +57,7 @@ class FP8Linear(nn.Linear):
         return linear
 
     @staticmethod
-    def restore(linear: "FP8Linear") -> nn.Linear:
+    def restore(linear: FP8Linear) -> nn.Linear:
         """Turn a converted linear back into its original class (high precision)."""
         base = next(c for c in type(linear).__mro__ if c is not FP8Linear and not issubclass(c, FP8Linear))
         for name in ("fp8_amax_history", "fp8_scale"):
@@ -74,7 +77,7 @@ class FP8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fp8_class(cls: type) -> type:
     if cls is nn.Linear:
         return FP8Linear
@@ -128,9 +131,9 @@ def _block_names(model: nn.Module) -> Optional[list[str]]:
     best: Optional[tuple[int, str, nn.Module]] = None
     for name, module in model.named_modules():
         depth = name.count(".") + bool(name)
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) >= 2:
-            if best is None or depth < best[0]:
-                best = (depth, name, module)
+        is_container = isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) >= 2
+        if is_container and (best is None or depth < best[0]):
+            best = (depth, name, module)
     if best is None:
         return None
     _, name, blocks = best
@@ -203,8 +206,11 @@ def configure_fp8(
             summary.experts.append(name)
         elif _is_te_grouped_linear(module):
             summary.te_experts.append(name)
+        elif getattr(module, "is_fp8_linear", False):  # converted by an earlier call (a second fit)
+            summary.converted.append(name)
         elif _is_plain_linear(module):
-            if _excluded(name, module, tied) or not wanted(name, module) or not _kernel_fits(module, recipe, linear_backend):
+            keep = _excluded(name, module, tied) or not wanted(name, module)
+            if keep or not _kernel_fits(module, recipe, linear_backend):
                 summary.kept.append(name)
             else:
                 replacements.append((name, module))

@@ -82,7 +82,7 @@ def quantize_operand(
     t: torch.Tensor,
     recipe: FP8Recipe,
     role: str,
-    layout: Layout = Layout(),
+    layout: Optional[Layout] = None,
     state: Optional[DelayedState] = None,
     native: bool = False,
     fmt: Optional[FloatFormat] = None,
@@ -93,6 +93,7 @@ def quantize_operand(
     from the emulated rounding. ``fmt`` overrides the recipe's format for this role.
     """
     fmt = fmt or recipe.format(role)
+    layout = layout or Layout()
     if native:
         t = t.contiguous()  # FP8 GEMM kernels take row-major [other, contraction] operands
     rows, cols = operand_axes(recipe.tile(role), tuple(t.shape), layout, t.device)
@@ -129,7 +130,7 @@ def dequantized_operand(
     t: torch.Tensor,
     recipe: FP8Recipe,
     role: str,
-    layout: Layout = Layout(),
+    layout: Optional[Layout] = None,
     state: Optional[DelayedState] = None,
     hadamard: bool = False,
 ) -> torch.Tensor:
@@ -139,6 +140,7 @@ def dequantized_operand(
     operands of a GEMM must get it; the contraction must be a multiple of 16).
     """
     t = t.float()
+    layout = layout or Layout()
     if hadamard:
         t = random_hadamard_transform(t, recipe.rht_seed)
     if recipe.is_fp4:

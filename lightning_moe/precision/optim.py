@@ -14,8 +14,8 @@ checkpoints load either way (moments are cast back to bf16 after loading).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -58,12 +58,13 @@ class AdamWBF16Moments(torch.optim.Optimizer):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"Invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}.")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, stochastic_rounding=stochastic_rounding)
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "stochastic_rounding": stochastic_rounding}
         super().__init__(params, defaults)
         self.register_load_state_dict_post_hook(AdamWBF16Moments._moments_to_bf16)
 
     @staticmethod
-    def _moments_to_bf16(optimizer: "AdamWBF16Moments") -> None:
+    def _moments_to_bf16(optimizer: AdamWBF16Moments) -> None:
         # Optimizer.load_state_dict casts floating state to the parameter dtype (fp32).
         for state in optimizer.state.values():
             for key in ("exp_avg", "exp_avg_sq"):

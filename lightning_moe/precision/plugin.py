@@ -7,9 +7,9 @@ and the model's linears and grouped experts run quantized GEMMs (see `configure_
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,8 @@ class FP8Precision(MixedPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Install FP8 modules (called by the strategy before moving and sharding the model)."""
         self.summary = configure_fp8(
-            module, self.recipe, self.requested_backend, self.keep_high_precision_layers, self.module_filter, self.device
+            module, self.recipe, self.requested_backend, self.keep_high_precision_layers, self.module_filter,
+            self.device,
         )
         self._delayed_modules = fp8_modules(module)
         if self.summary.experts and self.summary.experts_backend == "emulated" and self.device == "cuda":

@@ -101,6 +101,8 @@ def _reduce_axis(t: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
 
 def tile_amax(a: torch.Tensor, rows: Axis, cols: Axis) -> torch.Tensor:
     """Per-tile max ``[rows.count, cols.count]`` of non-negative ``a [P, L]``."""
+    if a.numel() == 0:  # e.g. an expert-parallel rank that received no tokens
+        return a.new_zeros(rows.count, cols.count)
     return _reduce_axis(_reduce_axis(a, cols, 1), rows, 0)
 
 

@@ -74,7 +74,9 @@ class FP8Recipe:
         else:
             self.fmt = self.fmt or _DEFAULT_FMT[self.name]
             if self.fmt not in ("hybrid", "e4m3"):
-                raise ValueError(f"FP8 fmt must be 'hybrid' or 'e4m3' (E5M2-only training is unstable); got {self.fmt!r}.")
+                raise ValueError(
+                    f"FP8 fmt must be 'hybrid' or 'e4m3' (E5M2-only training is unstable); got {self.fmt!r}."
+                )
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent'; got {self.amax_compute_algo!r}.")
         if self.amax_history_len < 1 or self.margin < 0:
@@ -82,7 +84,7 @@ class FP8Recipe:
         self.alignment = {"mxfp8": 32, "nvfp4": 128}.get(self.name, 16)
 
     @classmethod
-    def of(cls, recipe: Union[str, "FP8Recipe"]) -> "FP8Recipe":
+    def of(cls, recipe: Union[str, FP8Recipe]) -> FP8Recipe:
         """A recipe from its name, or the recipe itself."""
         return recipe if isinstance(recipe, FP8Recipe) else cls(name=recipe)
 
@@ -176,7 +178,8 @@ def resolve_backend(
         return "emulated"
     if backend == "torch":
         if recipe.name not in _TORCH_RECIPES:
-            alt = "backend='te' (Transformer Engine" + (", Blackwell sm100+)" if recipe.name in ("mxfp8", "nvfp4") else ")")
+            blackwell = recipe.name in ("mxfp8", "nvfp4")
+            alt = "backend='te' (Transformer Engine" + (", Blackwell sm100+)" if blackwell else ")")
             raise ValueError(
                 f"FP8 recipe {recipe.name!r} has no native torch kernel; use {alt} or backend='emulated'."
             )

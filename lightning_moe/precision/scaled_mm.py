@@ -49,9 +49,9 @@ def _mm(a: Tensor, sa: Tensor, b_rows: Tensor, sb: Tensor, out_dtype: torch.dtyp
     """``a @ b_rows.T`` where both are laid out ``[other, contraction]`` (row-major)."""
     rowwise = sa.numel() > 1 or sb.numel() > 1
     dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
-    out = torch._scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=sa.reshape(-1, 1) if rowwise else sa.reshape(()),
-                           scale_b=sb.reshape(1, -1) if rowwise else sb.reshape(()), out_dtype=dtype,
-                           use_fast_accum=fast)
+    scale_a, scale_b = (sa.reshape(-1, 1), sb.reshape(1, -1)) if rowwise else (sa.reshape(()), sb.reshape(()))
+    out = torch._scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
+                           out_dtype=dtype, use_fast_accum=fast)
     return out.to(out_dtype)
 
 
@@ -147,7 +147,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
             cols = Layout(col_offsets=offsets)
             qx_t, sx_t, rx_t, _ = quantize_operand(x.t(), recipe, "input", cols, state, True, E4M3)
             qdy_t, sdy_t, rdy_t, _ = quantize_operand(dy.t(), recipe, "grad", cols, state, True, E4M3)
-            dw = torch._scaled_grouped_mm(qx_t, qdy_t.t(), _per_group_rows(sx_t, rx_t, experts),
+            # zero tokens past the last group keep the 16-byte strides the kernel needs
+            dw = torch._scaled_grouped_mm(_pad_fp8(qx_t), _pad_fp8(qdy_t).t(),
+                                          _per_group_rows(sx_t, rx_t, experts),
                                           _per_group_rows(sdy_t, rdy_t, experts), offs=offsets,
                                           out_dtype=torch.bfloat16, use_fast_accum=False)
         return dx.to(x.dtype), dw.to(w.dtype), None, None, None

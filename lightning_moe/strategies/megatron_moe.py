@@ -188,6 +188,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._avoid_mixed_foreach()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -315,6 +316,25 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     def _reset_router_step_state(self, model: torch.nn.Module) -> None:
         for layer in moe_layers(model):
             layer.router.reset_step_state()
+
+    def _avoid_mixed_foreach(self) -> None:
+        """Turn off ``foreach`` in param groups that mix DTensors and plain tensors.
+
+        torch's foreach optimizer kernels refuse a list holding both (expert DTensors next to the
+        replicated router, say); on CUDA optimizers default to foreach. Such groups step
+        parameter by parameter instead; groups of one kind keep their implementation.
+        """
+        from torch.distributed.tensor import DTensor
+
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                kinds = {isinstance(p, DTensor) for p in group["params"]}
+                if len(kinds) > 1 and "foreach" in group and group["foreach"] is not False:
+                    group["foreach"] = False
+                    rank_zero_info(
+                        "MegatronMoEStrategy: a param group mixes DTensor and plain parameters; "
+                        "its optimizer runs without foreach kernels."
+                    )
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping to one norm over both meshes.

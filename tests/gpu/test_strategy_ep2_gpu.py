@@ -3,30 +3,38 @@
 Tolerance (documented in README.md): bf16 autocast changes rounding with the token layout
 (grouped GEMM tiles, all-to-all order), so losses agree to 2e-2 absolute (~0.5% of ~4.1) and
 parameters to 5e-3 absolute after 5 SGD steps; the fp32 CPU parity tests hold 1e-5.
+The expert bias moves by +-rate per step on the sign of (mean load - load): a one-token
+difference in bf16 routing can flip that sign for an expert near the mean, so bias entries
+may differ by up to 2 * rate * steps; most entries must still agree exactly.
 """
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ep2_bf16_matches_one_gpu():
-    from _launch import run_distributed
-    from _parity import as_tensors, train
-
-    kwargs = dict(expert_parallel_size=2)
-    run = lambda world, kw, dp, acc: as_tensors(  # noqa: E731
-        run_distributed(train, world, kw, dp, 5, acc, None, None, 0.5, "bf16-mixed", "cuda", backend="nccl", timeout=300)[0]
-    )
-    ep2 = run(2, kwargs, 2, 1)
-    ref = run(1, {}, 1, 2)
-    torch.testing.assert_close(ep2["rank_losses"].mean(0), ref["rank_losses"][0], rtol=0, atol=2e-2)
-    for name, value in ref["state"].items():
-        torch.testing.assert_close(ep2["state"][name], value, rtol=0, atol=5e-3, msg=name)
+    runner = Path(__file__).with_name("_ep2_runner.py")
+    proc = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    out = json.loads(line[len("RESULT "):])
+    ep2_losses = torch.tensor(out["ep2"]["losses"]).mean(0)
+    ref_losses = torch.tensor(out["ref"]["losses"])[0]
+    print("EP2 losses", ep2_losses.tolist(), "1-GPU losses", ref_losses.tolist())
+    torch.testing.assert_close(ep2_losses, ref_losses, rtol=0, atol=2e-2)
+    rate, steps = 1e-2, 5  # tiny_config's router_bias_update_rate, steps trained
+    for name, value in out["ref"]["state"].items():
+        got, want = torch.tensor(out["ep2"]["state"][name]), torch.tensor(value)
+        if name.endswith("expert_bias"):
+            assert (got - want).abs().max() <= 2 * rate * steps + 1e-6, name
+            assert ((got - want).abs() < 1e-6).float().mean() >= 0.75, name
+            continue
+        torch.testing.assert_close(got, want, rtol=0, atol=5e-3, msg=name)

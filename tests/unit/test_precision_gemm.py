@@ -7,13 +7,13 @@ from lightning_moe.precision import (
     FP8GroupedGemm,
     FP8Linear,
     FP8Recipe,
+    _te,
     dequantize_fp8,
     fp8_grouped_mm,
     fp8_linear,
     quantize_fp8,
     resolve_backend,
 )
-from lightning_moe.precision import _te
 
 FP8_RECIPES = ["tensorwise", "rowwise", "blockwise", "delayed", "mxfp8"]
 
@@ -194,3 +194,14 @@ def test_auto_on_cpu_is_emulated():
 def test_delayed_needs_state():
     with pytest.raises(ValueError, match="amax-history"):
         fp8_linear(torch.randn(4, 16), torch.randn(16, 16), "delayed")
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "blockwise", "delayed"])
+def test_grouped_mm_no_tokens_and_ragged_token_count(name):
+    gemm, w = FP8GroupedGemm(name), torch.randn(2, 32, 16, requires_grad=True)
+    empty = torch.zeros(0, 32, requires_grad=True)
+    gemm.grouped_mm(empty, w, torch.zeros(2, dtype=torch.int32)).sum().backward()
+    assert w.grad is not None and not w.grad.any()
+    x = torch.randn(13, 32, requires_grad=True)  # 13 rows: not a multiple of the 16-byte stride
+    gemm.grouped_mm(x, w, torch.tensor([5, 13], dtype=torch.int32)).sum().backward()
+    assert x.grad.shape == x.shape and w.grad.isfinite().all()

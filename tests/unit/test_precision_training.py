@@ -124,7 +124,7 @@ def _final(losses):
     return sum(losses[-25:]) / 25
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bf16_final() -> float:
     return _final(train(None))
 
@@ -280,3 +280,11 @@ def test_real_moe_layer_and_linear_subclasses():
     assert 0.005 < ((y - y_ref).norm() / y_ref.norm()).item() < 0.08
     y.square().sum().backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in layer.parameters())
+
+
+def test_configure_twice_is_idempotent():
+    model = TinyLM(moe=True)
+    first = configure_fp8(model, "tensorwise", "emulated")
+    second = configure_fp8(model, "tensorwise", "emulated")
+    assert second.converted == first.converted and second.kept == first.kept
+    assert type(model.in_proj) is FP8Linear  # not wrapped twice
