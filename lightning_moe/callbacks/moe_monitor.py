@@ -162,6 +162,8 @@ class MoEMonitor(Callback):
                 f"MoEMonitor(heatmap_every_n_steps={self.heatmap_every_n_steps}) must be a multiple of the "
                 f"logging interval {self._every}: heatmaps are drawn from the logged windows."
             )
+        if self.heatmap_every_n_steps is not None:
+            _require_matplotlib()  # fail now, not at the first heatmap after minutes of training
         self._layers = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoELayer)]
         self._window = None
         self._last_step = trainer.global_step
@@ -290,6 +292,16 @@ def _zero_like(t: Tensor) -> Tensor:
     return t.new_zeros((), dtype=torch.float32)
 
 
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "MoEMonitor(heatmap_every_n_steps=...) needs matplotlib: pip install 'lightning-moe[plot]' "
+            "(or set heatmap_every_n_steps=None)."
+        ) from err
+
+
 @rank_zero_only
 def _write_heatmap_rank_zero(path: Path, tokens_per_expert: dict[str, Tensor], step: int) -> None:
     write_load_heatmap(path, tokens_per_expert, title=f"expert load (count / mean), step {step}")
@@ -298,13 +310,10 @@ def _write_heatmap_rank_zero(path: Path, tokens_per_expert: dict[str, Tensor], s
 def write_load_heatmap(path: Union[str, Path], tokens_per_expert: dict[str, Tensor], title: str = "") -> Path:
     """Draw ``{layer: counts [E]}`` as a layers x experts image of count / mean count; write ``path``
     atomically (a temporary file in the same directory, then a rename). Needs matplotlib."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "MoEMonitor(heatmap_every_n_steps=...) needs matplotlib: pip install 'lightning-moe[plot]'."
-        ) from err
+    _require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     path = Path(path)
     names = list(tokens_per_expert)
     max_experts = max(c.numel() for c in tokens_per_expert.values())

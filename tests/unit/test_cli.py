@@ -1,0 +1,127 @@
+"""The `lightning-moe` command line: printed config, data -> model links, strategy selection, a short fit."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_moe import MegatronMoEStrategy
+from lightning_moe.callbacks import MoEMonitor, MoEThroughput
+from lightning_moe.cli import MoECLI
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+TINY = str(CONFIGS / "tiny_cpu.yaml")
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+@pytest.fixture(autouse=True)
+def _bare_argv(monkeypatch):
+    """LightningCLI warns when pytest's own arguments sit in sys.argv next to ``args``."""
+    monkeypatch.setattr(sys, "argv", ["lightning-moe"])
+
+
+def test_print_config_resolves_the_example_config(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        MoECLI(args=["fit", "--config", TINY, "--trainer.max_steps=7", "--print_config"])
+    assert exit_info.value.code in (None, 0)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["config"] == "tiny"
+    assert printed["data"]["seq_length"] == 128
+    assert printed["trainer"]["max_steps"] == 7
+    classes = [c["class_path"] for c in printed["trainer"]["callbacks"]]
+    assert classes == [
+        "lightning.pytorch.callbacks.RichProgressBar",
+        "lightning_moe.callbacks.MoEMonitor",
+        "lightning_moe.callbacks.MoEThroughput",
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+    ]
+    for config in ("small_gpu.yaml", "ep2_gpu.yaml", "ep2_cpu.yaml"):
+        with pytest.raises(SystemExit):
+            MoECLI(args=["fit", "--config", str(CONFIGS / config), "--print_config"])
+        assert yaml.safe_load(capsys.readouterr().out)["model"]["config"] in ("tiny", "small")
+
+
+def test_defaults_links_and_strategy_selection(tmp_path):
+    cli = MoECLI(args=["--data.seq_length=64", "--data.micro_batch_size=2", *QUIET], run=False)
+    assert cli.model.model_config.max_seq_length == 64  # linked from data.seq_length
+    assert cli.config["model"]["overrides"] == {"max_seq_length": 64}
+    assert str(cli.trainer.precision) == "32-true"  # no GPU here
+    assert cli.trainer.log_every_n_steps == 10
+    types = [type(c) for c in cli.trainer.callbacks]
+    assert MoEMonitor in types and MoEThroughput in types  # the default list, progress bar dropped
+    assert not any("Rich" in t.__name__ for t in types)
+
+    cli = MoECLI(
+        args=["--data.seq_length=64", "--data.micro_batch_size=2", "--trainer.strategy=megatron_moe", *QUIET], run=False
+    )
+    assert isinstance(cli.trainer.strategy, MegatronMoEStrategy)
+
+    config = tmp_path / "ep.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  strategy:\n"
+        "    class_path: lightning_moe.MegatronMoEStrategy\n"
+        "    init_args: {expert_parallel_size: 2, sharding: ddp}\n"
+        "data: {seq_length: 32, micro_batch_size: 2}\n"
+    )
+    cli = MoECLI(args=["--config", str(config), "--trainer.enable_checkpointing=false", *QUIET], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, MegatronMoEStrategy)
+    assert strategy.sizes["expert_parallel_size"] == 2 and strategy.sharding == "ddp"
+    assert cli.trainer.checkpoint_callback is None  # the default ModelCheckpoint was dropped, not an error
+
+    with pytest.raises(ValueError, match="max_seq_length=16 is shorter than data.seq_length=64"):
+        MoECLI(
+            args=["--data.seq_length=64", "--data.micro_batch_size=2", "--model.overrides={max_seq_length: 16}"],
+            run=False,
+        )
+    with pytest.raises(ValueError, match="vocab_size >= 256"):
+        MoECLI(
+            args=["--data.seq_length=8", "--data.micro_batch_size=2", "--model.overrides={vocab_size: 128}"], run=False
+        )
+
+
+def _column(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
+
+
+def test_short_fit_through_the_cli_learns(tmp_path):
+    steps = 30
+    cli = MoECLI(
+        args=[
+            "fit",
+            "--config",
+            TINY,
+            *QUIET,
+            f"--trainer.max_steps={steps}",
+            f"--trainer.val_check_interval={steps}",
+            "--trainer.limit_val_batches=4",
+            "--trainer.log_every_n_steps=1",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--trainer.logger.init_args.version=0",
+            "--model.warmup_steps=5",
+            "--data.seq_length=64",
+            "--data.micro_batch_size=8",
+        ]
+    )
+    assert cli.trainer.global_step == steps
+    run_dir = tmp_path / "tiny_cpu" / "version_0"
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    losses = _column(rows, "train/loss")
+    assert [s for s, _ in losses] == list(range(steps))
+    first = losses[0][1]
+    last = sum(v for _, v in losses[-5:]) / 5
+    assert first == pytest.approx(math.log(256), abs=0.3)  # an untrained model is ~uniform over bytes
+    assert last < first - 1.5, (first, last)  # the embedded corpus is learnable (unigram entropy ~3.2)
+    ((val_step, val_loss),) = _column(rows, "val/loss")
+    assert val_step == steps - 1 and math.isfinite(val_loss) and val_loss < first - 1.0
+    assert _column(rows, "moe/model.layers.3.mlp/tokens")  # the callbacks logged
+    assert _column(rows, "throughput/tokens_per_sec")
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["overrides"] == {"max_seq_length": 64}  # the link is in the saved config
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
