@@ -47,12 +47,22 @@ def local_tensor(t: Tensor) -> Tensor:
     return to_local() if to_local is not None else t
 
 
+def fc1_matrix(fc1: Tensor) -> Tensor:
+    """The first projection as ``[E, D, F1]``: SwiGLU's ``[E, D, 2, F]`` viewed as ``[gate | up]``."""
+    return fc1.flatten(-2) if fc1.dim() == 4 else fc1
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` MLPs applied to contiguous row groups with one GEMM per projection.
 
     Parameters (fp32 masters; cast to the activation dtype by the GEMM):
-        fc1_weight: [E, D, F1] with F1 = 2F for SwiGLU (gate and up fused) else F.
+        fc1_weight: SwiGLU: [E, D, 2, F] (gate, up), used as the fused [E, D, 2F] matrix
+            ``[gate | up]`` (a free view); other activations: [E, D, F].
         fc2_weight: [E, F, D].
+
+    SwiGLU keeps the gate/up axis separate in storage so that splitting F over expert-tensor-
+    parallel ranks is a plain ``Shard(3)`` (each rank holds matching gate and up columns), which
+    checkpoints and reshards like any other DTensor.
 
     ``forward(x_RD, group_sizes_E)`` takes rows grouped by expert (``group_sizes_E`` int64 [E]
     on the device; rows past their sum are zero padding) and returns [R, D].
@@ -81,9 +91,9 @@ class GroupedExperts(nn.Module):
         self.backend = resolve_backend(backend)
         self.init_std = init_std
         self.output_init_std = init_std if output_init_std is None else output_init_std
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         factory = {"device": device, "dtype": dtype}
-        self.fc1_weight = nn.Parameter(torch.empty(num_experts, hidden_size, fc1_out, **factory))
+        fc1_shape = (num_experts, hidden_size) + ((2, ffn_hidden_size) if activation == "swiglu" else (ffn_hidden_size,))
+        self.fc1_weight = nn.Parameter(torch.empty(fc1_shape, **factory))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **factory))
         self.quantization: Optional[GroupedGemm] = None
         self.reset_parameters()
@@ -100,7 +110,7 @@ class GroupedExperts(nn.Module):
         return BACKENDS[self.backend](x_RK, w_EKN, group_sizes_E)
 
     def forward(self, x_RD: Tensor, group_sizes_E: Tensor) -> Tensor:
-        fc1 = local_tensor(self.fc1_weight)
+        fc1 = fc1_matrix(local_tensor(self.fc1_weight))
         fc2 = local_tensor(self.fc2_weight)
         device_type = x_RD.device.type
         if torch.is_autocast_enabled(device_type):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_moe.nn.experts import activate, local_tensor
+from lightning_moe.nn.experts import activate, fc1_matrix, local_tensor
 from lightning_moe.nn.moe_layer import MoELayer
 
 
@@ -18,7 +18,7 @@ def naive_moe_forward(layer: MoELayer, x: Tensor) -> Tensor:
     cfg = layer.config
     x_TD = x.reshape(-1, cfg.hidden_size)
     routing = layer.router(x if x.dim() == 3 else x_TD)
-    fc1 = local_tensor(layer.experts.fc1_weight)
+    fc1 = fc1_matrix(local_tensor(layer.experts.fc1_weight))
     fc2 = local_tensor(layer.experts.fc2_weight)
     rows = []
     for t in range(x_TD.shape[0]):

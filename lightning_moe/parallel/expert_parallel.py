@@ -6,26 +6,16 @@ and distributed checkpoints see one logical tensor whatever the layout:
 =============  ================  ============================  ===============================
 parameter      global shape      placements over ("ep",)       over ("ep", "etp")
 =============  ================  ============================  ===============================
-fc1_weight     [E, D, F1]        Shard(0)                      Shard(0), Shard(2) (not gated)
-                                                               Shard(0), _StridedShard(2, 2)
-                                                               (SwiGLU)
+fc1_weight     [E, D, 2, F]      Shard(0)                      Shard(0), Shard(3)  (SwiGLU)
+               [E, D, F]         Shard(0)                      Shard(0), Shard(2)  (other)
 fc2_weight     [E, F, D]         Shard(0)                      Shard(0), Shard(1)
 =============  ================  ============================  ===============================
 
 EP rank ``r`` holds experts ``[r*E/EP, (r+1)*E/EP)``. ETP rank ``t`` holds FFN slice
-``[t*F/ETP, (t+1)*F/ETP)`` of each of them: those columns of fc1 and rows of fc2, so its expert
-output is a partial sum that the dispatcher reduces over the ETP group. SwiGLU's fused fc1 is
-``[gate | up]`` along its last dim; a plain ``Shard(2)`` would give ETP rank 0 the gate and rank 1
-the up projection. ``_StridedShard(2, split_factor=2)`` instead splits the dim into its two halves
-first and shards each, so rank ``t``'s local tensor is ``[gate_t | up_t]`` (the layout
-``GroupedExperts`` expects), while the global tensor keeps the canonical ``[gate | up]``
-(``full_tensor()`` and ``redistribute`` are exact). Distributed checkpointing cannot describe
-that two-piece local shard as one chunk (DCP rejects it as overlapping); save and load the gated
-fc1 through :func:`gated_fc1_checkpoint_view`, a zero-copy ``[E, D, 2, F]`` view whose
-placements DTensor derives as ``Shard(0), Shard(3)`` (one contiguous chunk per rank, the same
-global tensor under every EP/ETP layout). DTensor redistributes (``full_tensor``, views, DCP) such
-a standalone ``_StridedShard`` from torch 2.13 on; torch 2.11 trains with it (forward, backward,
-optimizer, norms) but cannot gather or checkpoint it.
+``[t*F/ETP, (t+1)*F/ETP)`` of each of them: those columns of fc1 (for SwiGLU, of the gate and
+of the up projection alike, since they have their own axis) and rows of fc2, so its expert
+output is a partial sum that the dispatcher reduces over the ETP group. Every placement is a
+plain ``Shard``: checkpoints save and reshard across EP/ETP layouts like any DTensor.
 
 Gradients: the dispatchers' backward brings every EP x ETP peer's tokens into each expert shard's
 gradient, so expert gradients are complete for the block and must be reduced (averaged with the
@@ -35,40 +25,33 @@ replicated, plain parameters whose gradients depend on the local tokens only, li
 
 from __future__ import annotations
 
-import warnings
 from typing import Literal, Optional
 
 import torch
-from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_moe.nn.moe_layer import MoELayer
 from lightning_moe.parallel.dispatchers import AllGatherDispatcher, AllToAllDispatcher
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
-#: Whether DTensor can redistribute the SwiGLU fc1 placement under ETP (full_tensor, DCP views).
-STRIDED_SHARD_REDISTRIBUTES = bool(RequirementCache("torch>=2.13"))
 
 
 def expert_placements(with_etp: bool, gated: bool) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
     """Placements of ``(fc1_weight, fc2_weight)`` over ``("ep",)`` or ``("ep", "etp")``."""
     if not with_etp:
         return (Shard(0),), (Shard(0),)
-    fc1_ffn = _StridedShard(2, split_factor=2) if gated else Shard(2)
-    return (Shard(0), fc1_ffn), (Shard(0), Shard(1))
+    return (Shard(0), Shard(3 if gated else 2)), (Shard(0), Shard(1))
 
 
 def shard_experts_for_etp(
-    fc1_EDF1: Tensor, fc2_EFD: Tensor, etp_rank: int, etp_size: int, gated: bool
+    fc1: Tensor, fc2_EFD: Tensor, etp_rank: int, etp_size: int, gated: bool
 ) -> tuple[Tensor, Tensor]:
     """ETP rank ``etp_rank``'s slices of full (or EP-local) expert weights.
 
-    fc1 ``[E, D, F1]`` -> ``[E, D, F1/ETP]`` (for SwiGLU ``[gate_t | up_t]``: matching slices of
-    both halves); fc2 ``[E, F, D]`` -> ``[E, F/ETP, D]``. Equal to the local tensors of the
-    placements of :func:`expert_placements`.
+    fc1 ``[E, D, 2, F]`` (SwiGLU) or ``[E, D, F]`` -> the same with ``F/ETP``; fc2 ``[E, F, D]``
+    -> ``[E, F/ETP, D]``. Equal to the local tensors of :func:`expert_placements`.
     """
     ffn = fc2_EFD.shape[1]
     if ffn % etp_size:
@@ -78,22 +61,7 @@ def shard_experts_for_etp(
         )
     width = ffn // etp_size
     cols = slice(etp_rank * width, (etp_rank + 1) * width)
-    if gated:
-        gate, up = fc1_EDF1.chunk(2, dim=-1)
-        fc1 = torch.cat([gate[..., cols], up[..., cols]], dim=-1)
-    else:
-        fc1 = fc1_EDF1[..., cols]
-    return fc1, fc2_EFD[:, cols]
-
-
-def gated_fc1_checkpoint_view(fc1_weight: Tensor) -> Tensor:
-    """SwiGLU ``fc1_weight`` ``[E, D, 2F]`` as ``[E, D, 2, F]`` (gate, up) for checkpoints.
-
-    Zero-copy; for an ETP-sharded DTensor the view's placements are ``Shard(0), Shard(3)``, which
-    distributed checkpointing can save and reshard into any other layout's view.
-    """
-    num_experts, hidden, fc1_out = fc1_weight.shape
-    return fc1_weight.view(num_experts, hidden, 2, fc1_out // 2)
+    return fc1[..., cols], fc2_EFD[:, cols]
 
 
 def _distribute(param: nn.Parameter, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> nn.Parameter:
@@ -140,13 +108,6 @@ def expert_parallel_layer(
         raise ValueError(
             f"ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by expert_tensor_parallel_size={etp_size}: "
             "choose an ETP size dividing the expert FFN size."
-        )
-    if mesh.ndim == 2 and cfg.is_gated and not STRIDED_SHARD_REDISTRIBUTES:
-        warnings.warn(
-            "SwiGLU experts under expert tensor parallelism train on this torch version, but their fc1 "
-            "weights cannot be gathered or checkpointed (DTensor _StridedShard redistribution needs "
-            "torch>=2.13): upgrade torch before saving checkpoints.",
-            stacklevel=2,
         )
     fc1_placements, fc2_placements = expert_placements(mesh.ndim == 2, cfg.is_gated)
     experts.fc1_weight = _distribute(experts.fc1_weight, mesh, fc1_placements)

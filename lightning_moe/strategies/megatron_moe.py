@@ -357,16 +357,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("MegatronMoEStrategy.save_checkpoint does not take storage_options.")
-        if self.layout.expert_tensor_parallel_size > 1 and any(
-            layer.config.is_gated for layer in moe_layers(self.model)
-        ):
-            # The SwiGLU fc1 under ETP is a `_StridedShard` DTensor (each rank holds matching gate
-            # and up slices), which torch.distributed.checkpoint cannot write.
-            raise ValueError(
-                "distributed checkpoints of SwiGLU experts under expert_tensor_parallel_size > 1 are not "
-                "supported yet: checkpoint with expert_tensor_parallel_size=1 (EP/EDP reshard freely) or "
-                "use a non-gated expert activation."
-            )
         path = Path(self.broadcast(str(filepath)))
         sharded = {"state_dict": checkpoint.pop("state_dict")}
         for idx, state in enumerate(checkpoint.pop("optimizer_states", [])):

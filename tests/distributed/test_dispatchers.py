@@ -23,12 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.moe_layer import MoELayer
-from lightning_moe.parallel.expert_parallel import (
-    STRIDED_SHARD_REDISTRIBUTES,
-    expert_parallel_layer,
-    gated_fc1_checkpoint_view,
-    shard_experts_for_etp,
-)
+from lightning_moe.parallel.expert_parallel import expert_parallel_layer, shard_experts_for_etp
 
 BASE = dict(hidden_size=16, ffn_hidden_size=8, num_experts=8, router_topk=2)
 
@@ -228,38 +223,37 @@ def _checkpoint_roundtrip(rank, world_size, path):
 
     reference = _build_layer({}, False, 2)
     saved = expert_parallel_layer(copy.deepcopy(reference), _make_mesh(2, 2))
-    # The SwiGLU fc1 DTensor's global tensor is the canonical [gate | up] weight.
+    # The SwiGLU fc1 DTensor's global tensor is the canonical [E, D, 2, F] weight.
     assert torch.equal(saved.experts.fc1_weight.full_tensor(), reference.experts.fc1_weight.detach())
     assert torch.equal(saved.experts.fc2_weight.full_tensor(), reference.experts.fc2_weight.detach())
-    state = {"fc1": gated_fc1_checkpoint_view(saved.experts.fc1_weight), "fc2": saved.experts.fc2_weight}
+    state = {"fc1": saved.experts.fc1_weight, "fc2": saved.experts.fc2_weight}
     dcp.save(state, checkpoint_id=path)
     torch.manual_seed(123)
     loaded = expert_parallel_layer(MoELayer(MoEConfig(**BASE)), _make_mesh(4, 1))
-    target = {"fc1": gated_fc1_checkpoint_view(loaded.experts.fc1_weight), "fc2": loaded.experts.fc2_weight}
+    target = {"fc1": loaded.experts.fc1_weight, "fc2": loaded.experts.fc2_weight}
     dcp.load(target, checkpoint_id=path)
     for name in ("fc1_weight", "fc2_weight"):
         assert torch.equal(getattr(loaded.experts, name).full_tensor(), getattr(saved.experts, name).full_tensor())
     with torch.device("meta"):
         meta = MoELayer(MoEConfig(**BASE))
     expert_parallel_layer(meta, _make_mesh(2, 2))
-    assert meta.experts.fc1_weight.shape == (8, 16, 16) and meta.experts.fc1_weight.to_local().shape == (4, 16, 8)
+    assert meta.experts.fc1_weight.shape == (8, 16, 2, 8) and meta.experts.fc1_weight.to_local().shape == (4, 16, 2, 4)
     assert meta.experts.fc1_weight.to_local().is_meta
 
 
-@pytest.mark.skipif(not STRIDED_SHARD_REDISTRIBUTES, reason="needs torch>=2.13 (_StridedShard redistribution)")
 def test_etp_layout_checkpoint_reshards(tmp_path):
-    """The SwiGLU fc1 view saved under EP2 x ETP2 loads into an EP4 layer with the same weights."""
+    """SwiGLU experts saved under EP2 x ETP2 load into an EP4 layer with the same weights."""
     run_distributed(_checkpoint_roundtrip, 4, str(tmp_path / "ckpt"))
 
 
 def test_shard_experts_for_etp_pairs_gate_and_up():
-    fc1 = torch.arange(2 * 3 * 8.0).view(2, 3, 8)  # F = 4: gate columns 0-3, up columns 4-7
+    fc1 = torch.arange(2 * 3 * 8.0).view(2, 3, 2, 4)  # F = 4: [:, :, 0] gate, [:, :, 1] up
     fc2 = torch.arange(2 * 4 * 3.0).view(2, 4, 3)
     local1, local2 = shard_experts_for_etp(fc1, fc2, etp_rank=1, etp_size=2, gated=True)
-    assert torch.equal(local1, fc1[..., [2, 3, 6, 7]])
+    assert torch.equal(local1.flatten(-2), fc1.flatten(-2)[..., [2, 3, 6, 7]])  # [gate_1 | up_1]
     assert torch.equal(local2, fc2[:, 2:4])
-    local1, _ = shard_experts_for_etp(fc1[..., :4], fc2, etp_rank=1, etp_size=2, gated=False)
-    assert torch.equal(local1, fc1[..., 2:4])
+    local1, _ = shard_experts_for_etp(fc1[:, :, 0], fc2, etp_rank=1, etp_size=2, gated=False)
+    assert torch.equal(local1, fc1[:, :, 0, 2:4])
     with pytest.raises(ValueError, match="divisible"):
         shard_experts_for_etp(fc1, fc2, etp_rank=0, etp_size=3, gated=True)
 

@@ -127,3 +127,14 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path, crash_stage):
     assert not (tmp_path / f"step{SAVE_AT}").exists()
     losses = run_distributed(run, 1, {}, 1, SAVE_AT, None, str(tmp_path), None, timeout=240)[0]
     assert torch.isfinite(torch.from_numpy(losses)).all() and losses.shape[1] == 1
+
+
+def test_etp_checkpoint_resumes_in_ep4(tmp_path):
+    """SwiGLU experts split over ETP2 x EP2 save and reshard into EP4 (weights and Adam states)."""
+    etp = dict(expert_parallel_size=2, expert_tensor_parallel_size=2)
+    losses = run_distributed(run, WORLD, etp, 4, STEPS, str(tmp_path), None, None, timeout=240)[0]
+    uninterrupted = _global(losses, etp, WORLD)
+    resumed = run_distributed(run, WORLD, dict(expert_parallel_size=4), 4, STEPS, None, str(tmp_path), None, timeout=240)[0]
+    torch.testing.assert_close(
+        _global(resumed, dict(expert_parallel_size=4), WORLD), uninterrupted[SAVE_AT:], rtol=0, atol=1e-5
+    )
