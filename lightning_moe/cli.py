@@ -4,12 +4,13 @@
 
     lightning-moe fit --config examples/configs/tiny_cpu.yaml
     lightning-moe fit --config examples/configs/tiny_cpu.yaml --trainer.max_steps=50 --model.learning_rate=1e-3
-    lightning-moe fit --config examples/configs/ep2_cpu.yaml --ckpt_path=last        # resume
+    lightning-moe fit --config examples/configs/ep2_cpu.yaml --ckpt_path=runs/ep2_cpu/version_0/checkpoints/last.ckpt
     lightning-moe validate --config examples/configs/tiny_cpu.yaml --ckpt_path=PATH
     lightning-moe fit --config examples/configs/tiny_cpu.yaml --print_config         # resolved YAML
     python -m lightning_moe fit ...                                                  # the same
 
-Subcommands: ``fit``, ``validate``, ``test``. Everything else is LightningCLI's: ``--config``
+Subcommands: ``fit``, ``validate`` (and ``test`` once the model and DataModule define test hooks;
+they do not yet). Everything else is LightningCLI's: ``--config``
 (repeatable, later wins), ``--print_config``, ``--seed_everything``, ``--trainer.*``, ``--model.*``,
 ``--data.*``, ``--ckpt_path``, ``--optimizer`` / ``--lr_scheduler`` (replace the model's AdamW +
 warmup-cosine).
@@ -48,9 +49,11 @@ from typing import Any, Optional
 
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import lightning_moe  # noqa: F401  registers the "megatron_moe" strategy name
 from lightning_moe.data.corpus import VOCAB_SIZE
@@ -83,8 +86,13 @@ class MoECLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit``, ``validate`` and ``test`` (the model has no ``predict_step``)."""
-        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+        """``fit`` and ``validate``; ``test`` once the model has a ``test_step`` and the DataModule a
+        ``test_dataloader`` (neither does yet); never ``predict`` (no ``predict_step``)."""
+        has_test = is_overridden("test_step", MoELanguageModel, LightningModule) and is_overridden(
+            "test_dataloader", LMDataModule, LightningDataModule
+        )
+        keep = {"fit", "validate"} | ({"test"} if has_test else set())
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in keep}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"trainer.callbacks": DEFAULT_CALLBACKS})
@@ -148,10 +156,14 @@ def _is_subclass(spec: Any, classes: tuple[type, ...]) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    """A jsonargparse Namespace (a YAML mapping parsed as a ModelConfig) as a plain dict."""
+    """``model.config`` as :func:`resolve_model_config` takes it: a YAML mapping that jsonargparse
+    parsed as a ``ModelConfig`` (``class_path`` / ``init_args``, nested for ``moe``) becomes the
+    plain dict of its fields."""
     if isinstance(value, Namespace):
         value = value.as_dict()
-        value.pop("__path__", None)
+    if isinstance(value, dict):
+        value = value.get("init_args", value) if "class_path" in value else value
+        return {k: _plain(v) for k, v in value.items() if not k.startswith("__")}
     return value
 
 

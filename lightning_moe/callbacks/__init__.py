@@ -3,4 +3,4 @@
 from lightning_moe.callbacks.moe_monitor import MoEMonitor
 from lightning_moe.callbacks.throughput import PEAK_FLOPS, MoEThroughput
 
-__all__ = ["MoEMonitor", "MoEThroughput", "PEAK_FLOPS"]
+__all__ = ["PEAK_FLOPS", "MoEMonitor", "MoEThroughput"]

@@ -26,13 +26,17 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor
 from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_moe.callbacks._logging import log_to_loggers
 from lightning_moe.nn.moe_layer import MoELayer
+
+_MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
+_MATPLOTLIB_HINT = "matplotlib is not installed (pip install 'lightning-moe[plot]')"
 
 # Losses whose per-rank value is that rank's share of the loss of the tokens routed together
 # (the router's `latest_losses` docstring); their group sum is the loss of one micro-batch.
@@ -109,9 +113,9 @@ class MoEMonitor(Callback):
     Args:
         log_every_n_steps: optimizer steps per window; None: ``Trainer(log_every_n_steps)``.
         log_tokens_per_expert: also log every expert's count (``L x E`` scalars per window).
-        heatmap_every_n_steps: write a layers x experts load heatmap (PNG, needs matplotlib) at
-            logging steps that are multiples of this; None: never. Must be a multiple of the
-            logging interval.
+        heatmap_every_n_steps: write a layers x experts load heatmap (PNG) at logging steps that are
+            multiples of this; None: never. Must be a multiple of the logging interval. Needs
+            matplotlib (the ``plot`` extra); without it training warns once and skips the heatmaps.
         heatmap_dir: where the PNGs go; None: ``<logger log_dir>/moe_heatmaps`` (else
             ``<Trainer default_root_dir>/moe_heatmaps``).
         prefix: metric name prefix.
@@ -149,6 +153,7 @@ class MoEMonitor(Callback):
         self._layer_losses: list[set[str]] = []
         self._share_sizes: list[list[int]] = []
         self._every = 1
+        self._heatmap_every: Optional[int] = None
         self._last_step = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -162,8 +167,11 @@ class MoEMonitor(Callback):
                 f"MoEMonitor(heatmap_every_n_steps={self.heatmap_every_n_steps}) must be a multiple of the "
                 f"logging interval {self._every}: heatmaps are drawn from the logged windows."
             )
-        if self.heatmap_every_n_steps is not None:
-            _require_matplotlib()  # fail now, not at the first heatmap after minutes of training
+        self._heatmap_every = self.heatmap_every_n_steps
+        if self._heatmap_every is not None and not _MATPLOTLIB_AVAILABLE:
+            # Heatmaps are optional (matplotlib is the "plot" extra): train and log without them.
+            rank_zero_warn(f"MoEMonitor: no expert-load heatmaps, {_MATPLOTLIB_HINT}.")
+            self._heatmap_every = None
         self._layers = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoELayer)]
         self._window = None
         self._last_step = trainer.global_step
@@ -230,7 +238,7 @@ class MoEMonitor(Callback):
                 self.metrics[f"{self.prefix}/{name}/expert_bias_min"] = float(bias.min())
                 self.metrics[f"{self.prefix}/{name}/expert_bias_max"] = float(bias.max())
         log_to_loggers(trainer, self.metrics)
-        if self.heatmap_every_n_steps is not None and trainer.global_step % self.heatmap_every_n_steps == 0:
+        if self._heatmap_every is not None and trainer.global_step % self._heatmap_every == 0:
             self.last_heatmap = self._heatmap_dir(trainer) / f"expert_load_step{trainer.global_step:08d}.png"
             _write_heatmap_rank_zero(self.last_heatmap, self.tokens_per_expert, trainer.global_step)
 
@@ -293,13 +301,8 @@ def _zero_like(t: Tensor) -> Tensor:
 
 
 def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as err:
-        raise ImportError(
-            "MoEMonitor(heatmap_every_n_steps=...) needs matplotlib: pip install 'lightning-moe[plot]' "
-            "(or set heatmap_every_n_steps=None)."
-        ) from err
+    if not _MATPLOTLIB_AVAILABLE:
+        raise ModuleNotFoundError(f"expert-load heatmaps need matplotlib: {_MATPLOTLIB_HINT}.")
 
 
 @rank_zero_only

@@ -262,4 +262,4 @@ def _batch_tokens(batch: Any) -> tuple[int, int]:
     return batch.numel(), int(batch.shape[-1])
 
 
-__all__ = ["MoEThroughput", "PEAK_FLOPS", "device_peak_flops", "precision_peak_dtype"]
+__all__ = ["PEAK_FLOPS", "MoEThroughput", "device_peak_flops", "precision_peak_dtype"]

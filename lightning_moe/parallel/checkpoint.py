@@ -70,6 +70,7 @@ def save_distributed(
     if crash_hook is not None:
         crash_hook("after_shards")
     if _rank() == 0:
+        _check_loadable(meta)
         torch.save(meta, tmp / META_FILE)
         _fsync_dir(tmp)
     _barrier()
@@ -80,6 +81,32 @@ def save_distributed(
         _write_latest(path)
     _barrier()
     return path
+
+
+def _check_loadable(meta: dict[str, Any]) -> None:
+    """Fail at save time if ``meta`` would not load with ``weights_only=True`` (the default)."""
+    import io
+
+    for key, value in meta.items():
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        try:
+            torch.load(buffer, weights_only=True)
+        except Exception as err:  # the unpickler names the unsupported type
+            raise ValueError(
+                f"checkpoint entry {key!r} holds a type that cannot be loaded with weights_only=True "
+                f"({err.__class__.__name__}: {str(err).splitlines()[0]}); store plain Python values "
+                "(e.g. str instead of pathlib.Path) in hyperparameters and callback states."
+            ) from err
+
+
+def saved_prefixes(path: Path) -> set[str]:
+    """Top-level keys ("state_dict", "optimizer_0", ...) present in a checkpoint's DCP shards."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(resolve_checkpoint(Path(path)))).read_metadata()
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -118,24 +145,27 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if is_checkpoint_dir(path):
         return path
+    # A crash between the two renames of an overwrite leaves the previous checkpoint moved aside.
+    aside = sorted(path.parent.glob(f"{_TMP_PREFIX}old-{path.name}-*"), key=os.path.getmtime, reverse=True)
+    for old in aside:
+        if is_checkpoint_dir(old):
+            return old
     pointer = path / LATEST_FILE
     if pointer.is_file():
-        target = path / pointer.read_text().strip()
-        if is_checkpoint_dir(target):
-            return target
+        return resolve_checkpoint(path / pointer.read_text().strip())
     raise FileNotFoundError(
         f"{path} is not a lightning_moe checkpoint (no {META_FILE}) nor a directory with a valid "
         f"'{LATEST_FILE}' pointer."
     )
 
 
-def load_distributed(sharded_state: dict[str, Any], path: Path) -> dict[str, Any]:
+def load_distributed(sharded_state: dict[str, Any], path: Path, weights_only: bool = True) -> dict[str, Any]:
     """Load DCP shards into ``sharded_state`` in place (resharding as needed); returns meta."""
     from torch.distributed.checkpoint import FileSystemReader, load
 
     path = resolve_checkpoint(Path(path))
     load(sharded_state, storage_reader=FileSystemReader(str(path)))
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
 
 
 def save_consolidated(state_dict: dict[str, Any], path: Path) -> None:

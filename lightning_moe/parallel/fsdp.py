@@ -1,7 +1,7 @@
 """FSDP2 for expert parameters (over EDP) and dense parameters (over DP x CP).
 
 Order (DESIGN.md): each MoE layer's experts over the EDP mesh first, then each transformer
-block (every child of an ``nn.ModuleList``) over the dense DP x CP mesh, then the remaining
+block (every child of an ``nn.ModuleList`` / ``nn.ModuleDict``) over the dense DP x CP mesh, then the remaining
 top-level children of the LightningModule. The LightningModule itself is never wrapped
 (Lightning calls ``training_step``, not ``forward``). Router and shared-expert parameters are
 left out of FSDP (``ignored_params``): they are reduced by the strategy over the ranks that
@@ -75,7 +75,7 @@ def shard_experts(root: nn.Module, edp_mesh, mp_policy, reshard_after_forward: b
 def _blocks(root: nn.Module) -> list[nn.Module]:
     blocks: list[nn.Module] = []
     for module in root.modules():
-        if isinstance(module, nn.ModuleList):
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             blocks.extend(module.children())
     return blocks
 

@@ -110,6 +110,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self._parallelized = False
         self._dense_fsdp = False
         self._experts_fsdp = False
+        self._dense_outside_fsdp: list[torch.nn.Parameter] = []  # e.g. params on the LightningModule itself
+        self._grads_finalized = False
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._crash_hook: Optional[Callable[[str], None]] = None  # tests simulate crashes
 
@@ -234,8 +236,12 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             ignored = moe_replicated_params(model)
             if not self._experts_fsdp:
                 ignored += expert_params(model)
-            shard_dense(model, layout.mesh("dp"), mp_policy, self.reshard_after_forward, ignored)
+            wrapped = shard_dense(model, layout.mesh("dp"), mp_policy, self.reshard_after_forward, ignored)
             self._dense_fsdp = True
+            # The LightningModule itself is never wrapped: its own parameters (and any module
+            # FSDP skipped) are all-reduced by finalize_gradients like in "ddp" mode.
+            managed = {p for module in wrapped for p in module.parameters()} | set(ignored)
+            self._dense_outside_fsdp = [p for p in model.parameters() if p not in managed]
 
     def _validate_model(self, model: torch.nn.Module, layers: list) -> None:
         layout = self.layout
@@ -272,10 +278,19 @@ class MegatronMoEStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ gradients
     @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        self._grads_finalized = False
+
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
             result = closure()
-            self.finalize_gradients()
+            # Once per backward: several optimizers (or manual optimization) step on the same
+            # gradients, which must be reduced and scaled exactly once.
+            if not self._grads_finalized:
+                self.finalize_gradients()
+                self._grads_finalized = True
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
@@ -293,7 +308,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if not self._dense_fsdp:
             excluded = set(replicated) | set(expert_params(model))
             dense = [p for p in model.parameters() if p not in excluded]
-            all_reduce_grads(dense, self._group("dp"), scale=1.0 / layout.data_parallel_size)
+        else:
+            dense = self._dense_outside_fsdp
+        all_reduce_grads(dense, self._group("dp"), scale=1.0 / layout.data_parallel_size)
         experts = expert_params(model)
         if self._experts_fsdp:
             scale_grads(experts, layout.expert_data_parallel_size / dp_cp)
@@ -378,12 +395,22 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         assert self.model is not None
         options = StateDictOptions(strict=self.lightning_module.strict_loading)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = list(self.optimizers) if fitting else []  # validate/test/predict: weights only
+        saved = ckpt.saved_prefixes(path)
+        for idx in range(len(optimizers)):
+            if f"optimizer_{idx}" not in saved:
+                raise KeyError(
+                    f"{path} holds no state for optimizer {idx} (a weights-only checkpoint, or fewer "
+                    "optimizers than now): resume from a full checkpoint, or load the weights with "
+                    "trainer.validate/test(ckpt_path=...) and start a new fit."
+                )
         sharded: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        for idx, optimizer in enumerate(self.optimizers):
+        for idx, optimizer in enumerate(optimizers):
             sharded[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
-        meta = ckpt.load_distributed(sharded, path)
+        meta = ckpt.load_distributed(sharded, path, weights_only=True if weights_only is None else weights_only)
         set_model_state_dict(self.model, sharded["state_dict"], options=options)
-        for idx, optimizer in enumerate(self.optimizers):
+        for idx, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, sharded[f"optimizer_{idx}"], options=options)
         return meta
 
