@@ -37,8 +37,11 @@ model:
 
 
 def _fit(tmp: Path, version: str, *extra: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                            "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     cmd = [
         sys.executable, "-m", "lightning_moe", "fit",
@@ -57,8 +60,10 @@ def _fit(tmp: Path, version: str, *extra: str) -> None:
         f"--data.micro_batch_size={MICRO}",
         *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=150, check=False)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
 def _metrics(tmp: Path, version: str) -> dict[str, dict[int, float]]:

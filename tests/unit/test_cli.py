@@ -75,6 +75,27 @@ def test_defaults_links_and_strategy_selection(tmp_path):
     assert strategy.sizes["expert_parallel_size"] == 2 and strategy.sharding == "ddp"
     assert cli.trainer.checkpoint_callback is None  # the default ModelCheckpoint was dropped, not an error
 
+    # An inline model config (jsonargparse parses it as a ModelConfig) links like a preset.
+    inline = tmp_path / "inline.yaml"
+    inline.write_text(
+        "model:\n"
+        "  config:\n"
+        "    {vocab_size: 300, hidden_size: 32, num_layers: 1, num_attention_heads: 2,\n"
+        "     moe: {hidden_size: 32, ffn_hidden_size: 16, num_experts: 4, router_topk: 2}}\n"
+        "data: {seq_length: 24, micro_batch_size: 2}\n"
+    )
+    cli = MoECLI(args=["--config", str(inline), "--trainer.logger=false", *QUIET], run=False)
+    cfg = cli.model.model_config
+    assert (cfg.max_seq_length, cfg.vocab_size, cfg.moe.num_experts) == (24, 300, 4)
+
+    # An explicit data vocabulary (tokenized data) becomes the model's; the files are read only at setup.
+    cli = MoECLI(
+        args=["--data.seq_length=8", "--data.micro_batch_size=2", "--data.data_path=/data/tokens",
+              "--data.vocab_size=50304", "--trainer.logger=false", *QUIET],
+        run=False,
+    )  # fmt: skip
+    assert cli.model.model_config.vocab_size == 50304
+
     with pytest.raises(ValueError, match="max_seq_length=16 is shorter than data.seq_length=64"):
         MoECLI(
             args=["--data.seq_length=64", "--data.micro_batch_size=2", "--model.overrides={max_seq_length: 16}"],
@@ -124,4 +145,20 @@ def test_short_fit_through_the_cli_learns(tmp_path):
     assert _column(rows, "throughput/tokens_per_sec")
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["overrides"] == {"max_seq_length": 64}  # the link is in the saved config
-    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    # `validate` restores the checkpoint and sees the same validation loss.
+    validate = MoECLI(
+        args=[
+            "validate",
+            "--config",
+            TINY,
+            *QUIET,
+            "--trainer.limit_val_batches=4",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--data.seq_length=64",
+            "--data.micro_batch_size=8",
+            f"--ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+        ]
+    )
+    assert validate.trainer.callback_metrics["val/loss"].item() == pytest.approx(val_loss, rel=1e-6)
