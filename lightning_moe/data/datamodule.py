@@ -83,6 +83,22 @@ def _file_range(tokens: np.ndarray) -> Union[np.ndarray, MappedTokens]:
     return tokens
 
 
+class _ResumableSampler(DistributedSampler):
+    """A DistributedSampler whose next epoch can start after its first ``n`` indices (resume)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def skip_once(self, num_indices: int) -> None:
+        self._skip = num_indices
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        skip, self._skip = self._skip, 0
+        return iter(indices[skip:])
+
+
 class LMDataModule(LightningDataModule):
     """Language-model batches ``{"input_ids": [B, S], "labels": [B, S]}`` (int64).
 
@@ -194,13 +210,31 @@ class LMDataModule(LightningDataModule):
             )
         return {"num_replicas": num_replicas, "rank": rank}
 
+    def _batches_done_this_epoch(self) -> int:
+        """Micro-batches of the current epoch already trained when a fit resumes mid-epoch.
+
+        Lightning restores its loop counters before it asks for the training loader; the
+        sampler then starts after the windows those batches used, so a resumed run reads the
+        same data as an uninterrupted one (the sampler is deterministic from seed and epoch).
+        """
+        loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is None:
+            return 0
+        # "processed": a checkpoint written in on_train_batch_end already counts its batch here
+        # ("completed" is incremented only after that hook).
+        return int(loop.batch_progress.current.processed)
+
     def _loader(self, dataset: TokenWindowDataset, train: bool) -> DataLoader:
         # The sampler's drop_last gives every data-parallel rank the same number of windows
         # (no rank waits in a collective for a batch another rank lacks) and reads no window
         # twice. Training also drops the last partial batch: every micro-batch is [B, S].
-        sampler = DistributedSampler(
+        sampler = _ResumableSampler(
             dataset, shuffle=train, seed=self.seed, drop_last=True, **self._data_parallel_kwargs()
         )
+        if train:
+            done = self._batches_done_this_epoch()
+            if 0 < done < len(sampler) // self.micro_batch_size:
+                sampler.skip_once(done * self.micro_batch_size)
         return DataLoader(
             dataset,
             batch_size=self.micro_batch_size,
