@@ -9,8 +9,7 @@
     lightning-moe fit --config examples/configs/tiny_cpu.yaml --print_config         # resolved YAML
     python -m lightning_moe fit ...                                                  # the same
 
-Subcommands: ``fit``, ``validate`` (and ``test`` once the model and DataModule define test hooks;
-they do not yet). Everything else is LightningCLI's: ``--config``
+Subcommands: ``fit``, ``validate`` and ``test`` (the held-out split). Everything else is LightningCLI's: ``--config``
 (repeatable, later wins), ``--print_config``, ``--seed_everything``, ``--trainer.*``, ``--model.*``,
 ``--data.*``, ``--ckpt_path``, ``--optimizer`` / ``--lr_scheduler`` (replace the model's AdamW +
 warmup-cosine).
@@ -49,11 +48,9 @@ from typing import Any, Optional
 
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import lightning_moe  # noqa: F401  registers the "megatron_moe" strategy name
 from lightning_moe.data.corpus import VOCAB_SIZE
@@ -86,12 +83,8 @@ class MoECLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """``fit`` and ``validate``; ``test`` once the model has a ``test_step`` and the DataModule a
-        ``test_dataloader`` (neither does yet); never ``predict`` (no ``predict_step``)."""
-        has_test = is_overridden("test_step", MoELanguageModel, LightningModule) and is_overridden(
-            "test_dataloader", LMDataModule, LightningDataModule
-        )
-        keep = {"fit", "validate"} | ({"test"} if has_test else set())
+        """``fit``, ``validate`` and ``test``; not ``predict`` (the model has no ``predict_step``)."""
+        keep = {"fit", "validate", "test"}
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in keep}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

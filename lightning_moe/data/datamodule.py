@@ -260,4 +260,10 @@ class LMDataModule(LightningDataModule):
         return self._loader(self.val_dataset, train=False)
 
 
+    def test_dataloader(self) -> Union[DataLoader, list]:
+        """The held-out split (the embedded corpus and .bin data have one held-out split: the
+        validation windows), in order and data-parallel-sharded."""
+        return self.val_dataloader()
+
+
 __all__ = ["LMDataModule", "TokenWindowDataset"]

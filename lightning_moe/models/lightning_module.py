@@ -217,14 +217,27 @@ class MoELanguageModel(LightningModule):
         return loss
 
     def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def _log_eval(self, prefix: str) -> None:
         if self._val_loss_sum is None:
             return
-        # One all-reduce per validation run: the token-weighted mean over every rank's batches.
+        # One all-reduce per evaluation run: the token-weighted mean over every rank's batches.
         totals = torch.stack([self._val_loss_sum.float(), self._val_tokens.float()])
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         loss = totals[0] / totals[1].clamp(min=1.0)
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss))
+        self.log(f"{prefix}/loss", loss, prog_bar=True)
+        self.log(f"{prefix}/ppl", torch.exp(loss))
+
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Held-out loss, token-weighted like validation (logged as ``test/loss``, ``test/ppl``)."""
+        return self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
