@@ -77,6 +77,14 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     ]
 
 
+def _can_fuse(params: list[nn.Parameter]) -> bool:
+    """Fused AdamW (one kernel for all parameters) needs plain CUDA tensors; sharded DTensor
+    parameters (FSDP, EP) keep torch's default implementation."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
+
+
 class MoELanguageModel(LightningModule):
     """Causal language modelling with :class:`MoEDecoder`.
 
@@ -241,8 +249,13 @@ class MoELanguageModel(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
+        params = list(self.model.parameters())
         optimizer = torch.optim.AdamW(
-            parameter_groups(self.model, hp.weight_decay), lr=hp.learning_rate, betas=hp.betas, eps=hp.eps
+            parameter_groups(self.model, hp.weight_decay),
+            lr=hp.learning_rate,
+            betas=hp.betas,
+            eps=hp.eps,
+            fused=_can_fuse(params) or None,
         )
         max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
         if not math.isfinite(max_steps):
