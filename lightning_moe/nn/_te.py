@@ -43,6 +43,8 @@ def te_grouped_linear(x_RK: Tensor, w_EKN: Tensor, split_sizes: list[int]) -> Te
     """``y = x @ w[e]`` per group through ``te.GroupedLinear`` (honours ``te.autocast`` recipes)."""
     num_experts, k, n = w_EKN.shape
     module = _grouped_linear(num_experts, k, n, x_RK.dtype, str(x_RK.device))
-    weights = [w_EKN[e].t() for e in range(num_experts)]  # TE wants [out, in] = [N, K]
+    # TE wants [out, in] = [N, K] per expert; contiguous copies (autograd flows back to our
+    # [E, K, N] weight) since TE's GEMMs assume row-major weights.
+    weights = [w_EKN[e].t().contiguous() for e in range(num_experts)]
     with _lent_weights(module, weights):
         return module(x_RK, split_sizes)
