@@ -218,8 +218,8 @@ class LMDataModule(LightningDataModule):
         same data as an uninterrupted one (the sampler is deterministic from seed and epoch).
         """
         loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
-        if loop is None:
-            return 0
+        if loop is None or loop.batch_progress.is_last_batch:
+            return 0  # fresh run, or a checkpoint from the end of an epoch: the next epoch starts anew
         # "processed": a checkpoint written in on_train_batch_end already counts its batch here
         # ("completed" is incremented only after that hook).
         return int(loop.batch_progress.current.processed)

@@ -1,6 +1,7 @@
 """A fit resumed mid-epoch reads the same data as an uninterrupted one (exact loss curve)."""
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
@@ -20,13 +21,13 @@ class Record(Callback):
             trainer.save_checkpoint(self.save_path)
 
 
-def _fit(tmp_path, save_path=None, ckpt_path=None):
+def _fit(tmp_path, save_path=None, ckpt_path=None, limit_train_batches=None):
     torch.manual_seed(0)
     record = Record(save_path)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record],
-        default_root_dir=tmp_path,
+        default_root_dir=tmp_path, limit_train_batches=limit_train_batches,
     )
     data = LMDataModule(seq_length=32, micro_batch_size=4, max_corpus_bytes=100_000)
     model = MoELanguageModel("tiny", overrides={"num_layers": 1}, warmup_steps=0, max_steps=STEPS)
@@ -34,9 +35,10 @@ def _fit(tmp_path, save_path=None, ckpt_path=None):
     return record.losses
 
 
-def test_mid_epoch_resume_continues_the_loss_curve(tmp_path):
+@pytest.mark.parametrize("epoch_batches", [None, SAVE_AT], ids=["mid_epoch", "epoch_end"])
+def test_resume_continues_the_loss_curve(tmp_path, epoch_batches):
     ckpt = str(tmp_path / "mid.ckpt")
-    full = _fit(tmp_path, save_path=ckpt)
-    resumed = _fit(tmp_path, ckpt_path=ckpt)
+    full = _fit(tmp_path, save_path=ckpt, limit_train_batches=epoch_batches)
+    resumed = _fit(tmp_path, ckpt_path=ckpt, limit_train_batches=epoch_batches)
     assert len(full) == STEPS and len(resumed) == STEPS - SAVE_AT
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[SAVE_AT:]), rtol=0, atol=1e-6)
