@@ -127,11 +127,15 @@ def _is_grouped_experts(module: nn.Module) -> bool:
 
 def _block_names(model: nn.Module) -> Optional[list[str]]:
     """Qualified names of the transformer blocks, in order: the children of the shallowest
-    ``nn.ModuleList`` / ``nn.ModuleDict`` holding at least two modules."""
+    ``nn.ModuleList`` / ``nn.ModuleDict`` holding at least two modules with parameters (so a
+    parameter-free container such as a torchmetrics ``MetricCollection`` is not mistaken for
+    the blocks)."""
     best: Optional[tuple[int, str, nn.Module]] = None
     for name, module in model.named_modules():
         depth = name.count(".") + bool(name)
-        is_container = isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) >= 2
+        is_container = isinstance(module, (nn.ModuleList, nn.ModuleDict)) and (
+            sum(1 for child in module.children() if next(child.parameters(), None) is not None) >= 2
+        )
         if is_container and (best is None or depth < best[0]):
             best = (depth, name, module)
     if best is None:

@@ -70,6 +70,10 @@ def _delayed_scales(
     """Per-group scales from the amax history (current amax where there is none yet);
     records this operand's per-group amax for the step-end update."""
     amax = tile_amax(abs_ignoring_nan(t), rows, cols)  # [groups (+tail), 1] or [1, groups (+tail)]
+    full_tensor = getattr(amax, "full_tensor", None)
+    if full_tensor is not None:
+        # A TP-sharded (DTensor) operand: max over its shards, as TE reduces amax over TP.
+        amax = full_tensor()
     groups = state.scale.shape[1]
     record_amax(state, role, amax.reshape(-1)[:groups])
     current = scale_from_amax(amax, fmt.max).reshape(-1)

@@ -71,6 +71,13 @@ class AdamWBF16Moments(torch.optim.Optimizer):
                 if key in state:
                     state[key] = state[key].to(torch.bfloat16)
 
+    def __setstate__(self, state: dict) -> None:
+        # load_state_dict replaces the param groups with the saved ones: a torch.optim.AdamW
+        # checkpoint has no "stochastic_rounding" entry.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("stochastic_rounding", True)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
