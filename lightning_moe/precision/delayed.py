@@ -17,7 +17,9 @@ the history rolls by one step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple, Optional
 
 import torch
@@ -60,9 +62,25 @@ def delayed_state(module: nn.Module) -> Optional[DelayedState]:
     return None if history is None else DelayedState(history, module.fp8_scale)
 
 
+_AMAX_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_moe_amax_recording", default=True)
+
+
+@contextlib.contextmanager
+def amax_recording_paused() -> Iterator[None]:
+    """Evaluation forwards inside this context leave the amax histories alone (the scales
+    follow training statistics only); `FP8Precision` wraps its val/test/predict steps in it."""
+    token = _AMAX_RECORDING.set(False)
+    try:
+        yield
+    finally:
+        _AMAX_RECORDING.reset(token)
+
+
 @torch.no_grad()
 def record_amax(state: DelayedState, role: str, amax_G: torch.Tensor) -> None:
     """Fold this micro-batch's per-group amax into the current step's row."""
+    if not _AMAX_RECORDING.get():
+        return
     row = state.amax_history[0, SLOTS[role]]
     torch.maximum(row, amax_G.to(row.dtype), out=row)
 

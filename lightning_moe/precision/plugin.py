@@ -19,7 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_moe.precision import _te
-from lightning_moe.precision.delayed import update_delayed_scaling
+from lightning_moe.precision.delayed import amax_recording_paused, update_delayed_scaling
 from lightning_moe.precision.modules import FP8Summary, ModuleFilter, configure_fp8, fp8_modules
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
@@ -96,6 +96,23 @@ class FP8Precision(MixedPrecision):
             if self._te_recipe is not None:
                 stack.enter_context(_te.autocast(self._te_recipe, self.amax_reduction_group))
             yield
+
+    @contextmanager
+    def _eval_context(self) -> Generator[None, None, None]:
+        with self.forward_context(), amax_recording_paused():
+            yield
+
+    @override
+    def val_step_context(self) -> Any:
+        return self._eval_context()
+
+    @override
+    def test_step_context(self) -> Any:
+        return self._eval_context()
+
+    @override
+    def predict_step_context(self) -> Any:
+        return self._eval_context()
 
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:

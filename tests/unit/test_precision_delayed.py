@@ -107,3 +107,17 @@ def _reduce_worker(rank, world, path):
 def test_amax_reduction_over_process_group(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(_reduce_worker, args=(2, str(tmp_path / "store")), nprocs=2, start_method="fork")
+
+
+def test_evaluation_forwards_do_not_record_amax():
+    from lightning_moe.precision.delayed import amax_recording_paused
+
+    recipe = FP8Recipe("delayed", amax_history_len=4)
+    layer, _ = _pair(recipe)
+    _step(layer, torch.randn(16, 64), torch.randn(16, 32))
+    before = layer.fp8_amax_history.clone()
+    with torch.no_grad(), amax_recording_paused():
+        layer(torch.randn(16, 64) * 100)
+    assert torch.equal(layer.fp8_amax_history, before)
+    layer(torch.randn(16, 64) * 100)  # a training forward records again
+    assert not torch.equal(layer.fp8_amax_history, before)
