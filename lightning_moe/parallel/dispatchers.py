@@ -23,7 +23,7 @@ combine and both backward passes reuse those sizes. The all-gather dispatcher ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,19 @@ class AllToAllDispatchState:
     restore_index: Tensor
 
 
+def _init_groups(
+    dispatcher: Any, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup]
+) -> None:
+    """The group attributes both dispatchers share: EP/ETP groups and sizes, local experts."""
+    dispatcher.cfg = cfg
+    dispatcher.ep_group = ep_group
+    dispatcher.ep_size = group_size(ep_group)
+    dispatcher.etp_group = etp_group if group_size(etp_group) > 1 else None
+    dispatcher.etp_size = group_size(dispatcher.etp_group)
+    _check_experts_divide(cfg, dispatcher.ep_size)
+    dispatcher.num_local_experts = cfg.num_experts // dispatcher.ep_size
+
+
 class AllToAllDispatcher:
     """Dispatch by an uneven all-to-all over the EP group (Megatron's "alltoall" dispatcher).
 
@@ -103,14 +116,8 @@ class AllToAllDispatcher:
     def __init__(
         self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup] = None
     ) -> None:
-        self.cfg = cfg
-        self.ep_group = ep_group
-        self.ep_size = group_size(ep_group)
-        self.etp_group = etp_group if group_size(etp_group) > 1 else None
-        self.etp_size = group_size(self.etp_group)
+        _init_groups(self, cfg, ep_group, etp_group)
         self.etp_rank = group_rank(self.etp_group)
-        _check_experts_divide(cfg, self.ep_size)
-        self.num_local_experts = cfg.num_experts // self.ep_size
 
     def describe(self) -> str:
         return _describe("all-to-all", self.ep_size, self.etp_size)
@@ -240,13 +247,7 @@ class AllGatherDispatcher:
     def __init__(
         self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup] = None
     ) -> None:
-        self.cfg = cfg
-        self.ep_group = ep_group
-        self.ep_size = group_size(ep_group)
-        self.etp_group = etp_group if group_size(etp_group) > 1 else None
-        self.etp_size = group_size(self.etp_group)
-        _check_experts_divide(cfg, self.ep_size)
-        self.num_local_experts = cfg.num_experts // self.ep_size
+        _init_groups(self, cfg, ep_group, etp_group)
         self.first_local_expert = group_rank(ep_group) * self.num_local_experts
         # Gather within the ETP group first, then across EP: the gathered rows are ordered
         # (EP rank, ETP rank, token); the reduce-scatter undoes it in reverse.
