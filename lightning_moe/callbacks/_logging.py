@@ -1,4 +1,4 @@
-"""Sending a callback's metrics to the Trainer's loggers."""
+"""Shared by the callbacks: argument checks and sending metrics to the Trainer's loggers."""
 
 from __future__ import annotations
 
@@ -20,3 +20,9 @@ def log_to_loggers(trainer: Trainer, metrics: dict[str, float]) -> None:
     step = logging_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
+
+
+def check_positive_int_or_none(name: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is None or a positive int (a logging interval)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}.")

@@ -32,7 +32,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_moe.callbacks._logging import log_to_loggers
+from lightning_moe.callbacks._logging import check_positive_int_or_none, log_to_loggers
 from lightning_moe.nn.moe_layer import MoELayer
 
 _MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
@@ -137,9 +137,8 @@ class MoEMonitor(Callback):
         heatmap_dir: Optional[Union[str, Path]] = None,
         prefix: str = "moe",
     ) -> None:
-        for name, value in (("log_every_n_steps", log_every_n_steps), ("heatmap_every_n_steps", heatmap_every_n_steps)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+        check_positive_int_or_none("log_every_n_steps", log_every_n_steps)
+        check_positive_int_or_none("heatmap_every_n_steps", heatmap_every_n_steps)
         self.log_every_n_steps = log_every_n_steps
         self.log_tokens_per_expert = log_tokens_per_expert
         self.heatmap_every_n_steps = heatmap_every_n_steps

@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_moe.callbacks._logging import log_to_loggers
+from lightning_moe.callbacks._logging import check_positive_int_or_none, log_to_loggers
 from lightning_moe.models.flops import model_flops_per_token
 
 PeakDtype = Literal["bf16", "fp8", "fp4"]
@@ -103,8 +103,7 @@ class MoEThroughput(Callback):
         flops_per_token: Optional[float] = None,
         prefix: str = "throughput",
     ) -> None:
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ValueError(f"log_every_n_steps must be a positive int or None, got {log_every_n_steps!r}.")
+        check_positive_int_or_none("log_every_n_steps", log_every_n_steps)
         for name, value in (("peak_flops_per_device", peak_flops_per_device), ("flops_per_token", flops_per_token)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive or None, got {value!r}.")
