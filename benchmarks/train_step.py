@@ -1,12 +1,15 @@
 """Whole-model training step: Trainer + MegatronMoEStrategy vs a bare torch loop, same model.
 
     python benchmarks/train_step.py                     # qwen3_30b_a3b shape, 4 layers, seq 4096, bf16
+    python benchmarks/train_step.py --micro-batch 4 --accumulate 2   # 32k tokens per optimizer step
     python benchmarks/train_step.py --preset small --layers 8 --steps 30
 
 Both runs build the same model from the same seed, use the optimizer and LR schedule the
 LightningModule configures, bf16 autocast with fp32 master weights, random tokens (never
-zeros), and time each optimizer step with a CUDA synchronize at its end (the same in both
-runs). Reports median step time, tokens/s, TFLOP/s and MFU = model FLOPs per step
+zeros), and time each optimizer step (``--accumulate`` micro-batches, then the optimizer) from
+one step's end to the next, each end marked by a CUDA synchronize (the same in both runs, so
+data loading between micro-batches is inside the time). Reports median step time, tokens/s,
+TFLOP/s and MFU = model FLOPs per step
 (``model_flops_per_token``: active parameters + attention, fwd+bwd) / (time x 787e12), and
 the Lightning overhead = trainer median / bare median - 1. Writes
 ``benchmarks/results/train_step_<tag>.json``.
@@ -37,9 +40,20 @@ def build_module(args):
 
 
 def batches(args, vocab: int, count: int, device):
+    """``count`` micro-batches: random tokens, or random windows of the embedded corpus's
+    training split (``--data corpus``: loss curves that mean something)."""
     g = torch.Generator(device="cpu").manual_seed(1234)
+    stream = None
+    if args.data == "corpus":
+        from lightning_moe.data.corpus import load_corpus
+
+        stream = torch.from_numpy(load_corpus().train_tokens.astype("int64"))
     for _ in range(count):
-        t = torch.randint(1, vocab, (args.micro_batch, args.seq + 1), generator=g)
+        if stream is None:
+            t = torch.randint(1, vocab, (args.micro_batch, args.seq + 1), generator=g)
+        else:
+            starts = torch.randint(0, stream.numel() - args.seq - 1, (args.micro_batch,), generator=g)
+            t = torch.stack([stream[s : s + args.seq + 1] for s in starts.tolist()])
         yield {"input_ids": t[:, :-1].to(device, non_blocking=True), "labels": t[:, 1:].to(device, non_blocking=True)}
 
 
@@ -55,18 +69,24 @@ def bare_loop(args) -> list[float]:
     optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
     times: list[float] = []
     vocab = module.model_config.vocab_size
-    for batch in batches(args, vocab, args.warmup + args.steps, "cuda"):
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = module.model.loss(batch["input_ids"], batch["labels"])
-        loss.backward()
+    data = batches(args, vocab, (args.warmup + args.steps) * args.accumulate, "cuda")
+    torch.cuda.synchronize()  # host sync: the first step's start
+    last_end = time.perf_counter()
+    for _ in range(args.warmup + args.steps):
+        for _ in range(args.accumulate):
+            batch = next(data)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = module.model.loss(batch["input_ids"], batch["labels"])
+            (loss / args.accumulate).backward()
         if args.clip:
             torch.nn.utils.clip_grad_norm_(module.model.parameters(), args.clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()  # host sync: end of the timed step (same in the Lightning run)
-        times.append(time.perf_counter() - start)
+        now = time.perf_counter()
+        times.append(now - last_end)
+        last_end = now
     final = float(loss)
     if args.profile:
         from benchmarks.moe_block import profile_step
@@ -98,22 +118,40 @@ def lightning_run(args) -> list[float]:
     losses: list[float] = []
 
     class Timer(Callback):
+        """Times optimizer steps end to end (the first interval starts at the first batch)."""
+
+        last_end = None
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.start = time.perf_counter()
+            if self.last_end is None:
+                torch.cuda.synchronize()  # host sync: the first step's start
+                self.last_end = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % args.accumulate:
+                return
             torch.cuda.synchronize()  # host sync: end of the timed step (same in the bare loop)
-            times.append(time.perf_counter() - self.start)
+            now = time.perf_counter()
+            times.append(now - self.last_end)
+            self.last_end = now
             losses.append(outputs["loss"])
 
-    data = list(batches(args, module.model_config.vocab_size, args.warmup + args.steps, "cpu"))
+    num_batches = (args.warmup + args.steps) * args.accumulate
+    data = list(batches(args, module.model_config.vocab_size, num_batches, "cpu"))
+    precision: dict = {"precision": "bf16-mixed"}
+    if args.precision != "bf16":
+        from lightning_moe.precision import FP8Precision
+
+        precision = {"plugins": [FP8Precision(recipe=args.precision, backend=args.fp8_backend)]}
     trainer = L.Trainer(
         accelerator="cuda", devices=1, strategy=MegatronMoEStrategy(print_layout=False),
-        precision="bf16-mixed", max_steps=args.warmup + args.steps, logger=False,
+        **precision, max_steps=args.warmup + args.steps, logger=False,
+        accumulate_grad_batches=args.accumulate,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=args.clip, callbacks=[Timer()], num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None, pin_memory=True))
+    args.lightning_losses = [float(x) for x in losses]
     return times[args.warmup :], float(losses[-1])
 
 
@@ -123,9 +161,16 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--data", choices=["random", "corpus"], default="random",
+                        help="random tokens, or windows of the embedded byte-level corpus")
+    parser.add_argument("--precision", default="bf16",
+                        help="bf16, or an FP8Precision recipe for the Lightning run (tensorwise, blockwise, delayed, ...)")
+    parser.add_argument("--fp8-backend", default="auto", help="FP8Precision backend: auto, te, torch, emulated")
+    parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one bare step")
     args = parser.parse_args(argv)
@@ -134,10 +179,15 @@ def main(argv=None) -> None:
     from lightning_moe.models import get_preset, model_flops_per_token
 
     cfg = get_preset(args.preset, num_layers=args.layers, max_seq_length=args.seq)
-    tokens = args.micro_batch * args.seq
+    tokens = args.micro_batch * args.seq * args.accumulate  # per optimizer step
     flops_per_step = model_flops_per_token(cfg, args.seq) * tokens
     results = {}
-    for name, fn in (("bare_torch", bare_loop), ("lightning", lightning_run)):
+    runs = (("bare_torch", bare_loop), ("lightning", lightning_run))
+    if args.skip_bare:
+        runs = runs[1:]
+    elif args.precision != "bf16":
+        raise SystemExit("--precision applies to the Lightning run only: add --skip-bare")
+    for name, fn in runs:
         torch.cuda.reset_peak_memory_stats()
         times, final_loss = fn(args)
         median = statistics.median(times)
@@ -153,11 +203,15 @@ def main(argv=None) -> None:
         r = results[name]
         print(f"{name:11s} {median*1e3:8.1f} ms/step {r['tokens_per_s']:9.0f} tok/s {r['tflops']:6.1f} TFLOP/s "
               f"MFU {r['mfu']*100:5.1f}% peak {r['peak_gib']:.1f} GiB loss {final_loss:.3f}", flush=True)
-    overhead = results["lightning"]["median_step_s"] / results["bare_torch"]["median_step_s"] - 1
-    print(f"Lightning overhead: {overhead*100:+.2f}%")
+    overhead = None
+    if "bare_torch" in results:
+        overhead = results["lightning"]["median_step_s"] / results["bare_torch"]["median_step_s"] - 1
+        print(f"Lightning overhead: {overhead*100:+.2f}%")
+    results["lightning"]["losses"] = args.lightning_losses
+    config = {k: v for k, v in vars(args).items() if k != "lightning_losses"}
     tag = args.tag or f"{args.preset}_{args.layers}l"
     write_results(f"train_step_{tag}", {
-        "config": {**vars(args), "tokens_per_step": tokens, "model_flops_per_step": flops_per_step},
+        "config": {**config, "tokens_per_step": tokens, "model_flops_per_step": flops_per_step},
         "results": results,
         "lightning_overhead": overhead,
     })

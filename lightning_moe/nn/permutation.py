@@ -44,6 +44,8 @@ class PermutationPlan:
         num_tokens: T. num_rows: R.
         dense_rows: True when every row holds a token and nothing is dropped (the fast path:
             no sentinel rows are needed).
+        padding_rows: False when every row holds a token (dropped assignments allowed), so
+            ``permute`` can gather without appending a zero row.
     """
 
     row_assignment_R: Tensor
@@ -54,6 +56,7 @@ class PermutationPlan:
     num_tokens: int
     num_rows: int
     dense_rows: bool
+    padding_rows: bool = True
 
 
 def plan_permutation(
@@ -63,13 +66,21 @@ def plan_permutation(
     alignment: int = 1,
     capacity: Optional[int] = None,
     pad_to_capacity: bool = False,
+    num_rows: Optional[int] = None,
 ) -> PermutationPlan:
     """Build the permutation plan for ``experts_TK`` (int64 [T, K]) on its device, sync-free.
 
     ``keep_TK`` (bool [T, K]) marks assignments that survived capacity dropping. With
     ``pad_to_capacity`` every expert gets exactly ``capacity`` rows; otherwise each expert's
     group is rounded up to a multiple of ``alignment``.
+
+    ``num_rows`` overrides the static buffer size when the caller already knows on the host how
+    many rows the kept assignments need (the expert-parallel dispatchers read it with their
+    split sizes): it must be at least the sum of the (aligned) group sizes. Without it, a buffer
+    sized for ``T*K`` would hand every unused row to the last expert's GEMM. With ``alignment``
+    1 and no capacity padding it must equal the number of kept assignments exactly.
     """
+    num_rows_override = num_rows
     num_tokens, topk = experts_TK.shape
     num_assign = num_tokens * topk
     device = experts_TK.device
@@ -94,6 +105,8 @@ def plan_permutation(
     else:
         group_sizes_E = tokens_per_expert_E
         num_rows = num_assign
+    if num_rows_override is not None:
+        num_rows = num_rows_override
 
     dense_rows = keep_TK is None and num_rows == num_assign and not pad_to_capacity
     if dense_rows:
@@ -108,6 +121,7 @@ def plan_permutation(
             num_tokens=num_tokens,
             num_rows=num_rows,
             dense_rows=True,
+            padding_rows=False,
         )
 
     # Row of the j-th sorted assignment: start of its expert's (padded) group + rank in expert.
@@ -134,6 +148,7 @@ def plan_permutation(
         num_tokens=num_tokens,
         num_rows=num_rows,
         dense_rows=False,
+        padding_rows=pad_to_capacity or alignment > 1 or num_rows_override is None,
     )
 
 
@@ -146,7 +161,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, plan: PermutationPlan) -> Tensor:
         ctx.plan = plan
-        source = x_TD if plan.dense_rows else _with_zero_row(x_TD)
+        source = x_TD if not plan.padding_rows else _with_zero_row(x_TD)
         return source.index_select(0, plan.row_token_R)
 
     @staticmethod
@@ -160,7 +175,7 @@ class _Permute(torch.autograd.Function):
             return combine(grad_RD, plan.dest_TK, ones_TK), None
         source = grad_RD if plan.dense_rows else _with_zero_row(grad_RD)
         num_tokens, topk = plan.dest_TK.shape
-        grad_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, -1)
+        grad_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, source.shape[1])
         return grad_TKD.sum(1), None
 
 
@@ -177,7 +192,7 @@ class _Unpermute(torch.autograd.Function):
             return combine(y_RD, plan.dest_TK, probs_TK)
         num_tokens, topk = plan.dest_TK.shape
         source = y_RD if plan.dense_rows else _with_zero_row(y_RD)
-        y_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, -1)
+        y_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, source.shape[1])
         weights_T1K = probs_TK.to(y_RD.dtype).unsqueeze(1)
         ctx.save_for_backward(y_TKD, weights_T1K)
         return torch.bmm(weights_T1K, y_TKD).squeeze(1)

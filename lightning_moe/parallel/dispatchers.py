@@ -15,6 +15,13 @@ semantics (``MoEAlltoAllTokenDispatcher`` / ``MoEAllGatherTokenDispatcher``):
   the EP x ETP block (the collectives' backward brings them), so the training strategy must reduce
   expert gradients over the expert data-parallel group (EDP) only.
 
+The all-to-all dispatcher sends each token once per EP rank that holds any of its experts
+(not once per (token, expert) assignment, which would move ``K`` copies): with top-8 routing
+over 2 EP ranks that is ~2 rows per token instead of 8. The receiving rank expands the rows to
+its local experts, and sends back one partial sum per row (its experts' probability-weighted
+outputs), which the source adds up. Under ``pad_expert_input_to_capacity`` it sends one row per
+assignment instead, so that every split size is static.
+
 Host syncs: the all-to-all needs its split sizes on the host, read once per dispatch (a single
 ``tolist``; none at all under ``pad_expert_input_to_capacity``, whose splits are static);
 combine and both backward passes reuse those sizes. The all-gather dispatcher never syncs.
@@ -80,6 +87,30 @@ class AllToAllDispatchState:
     restore_index: Tensor
 
 
+@dataclass
+class TokenAllToAllState:
+    """What combine needs from a token-level (deduplicated) dispatch.
+
+    send_plan: this rank's tokens grouped by destination EP rank (one row per (token, rank)
+        pair holding at least one kept assignment); its unpermute with weight 1 sums the partial
+        outputs that come back.
+    expert_plan: the received rows (all ETP peers', padded per peer to ``peer_stride``) expanded
+        to this rank's local experts.
+    combine_probs_NK: routing weights of the received rows' assignments (ones under
+        ``apply_probs_on_input``); entries of other ranks' experts are never read.
+    input_splits / output_splits: token rows sent to / received from each EP rank (host ints).
+    num_received, peer_stride: rows this rank received, and the per-peer block of the ETP gather.
+    """
+
+    send_plan: PermutationPlan
+    expert_plan: PermutationPlan
+    combine_probs_NK: Tensor
+    input_splits: list[int]
+    output_splits: list[int]
+    num_received: int
+    peer_stride: int
+
+
 def _init_groups(
     dispatcher: Any, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup]
 ) -> None:
@@ -96,16 +127,18 @@ def _init_groups(
 class AllToAllDispatcher:
     """Dispatch by an uneven all-to-all over the EP group (Megatron's "alltoall" dispatcher).
 
-    dispatch: sort assignments by global expert (sync-free), exchange per-expert row counts with
-    a small all-to-all, read the split sizes on the host once, all-to-all the rows, all-gather
-    them within the ETP group, then regroup them by local expert with one gather (padding each
-    expert's group to ``cfg.expert_alignment``). combine is the exact reverse, ending with the
-    probability-weighted unpermute.
+    dispatch: exchange per-rank row counts with a small all-to-all and read the split sizes on
+    the host once; group this rank's tokens by destination EP rank (one row per token and rank
+    that holds any of its kept experts; sync-free), all-to-all the rows with their routing
+    metadata, all-gather them within the ETP group, then expand them to the local experts with
+    one gather (each expert's group padded to ``cfg.expert_alignment``). combine reduces each
+    received row over this rank's experts with the routing weights, sums over the ETP group,
+    sends the partial sums back, and each token adds up its ranks' partial sums.
 
     Under ``pad_expert_input_to_capacity`` every source sends exactly ``capacity`` rows per
-    expert (zero rows where it has fewer tokens), so every local expert gets
-    ``capacity * EP * ETP`` rows, as in Megatron; the splits are then static and nothing syncs.
-    All ranks must then route the same number of tokens (capacity depends on it).
+    expert (zero rows where it has fewer tokens; one row per assignment), so every local expert
+    gets ``capacity * EP * ETP`` rows, as in Megatron; the splits are then static and nothing
+    syncs. All ranks must then route the same number of tokens (capacity depends on it).
 
     Args:
         cfg: the layer configuration.
@@ -122,7 +155,105 @@ class AllToAllDispatcher:
     def describe(self) -> str:
         return _describe("all-to-all", self.ep_size, self.etp_size)
 
-    def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, AllToAllDispatchState]:
+    def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, Any]:
+        if self.cfg.pad_expert_input_to_capacity and routing.capacity is not None:
+            return self._dispatch_assignments(x_TD, routing)
+        return self._dispatch_tokens(x_TD, routing)
+
+    def combine(self, expert_output_RD: Tensor, state: Any) -> Tensor:
+        if isinstance(state, TokenAllToAllState):
+            return self._combine_tokens(expert_output_RD, state)
+        return self._combine_assignments(expert_output_RD, state)
+
+    # Token-level path (default): one row per (token, destination rank).
+
+    def _dispatch_tokens(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, TokenAllToAllState]:
+        cfg = self.cfg
+        ep, el = self.ep_size, self.num_local_experts
+        num_tokens, topk = routing.experts_TK.shape
+        device = x_TD.device
+        experts_TK = routing.experts_TK
+        if routing.keep_TK is not None:
+            experts_TK = torch.where(routing.keep_TK, experts_TK, -1)  # dropped: no destination
+        # needs_TR[t, r]: token t has a kept assignment on EP rank r (column ep absorbs drops).
+        dest_rank_TK = torch.where(experts_TK >= 0, experts_TK // el, ep)
+        needs_TR = torch.zeros(num_tokens, ep + 1, dtype=torch.bool, device=device)
+        needs_TR.scatter_(1, dest_rank_TK, True)
+        needs_TR = needs_TR[:, :ep]
+
+        # Counts to exchange, per destination rank: [its local experts' assignments | token rows].
+        send_RC = torch.cat(
+            [routing.tokens_per_expert_E.view(ep, el), needs_TR.sum(0, dtype=torch.long).view(ep, 1)], 1
+        )
+        received_SC = torch.empty_like(send_RC)
+        dist.all_to_all_single(received_SC, send_RC, group=self.ep_group)
+        if self.etp_group is not None:
+            received_SC = all_gather_plain(received_SC, self.etp_group)
+        received_PSC = received_SC.view(self.etp_size, ep, el + 1)
+        expert_rows_E = received_PSC[..., :el].sum((0, 1))
+        align = cfg.expert_alignment
+        # Host sync (the only one): all_to_all_single takes its split sizes as Python ints; the
+        # expert buffer's exact size (aligned) comes along so no GEMM sees spare rows.
+        sizes = torch.cat(
+            [send_RC[:, el], received_PSC[..., el].reshape(-1), ((expert_rows_E + align - 1) // align * align).sum(0, keepdim=True)]
+        ).tolist()
+        input_splits = sizes[:ep]
+        rows_PS = [sizes[ep + p * ep : ep + (p + 1) * ep] for p in range(self.etp_size)]
+        num_expert_rows = sizes[-1]
+        output_splits = rows_PS[self.etp_rank]
+        num_sent, num_received = sum(input_splits), sum(output_splits)
+        peer_stride = max(sum(rows) for rows in rows_PS)
+
+        # Rows to send, grouped by destination rank, in token order within each.
+        ranks_TR = torch.arange(ep, device=device).expand(num_tokens, ep)
+        send_plan = plan_permutation(ranks_TR, ep, keep_TK=needs_TR, num_rows=num_sent)
+        x_ND = permute(x_TD, send_plan)
+        # Per sent row: its token's K assignments as the destination's local expert ids (-1 for
+        # other ranks' or dropped ones) and their probabilities. The ids travel as exact floats
+        # beside the probabilities, so the metadata takes one all-to-all.
+        row_token_N = send_plan.row_token_R
+        local_NK = experts_TK.index_select(0, row_token_N) - (send_plan.row_assignment_R % ep).unsqueeze(1) * el
+        local_NK = torch.where((local_NK >= 0) & (local_NK < el), local_NK, -1)
+        meta_NK2 = torch.cat([routing.probs_TK.index_select(0, row_token_N), local_NK.to(routing.probs_TK.dtype)], 1)
+
+        recv_x_ND = all_to_all_rows(x_ND, output_splits, input_splits, self.ep_group)
+        recv_meta = all_to_all_rows(meta_NK2, output_splits, input_splits, self.ep_group)
+        if self.etp_group is not None:
+            # Equal-sized blocks for the all-gather: pad each peer's rows to the largest count
+            # (padding rows carry expert id -1: they reach no expert).
+            pad = peer_stride - num_received
+            recv_x_ND = all_gather_rows(F.pad(recv_x_ND, (0, 0, 0, pad)), self.etp_group)
+            filler = torch.cat([recv_meta.new_zeros(pad, topk), recv_meta.new_full((pad, topk), -1.0)], 1)
+            recv_meta = all_gather_rows(torch.cat([recv_meta, filler]), self.etp_group)
+        probs_NK, local_NK = recv_meta[:, :topk], recv_meta[:, topk:].detach().long()
+        mine_NK = local_NK >= 0
+        expert_plan = plan_permutation(
+            local_NK.clamp(min=0), el, keep_TK=mine_NK, alignment=align, num_rows=num_expert_rows
+        )
+        expert_input_RD = permute(recv_x_ND, expert_plan)
+        combine_probs_NK = probs_NK
+        if cfg.apply_probs_on_input:
+            expert_input_RD = input_side_probs(expert_input_RD, probs_NK, expert_plan)
+            combine_probs_NK = torch.ones_like(probs_NK)
+        state = TokenAllToAllState(
+            send_plan, expert_plan, combine_probs_NK, input_splits, output_splits, num_received, peer_stride
+        )
+        return expert_input_RD, expert_plan.group_sizes_E, state
+
+    def _combine_tokens(self, expert_output_RD: Tensor, state: TokenAllToAllState) -> Tensor:
+        # Each received row's partial output: the weighted sum over this rank's experts.
+        partial_ND = unpermute(expert_output_RD, state.combine_probs_NK, state.expert_plan)
+        if self.etp_group is not None:
+            # Each ETP rank holds partial sums (its FFN slice); sum them, keep this rank's rows.
+            partial_ND = reduce_scatter_rows(partial_ND, self.etp_group)[: state.num_received]
+        returned_ND = all_to_all_rows(partial_ND, state.input_splits, state.output_splits, self.ep_group)
+        send_plan = state.send_plan
+        ones_TR = torch.ones(send_plan.dest_TK.shape, dtype=torch.float32, device=returned_ND.device)
+        return unpermute(returned_ND, ones_TR, send_plan)
+
+    # Assignment-level path (``pad_expert_input_to_capacity``): static splits, no host sync.
+
+    def _dispatch_assignments(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, AllToAllDispatchState]:
         cfg = self.cfg
         pad_to_capacity = cfg.pad_expert_input_to_capacity and routing.capacity is not None
         plan = plan_permutation(
@@ -158,7 +289,7 @@ class AllToAllDispatcher:
         )
         return expert_input_RD, group_sizes_E, state
 
-    def combine(self, expert_output_RD: Tensor, state: AllToAllDispatchState) -> Tensor:
+    def _combine_assignments(self, expert_output_RD: Tensor, state: AllToAllDispatchState) -> Tensor:
         received_ND = gather_rows(expert_output_RD, state.restore_index, state.regroup_index)
         if self.etp_group is not None:
             # Each ETP rank holds partial sums (its FFN slice); sum them, keep this rank's rows.
