@@ -31,8 +31,12 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
-def nccl_share(step) -> float:
-    """Fraction of GPU kernel time spent in NCCL kernels during one step."""
+def kernel_profile(step) -> dict:
+    """One profiled step: NCCL share of GPU kernel time, summed kernel ms, and the top kernels.
+
+    Summed kernel time below the step's wall time means the GPU idled (host syncs, launch
+    gaps) or kernels overlapped on different streams.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -40,15 +44,15 @@ def nccl_share(step) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    total = nccl = 0.0
-    for e in prof.key_averages():
-        t = e.device_time_total
-        if t <= 0:
-            continue
-        total += t
-        if "nccl" in e.key.lower():
-            nccl += t
-    return nccl / total if total else 0.0
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    nccl = sum(e.device_time_total for e in events if "nccl" in e.key.lower())
+    top = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:12]
+    return {
+        "nccl_share": nccl / total if total else 0.0,
+        "kernel_ms": total / 1e3,
+        "top_kernels": [{"name": e.key[:100], "ms": e.device_time_total / 1e3, "calls": e.count} for e in top],
+    }
 
 
 def worker(rank: int, world: int, port: int, cases: list[str], iters: int, queue) -> None:
@@ -86,7 +90,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, queue
 
         torch.cuda.reset_peak_memory_stats()
         median_ms, _ = cuda_time_ms(step, warmup=5, iters=iters)
-        share = nccl_share(step)
+        prof = kernel_profile(step)
         times = [torch.tensor(median_ms, device="cuda") for _ in range(world)]
         dist.all_gather(times, torch.tensor(median_ms, device="cuda"))
         slowest = max(float(t) for t in times)  # the step ends when the slowest rank ends
@@ -94,7 +98,9 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, queue
             "ep": world,
             "median_ms_slowest_rank": slowest,
             "per_gpu_tflops": block_flops(c) / (slowest * 1e-3) / 1e12,
-            "nccl_share": share,
+            "nccl_share": prof["nccl_share"],
+            "kernel_ms_rank0": prof["kernel_ms"],
+            "top_kernels_rank0": prof["top_kernels"],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "rel_err_vs_ep1": err,
         }
@@ -125,7 +131,9 @@ def main(argv=None) -> None:
         for name, r in results[f"ep{ep}"].items():
             err = "" if r["rel_err_vs_ep1"] is None else f" err vs EP1 {r['rel_err_vs_ep1']:.2e}"
             print(f"EP={ep} {name:18s} {r['median_ms_slowest_rank']:8.2f} ms {r['per_gpu_tflops']:7.1f} TFLOP/s/GPU "
-                  f"all-to-all share {r['nccl_share']*100:5.1f}%{err}", flush=True)
+                  f"all-to-all share {r['nccl_share']*100:5.1f}% kernels {r['kernel_ms_rank0']:.2f} ms{err}", flush=True)
+            for row in r["top_kernels_rank0"]:
+                print(f"      {row['ms']:7.2f} ms x{row['calls']:<4d} {row['name']}")
     if "ep1" in results:
         for key, per_case in results.items():
             for name, r in per_case.items():

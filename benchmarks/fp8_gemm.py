@@ -122,6 +122,8 @@ def grouped_case(c: dict, iters: int) -> dict:
     from lightning_moe.nn._te import te_grouped_linear
     from lightning_moe.precision.gemm import fp8_grouped_mm
 
+    te_modules: dict = {}  # one te.GroupedLinear per recipe (TE modules keep FP8 state)
+
     e, m, k, n = c["E"], c["M"], c["K"], c["N"]
     flops = 3 * 2 * m * k * n
     sizes = [m // e] * e  # balanced groups, multiples of 16
@@ -137,13 +139,13 @@ def grouped_case(c: dict, iters: int) -> dict:
     out["torch/rowwise"] = _measure("torch/rowwise", fn, [x, w], dy, reference, flops, iters)
     te, te_recipe = _te()
     if te is not None:
-        bf16_te = lambda: te_grouped_linear(x, w, sizes)  # noqa: E731
+        bf16_te = lambda: te_grouped_linear(x, w, sizes, te_modules, "bf16")  # noqa: E731
         out["te/bf16"] = _measure("te/bf16", bf16_te, [x, w], dy, reference, flops, iters)
         for name, recipe in _te_recipes(te, te_recipe).items():
 
-            def fn(recipe=recipe):
+            def fn(recipe=recipe, name=name):
                 with te.autocast(enabled=True, recipe=recipe):
-                    return te_grouped_linear(x, w, sizes)
+                    return te_grouped_linear(x, w, sizes, te_modules, name)
 
             out[f"te/{name}"] = _measure(f"te/{name}", fn, [x, w], dy, reference, flops, iters)
     return out

@@ -38,14 +38,23 @@ def block_flops(c: dict) -> float:
     return 3 * (2 * t * c["D"] * c["E"] + 3 * 2 * t * c["k"] * c["D"] * c["F"])
 
 
-def build_layer(c: dict, backend: str, dtype: torch.dtype) -> MoELayer:
+def build_layer(c: dict, backend: str, dtype: torch.dtype, alignment: int = 1) -> MoELayer:
     cfg = MoEConfig(
         hidden_size=c["D"], ffn_hidden_size=c["F"], num_experts=c["E"], router_topk=c["k"],
-        router_score_function="softmax", expert_backend=backend,
+        router_score_function="softmax", expert_backend=backend, expert_alignment=alignment,
     )
     layer = MoELayer(cfg).cuda()
     layer.experts.to(dtype)  # router stays fp32 by design
     return layer
+
+
+def expert_alignment(precision: str) -> int:
+    """Token-group padding the FP8 grouped GEMMs need (torch and TE kernels): 1 for bf16."""
+    if precision == "bf16":
+        return 1
+    from lightning_moe.precision.recipes import FP8Recipe  # lazily: optional feature
+
+    return FP8Recipe.of(precision).alignment
 
 
 def apply_precision(layer: MoELayer, precision: str):
@@ -82,7 +91,7 @@ def check_correctness(layer: MoELayer, c: dict, tokens: int) -> dict:
 
 def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
-    layer = build_layer(c, args.backend, torch.bfloat16)
+    layer = build_layer(c, args.backend, torch.bfloat16, expert_alignment(args.precision))
     correctness = check_correctness(layer, c, tokens=min(4096, c["B"] * c["S"]))
     context = apply_precision(layer, args.precision)
     layer.zero_grad(set_to_none=True)

@@ -1,23 +1,60 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one command (device time is scarce): the GPU tests, then the
-# benchmarks whose JSON the README quotes. Results land in benchmarks/results/ and in $OUT.
-#   bash benchmarks/run_gpu_suite.sh            # 1 or 2 H200s (EP=2 parts need 2)
-#   WITH_TE=1 bash benchmarks/run_gpu_suite.sh  # after installing Transformer Engine: TE backend + FP8 recipes
+# Everything that needs a GPU, in as few commands as possible (device time is scarce): the GPU
+# tests, then the benchmarks whose JSON the README quotes. Results land in benchmarks/results/;
+# when $OUT is set, they also come back packed as $OUT/results.tgz with the log $OUT/suite.log.
+#
+#   bash benchmarks/run_gpu_suite.sh                       # every part (EP parts need 2 GPUs)
+#   PARTS="tests ep train" bash benchmarks/run_gpu_suite.sh
+#   PARTS="tetests te fp8 curves" bash benchmarks/run_gpu_suite.sh  # after installing Transformer Engine
+#
+# Parts: tests (tests/gpu), block (moe_block bf16), ep (ep_scaling EP=1,2), train (train_step
+# MFU at two batch shapes), tetests (the TE tests alone, verbose), te (moe_block with TE
+# experts), fp8 (fp8_gemm + moe_block FP8 recipes on TE experts and native rowwise), curves
+# (300-step FP8 vs BF16 loss curves on the embedded corpus).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export LIGHTNING_MOE_COMMIT="${LIGHTNING_MOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-OUT="${OUT:-benchmarks/results}"
-python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
-python3 benchmarks/moe_block.py --iters 20 2>&1 | grep -v -i warn | tail -5
-if [ "${WITH_TE:-0}" = 1 ]; then
-  python3 benchmarks/moe_block.py --backend te --iters 20 2>&1 | grep -v -i warn | tail -5
+PARTS="${PARTS:-tests block ep train te fp8 curves}"  # tests already include the TE tests
+RETURN_DIR="${OUT:-}"
+unset OUT  # the scripts would copy every JSON there; only 8 files may come back, so pack them
+LOG=/tmp/gpu_suite.log
+: >"$LOG"
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
+run() { "$@" 2>&1 | grep -v -i "warn" | tee -a "$LOG"; }
+num_gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+
+if has tests; then say "GPU tests"; run python3 -m pytest -q -p no:cacheprovider tests/gpu; fi
+if has block; then say "moe_block bf16"; run python3 benchmarks/moe_block.py --iters 20; fi
+if has ep && [ "$num_gpus" -ge 2 ]; then say "ep_scaling"; run python3 benchmarks/ep_scaling.py --ep 1 2; fi
+if has train; then
+  say "train_step micro-batch 2"
+  run python3 benchmarks/train_step.py --steps 15
+  say "train_step micro-batch 4 x accumulate 2"
+  run python3 benchmarks/train_step.py --steps 10 --micro-batch 4 --accumulate 2 --tag qwen3_30b_a3b_4l_mb4x2
+fi
+if has tetests; then say "TE tests"; run python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_te_backend_gpu.py; fi
+if has te; then say "moe_block TE experts"; run python3 benchmarks/moe_block.py --backend te --iters 20; fi
+if has fp8; then
+  say "fp8_gemm"; run python3 benchmarks/fp8_gemm.py
   for recipe in tensorwise blockwise delayed; do
-    python3 benchmarks/moe_block.py --precision "$recipe" --iters 20 --tag "grouped_mm_$recipe" 2>&1 | grep -v -i warn | tail -4
+    say "moe_block TE experts $recipe"
+    run python3 benchmarks/moe_block.py --backend te --precision "$recipe" --iters 20 --tag "te_$recipe"
   done
+  say "moe_block native rowwise"
+  run python3 benchmarks/moe_block.py --precision rowwise --iters 20 --tag "grouped_mm_rowwise"
 fi
-if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  python3 benchmarks/ep_scaling.py --ep 1 2 2>&1 | grep -E "EP=|rror" | tail -6
+if has curves; then
+  common="--data corpus --skip-bare --steps 300 --warmup 0 --micro-batch 1 --layers 2"
+  say "curves bf16"; run python3 benchmarks/train_step.py $common --tag curve_bf16
+  say "curves tensorwise"
+  run python3 benchmarks/train_step.py $common --precision tensorwise --expert-backend te --tag curve_tensorwise
+  run python3 benchmarks/compare_curves.py benchmarks/results/train_step_curve_bf16.json \
+    benchmarks/results/train_step_curve_tensorwise.json --tag fp8_tensorwise_vs_bf16
 fi
-python3 benchmarks/train_step.py --steps 15 2>&1 | grep -E "ms/step|overhead|rror"
-cp benchmarks/results/*.json "$OUT"/ 2>/dev/null || true
+say "done"
+if [ -n "$RETURN_DIR" ]; then
+  tar czf "$RETURN_DIR/results.tgz" benchmarks/results/*.json
+  cp "$LOG" "$RETURN_DIR/suite.log"
+fi

@@ -35,7 +35,12 @@ H200_BF16_PEAK = 787e12  # measured dense bf16 GEMM rate on one H200 (BENCHMARKS
 def build_module(args):
     from lightning_moe.models.lightning_module import MoELanguageModel
 
-    overrides = {"num_layers": args.layers, "max_seq_length": args.seq}
+    overrides = {"num_layers": args.layers, "max_seq_length": args.seq, "moe": {"expert_backend": args.expert_backend}}
+    if args.precision != "bf16":
+        from lightning_moe.precision.recipes import FP8Recipe
+
+        # FP8 grouped GEMMs (torch and TE kernels) need every expert's token group padded.
+        overrides["moe"]["expert_alignment"] = FP8Recipe.of(args.precision).alignment
     return MoELanguageModel(args.preset, overrides=overrides, learning_rate=1e-4, warmup_steps=10, max_steps=10_000)
 
 
@@ -170,6 +175,7 @@ def main(argv=None) -> None:
     parser.add_argument("--precision", default="bf16",
                         help="bf16, or an FP8Precision recipe for the Lightning run (tensorwise, blockwise, delayed, ...)")
     parser.add_argument("--fp8-backend", default="auto", help="FP8Precision backend: auto, te, torch, emulated")
+    parser.add_argument("--expert-backend", default="auto", help="grouped GEMM backend: auto, grouped_mm, te")
     parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one bare step")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.kernels import use_triton
-from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend
+from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
 
 
 def activate(h: Tensor, activation: str) -> Tensor:
@@ -102,11 +102,16 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.fc1_weight, mean=0.0, std=self.init_std)
         nn.init.normal_(self.fc2_weight, mean=0.0, std=self.output_init_std)
 
-    def _mm(self, x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:
+    def _mm(self, x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, projection: str) -> Tensor:
         if self.quantization is not None:
             from lightning_moe.nn.grouped_gemm import group_offsets
 
             return self.quantization.grouped_mm(x_RK, w_EKN, group_offsets(group_sizes_E, x_RK.shape[0]))
+        if self.backend == "te":
+            # Each projection keeps its own te.GroupedLinear (per-module FP8 state), held in a
+            # plain dict attribute: not a submodule, so state dicts never depend on the backend.
+            cache = self.__dict__.setdefault("_te_modules", {})
+            return te_grouped_mm(x_RK, w_EKN, group_sizes_E, cache=cache, key=projection)
         return BACKENDS[self.backend](x_RK, w_EKN, group_sizes_E)
 
     def forward(self, x_RD: Tensor, group_sizes_E: Tensor) -> Tensor:
@@ -121,8 +126,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts"
             )
-        h_RF = activate(self._mm(x_RD, fc1, group_sizes_E), self.activation)
-        return self._mm(h_RF, fc2, group_sizes_E)
+        h_RF = activate(self._mm(x_RD, fc1, group_sizes_E, "fc1"), self.activation)
+        return self._mm(h_RF, fc2, group_sizes_E, "fc2")
 
     def extra_repr(self) -> str:
         return (

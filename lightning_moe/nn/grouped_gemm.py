@@ -16,7 +16,7 @@ grouped GEMM, imported lazily).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -55,15 +55,28 @@ def loop_mm(x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:
     return torch.cat(outs)
 
 
-def te_grouped_mm(x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:
+def te_grouped_mm(
+    x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, cache: Optional[dict] = None, key: str = "gemm"
+) -> Tensor:
     """Transformer Engine's grouped GEMM (cuBLAS grouped kernels, FP8-aware under ``te.autocast``)."""
     from lightning_moe.nn._te import te_grouped_linear
 
     # Host sync: Transformer Engine takes the split sizes as a Python list.
     sizes = group_sizes_E.tolist()
-    sizes[-1] += x_RK.shape[0] - sum(sizes)
-    return te_grouped_linear(x_RK, w_EKN, sizes)
+    used, num_rows = sum(sizes), x_RK.shape[0]
+    if cache is None:  # callers outside an experts module (benchmarks, tests): one module per shape
+        cache, key = _SHARED_TE_MODULES, f"{key}{tuple(w_EKN.shape)}"
+    if used == num_rows:
+        return te_grouped_linear(x_RK, w_EKN, sizes, cache, key)
+    if used == 0:  # only padding rows: zero outputs, and no zero-row TE call
+        return x_RK @ w_EKN[-1].to(x_RK.dtype)
+    # The zero padding rows stay out of TE's groups rather than joining the last one: under FP8
+    # every group must stay a multiple of the quantization alignment. Their outputs are zero.
+    y = te_grouped_linear(x_RK[:used], w_EKN, sizes, cache, key)
+    return torch.nn.functional.pad(y, (0, 0, 0, num_rows - used))
 
+
+_SHARED_TE_MODULES: dict = {}
 
 BACKENDS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
     "grouped_mm": grouped_mm,

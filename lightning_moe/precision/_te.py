@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning_utilities.core.imports import RequirementCache
@@ -110,6 +111,22 @@ def autocast(recipe: Any, group: Optional[torch.distributed.ProcessGroup] = None
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
 
 
+class HighPrecisionGroupedGemm(torch.nn.Module):
+    """``GroupedExperts.quantization`` for "te" experts kept in high precision.
+
+    The plugin's ``te.autocast`` covers the whole forward, so it would quantize these experts'
+    ``te.GroupedLinear`` too; their grouped GEMM runs with TE's autocast switched off. A module
+    (without state) because ``quantization`` may already hold an `FP8GroupedGemm` child.
+    """
+
+    def grouped_mm(self, x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        from lightning_moe.nn.grouped_gemm import te_grouped_mm
+
+        sizes_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+        with _module().autocast(enabled=False):
+            return te_grouped_mm(x_RK, w_EKN, sizes_E)
+
+
 @functools.lru_cache(maxsize=1)
 def linear_class() -> type:
     """``te.Linear`` without TE's ``_extra_state`` checkpoint entry.
@@ -130,17 +147,31 @@ def linear_class() -> type:
     return TELinear
 
 
+def _init_method(linear: torch.nn.Linear) -> Callable[[torch.Tensor], Any]:
+    """The weight init TE's ``reset_parameters`` should use (meta-device materialisation calls
+    it): Normal(0, ``init_std``) for our linears, ``nn.Linear``'s own otherwise, instead of
+    TE's default Normal(0, 0.023). TE zeroes biases."""
+    std = getattr(linear, "init_std", None)
+    if std is not None:
+        return functools.partial(torch.nn.init.normal_, mean=0.0, std=std)
+    return functools.partial(torch.nn.init.kaiming_uniform_, a=math.sqrt(5))
+
+
 def make_linear(linear: torch.nn.Linear) -> torch.nn.Module:
     """A TE linear with ``linear``'s parameters (copied; fp32 master weights stay fp32)."""
     weight = linear.weight
-    device = weight.device
-    if device.type not in ("cuda", "meta"):  # TE allocates on the GPU; the strategy moves the model there anyway
+    meta = weight.device.type == "meta"
+    if meta:
+        device = "meta"  # a string: te.Linear defers init only when ``device == "meta"``, a str test
+    elif weight.is_cuda:
+        device = weight.device
+    else:  # TE allocates on the GPU; the strategy moves the model there anyway
         device = torch.device("cuda", torch.cuda.current_device())
     new = linear_class()(
         linear.in_features, linear.out_features, bias=linear.bias is not None,
-        params_dtype=weight.dtype, device=device,
+        params_dtype=weight.dtype, device=device, init_method=_init_method(linear),
     )
-    if weight.device.type != "meta":
+    if not meta:
         with torch.no_grad():
             new.weight.copy_(weight)
             if linear.bias is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import ensure_delayed_state, register_delayed_buffers
@@ -118,6 +119,9 @@ class FP8Summary:
     experts: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     te_experts: list[str] = field(default_factory=list)
+    # Under "te": sharded (DTensor) linears converted in place on this backend instead.
+    sharded_backend: Optional[str] = None
+    sharded: list[str] = field(default_factory=list)
 
 
 def _is_grouped_experts(module: nn.Module) -> bool:
@@ -183,9 +187,11 @@ def configure_fp8(
     not multiples of 16 (32 for mxfp8 / nvfp4; the kernels need it). Norms and embeddings are never touched.
 
     Grouped experts (``fc1_weight`` / ``fc2_weight`` / ``quantization``) get an
-    `FP8GroupedGemm`. Transformer Engine has no grouped GEMM for fused ``[E, K, N]`` weights,
-    so under "te" they run on "torch" where it can, else "emulated"; experts built on
-    ``te.GroupedLinear`` are quantized by TE's autocast and left alone.
+    `FP8GroupedGemm`. Under "te", experts on the "te" expert backend (``te.GroupedLinear``) are
+    quantized by TE's autocast instead (``quantization`` stays None), other
+    experts run on "torch" where it can, else "emulated"; modules built on ``te.GroupedLinear``
+    are left alone. Linears already sharded (DTensor weights) cannot become ``te.Linear`` and are
+    converted in place on "torch" / "emulated".
     """
     recipe = FP8Recipe.of(recipe)
     linear_backend = resolve_backend(recipe, backend, device)
@@ -201,8 +207,17 @@ def configure_fp8(
     replacements = []
     for name, module in model.named_modules():
         if _is_grouped_experts(module):
+            on_te = linear_backend == "te" and getattr(module, "backend", None) == "te"
             if not wanted(name, module):
                 summary.kept.append(name)
+                if on_te:  # te.GroupedLinear would be quantized by the plugin's te.autocast
+                    module.quantization = _te.HighPrecisionGroupedGemm()
+                continue
+            # "te" experts are quantized by TE itself, under the plugin's te.autocast (each
+            # projection has its own te.GroupedLinear, so delayed scaling keeps per-layer state).
+            if on_te:
+                module.quantization = None
+                summary.te_experts.append(name)
                 continue
             if summary.experts_backend is None:
                 summary.experts_backend = _experts_backend(recipe, backend, linear_backend, device)
@@ -221,7 +236,13 @@ def configure_fp8(
     for name, module in replacements:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if linear_backend == "te":
+        if linear_backend == "te" and isinstance(module.weight, DTensor):
+            # Sharded already (FSDP2 / TP run before convert_module): a new te.Linear would
+            # hold a full plain weight that neither FSDP nor TP manages. Convert in place instead.
+            summary.sharded_backend = summary.sharded_backend or _non_te_backend(recipe, device, grouped=False)
+            FP8Linear.convert(module, recipe, summary.sharded_backend)
+            summary.sharded.append(name)
+        elif linear_backend == "te":
             setattr(parent, leaf, _te.make_linear(module))
         else:
             FP8Linear.convert(module, recipe, linear_backend)
@@ -232,8 +253,13 @@ def configure_fp8(
 def _experts_backend(recipe: FP8Recipe, backend: str, linear_backend: str, device: Optional[str]) -> str:
     if linear_backend != "te":
         return resolve_backend(recipe, backend, device, grouped=True)
+    return _non_te_backend(recipe, device, grouped=True)
+
+
+def _non_te_backend(recipe: FP8Recipe, device: Optional[str], grouped: bool) -> str:
+    """What runs modules Transformer Engine cannot take: torch where it can, else emulated."""
     try:
-        return resolve_backend(recipe, "torch", device, grouped=True)
+        return resolve_backend(recipe, "torch", device, grouped=grouped)
     except ValueError:
         return "emulated"
 

@@ -129,6 +129,8 @@ class FP8Precision(MixedPrecision):
         if self.summary is None:
             return text + " (model not converted yet)"
         text += f" [{len(self.summary.converted)} FP8, {len(self.summary.kept)} kept bf16]"
+        if self.summary.sharded:
+            text += f" ({len(self.summary.sharded)} sharded on {_BACKEND_WORDS[self.summary.sharded_backend]})"
         if self.summary.experts:
             text += f"; experts: {_BACKEND_WORDS[self.summary.experts_backend]} [{len(self.summary.experts)}]"
         if self.summary.te_experts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -368,6 +370,11 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             strategy.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val))
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            # Lightning refuses to clip for optimizers that unscale gradients themselves (fused
+            # AdamW) because of fp16's GradScaler; bf16 autocast has no scaler, so the gradients
+            # are final and clipping them is exactly what the user asked for.
+            plugin.clip_gradients = types.MethodType(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -391,3 +391,31 @@ def test_lightning_fast_dev_run_and_config_forms():
     assert MoELanguageModel(cfg).model_config == cfg
     with pytest.raises(ValueError, match="min_lr_ratio"):
         MoELanguageModel("tiny", min_lr_ratio=2.0)
+
+
+def test_bf16_clipping_with_a_fused_optimizer_through_the_strategy():
+    """Lightning refuses to clip for optimizers that unscale gradients themselves (a GradScaler
+    concern); under bf16 there is no scaler, so the strategy lets fused AdamW clip (the GPU
+    training benchmark builds fused AdamW)."""
+    from lightning.pytorch import Trainer
+
+    from lightning_moe import MegatronMoEStrategy
+
+    class FusedAdamW(MoELanguageModel):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    module = FusedAdamW("tiny", overrides={"num_layers": 1}, max_steps=2)
+    loader = DataLoader(_RandomTokens(4, 16), batch_size=2)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=MegatronMoEStrategy(print_layout=False), precision="bf16-mixed",
+        max_steps=2, gradient_clip_val=1e-3, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module, loader)
+    finally:  # the strategy initialised a 1-rank process group; later tests expect none
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trainer.global_step == 2
+    assert trainer.strategy.last_grad_norm is not None and float(trainer.strategy.last_grad_norm) > 1e-3
