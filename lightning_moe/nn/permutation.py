@@ -6,7 +6,8 @@ optionally padded to an alignment (quantized GEMMs) or to the expert capacity. T
 a static number of rows ``R`` known from shapes alone, so shapes never depend on the routing:
 
 - dropless, unpadded: ``R = T*K`` (every row holds a token);
-- padded to ``alignment``: ``R = T*K + E*(alignment-1)`` (an upper bound; unused rows are zero);
+- padded to ``alignment``: ``R = T*K + E*(alignment-1)`` rounded up to a multiple of
+  ``alignment`` (an upper bound; unused rows are zero);
 - padded to capacity: ``R = E*C``.
 
 Rows that hold no token are zero. Experts see those rows as part of the last group (zero
@@ -101,7 +102,9 @@ def plan_permutation(
         num_rows = num_experts * capacity
     elif alignment > 1:
         group_sizes_E = (tokens_per_expert_E + alignment - 1) // alignment * alignment
-        num_rows = num_assign + num_experts * (alignment - 1)
+        # An upper bound, itself rounded up: padding rows join the last group, whose end must
+        # stay aligned too (quantized grouped GEMMs check every group boundary).
+        num_rows = _round_up(num_assign + num_experts * (alignment - 1), alignment)
     else:
         group_sizes_E = tokens_per_expert_E
         num_rows = num_assign
@@ -150,6 +153,10 @@ def plan_permutation(
         dense_rows=False,
         padding_rows=pad_to_capacity or alignment > 1 or num_rows_override is None,
     )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _with_zero_row(x_ND: Tensor) -> Tensor:

@@ -342,6 +342,7 @@ class AllToAllDispatcher:
         counts_BE = counts_PSE.reshape(peers * sources, el)
         group_sizes_E = (counts_BE.sum(0) + align - 1) // align * align
         num_dst = sum(rows_per_peer) + (el * (align - 1) if align > 1 else 0)
+        num_dst = -(-num_dst // align) * align  # the last group's end stays aligned too
         dst_start_BE = exclusive_cumsum(group_sizes_E, 0) + exclusive_cumsum(counts_BE, 0)
         peer_base = torch.arange(peers, device=counts_PSE.device).unsqueeze(1) * peer_stride
         src_start_PB = exclusive_cumsum(counts_PSE.reshape(peers, sources * el), 1) + peer_base

@@ -89,3 +89,15 @@ def test_row_probs_and_gradcheck():
     x = torch.randn(T, 3, dtype=torch.float64, requires_grad=True)
     p = probs.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, b: unpermute(permute(a, plan) * 1.5, b, plan), (x, p))
+
+
+@pytest.mark.parametrize("alignment", [8, 16, 128])
+def test_aligned_buffer_ends_on_an_aligned_boundary(alignment):
+    """Quantized grouped GEMMs check every group end, the last one (the buffer size) included:
+    T*K + E*(alignment-1) is not a multiple of the alignment in general (mixtral: 16384 + 8*15)."""
+    experts_TK = torch.randint(0, 8, (8192, 2))
+    plan = plan_permutation(experts_TK, 8, alignment=alignment)
+    assert plan.num_rows % alignment == 0
+    assert plan.num_rows >= int(plan.group_sizes_E.sum())
+    ends = torch.cumsum(plan.group_sizes_E, 0)
+    assert bool((ends % alignment == 0).all())
