@@ -14,6 +14,7 @@ within bf16 tolerance. Writes ``benchmarks/results/ep_scaling.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def kernel_profile(step) -> dict:
     }
 
 
-def worker(rank: int, world: int, port: int, cases: list[str], iters: int, queue) -> None:
+def worker(rank: int, world: int, port: int, cases: list[str], iters: int, chunks: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
@@ -68,6 +69,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, queue
         c = CASES[name]
         torch.manual_seed(0)
         layer = build_layer(c, "grouped_mm", torch.bfloat16)
+        layer.config = dataclasses.replace(layer.config, dispatch_chunks=chunks)
         reference = None
         g = torch.Generator(device="cuda").manual_seed(100 + rank)
         x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, generator=g)
@@ -96,6 +98,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, queue
         slowest = max(float(t) for t in times)  # the step ends when the slowest rank ends
         out[name] = {
             "ep": world,
+            "dispatch_chunks": chunks,
             "median_ms_slowest_rank": slowest,
             "per_gpu_tflops": block_flops(c) / (slowest * 1e-3) / 1e12,
             "nccl_share": prof["nccl_share"],
@@ -117,21 +120,26 @@ def main(argv=None) -> None:
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cases", nargs="+", default=["qwen3_30b_a3b", "deepseek_v3_slice"], choices=list(CASES))
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1],
+                        help="MoEConfig.dispatch_chunks values to run at EP > 1 (all-to-all pipelining)")
     args = parser.parse_args(argv)
     available = torch.cuda.device_count()
     results = {}
     ctx = mp.get_context("spawn")
-    for i, ep in enumerate(args.ep):
+    runs = [(ep, chunks) for ep in args.ep for chunks in (args.chunks if ep > 1 else [1])]
+    for i, (ep, chunks) in enumerate(runs):
         if ep > available:
             print(f"EP={ep}: skipped, {available} GPU(s) here")
             continue
+        key = f"ep{ep}" if chunks == 1 else f"ep{ep}_chunks{chunks}"
         queue = ctx.Queue()
-        mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, queue), nprocs=ep, join=True)
-        results[f"ep{ep}"] = queue.get()
-        for name, r in results[f"ep{ep}"].items():
+        mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, chunks, queue), nprocs=ep, join=True)
+        results[key] = queue.get()
+        for name, r in results[key].items():
             err = "" if r["rel_err_vs_ep1"] is None else f" err vs EP1 {r['rel_err_vs_ep1']:.2e}"
-            print(f"EP={ep} {name:18s} {r['median_ms_slowest_rank']:8.2f} ms {r['per_gpu_tflops']:7.1f} TFLOP/s/GPU "
-                  f"all-to-all share {r['nccl_share']*100:5.1f}% kernels {r['kernel_ms_rank0']:.2f} ms{err}", flush=True)
+            print(f"EP={ep} chunks={chunks} {name:18s} {r['median_ms_slowest_rank']:8.2f} ms "
+                  f"{r['per_gpu_tflops']:7.1f} TFLOP/s/GPU all-to-all share {r['nccl_share']*100:5.1f}% "
+                  f"kernels {r['kernel_ms_rank0']:.2f} ms{err}", flush=True)
             for row in r["top_kernels_rank0"]:
                 print(f"      {row['ms']:7.2f} ms x{row['calls']:<4d} {row['name']}")
     if "ep1" in results:

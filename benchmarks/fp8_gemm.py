@@ -159,6 +159,7 @@ def grouped_case(c: dict, iters: int) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tag", default="fp8_gemm", help="results file name")
     parser.add_argument("--cases", nargs="+", default=list(DENSE) + list(GROUPED), choices=list(DENSE) + list(GROUPED))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -173,7 +174,7 @@ def main(argv=None) -> None:
             print(f"  failed: {err!r}", flush=True)
             results[name] = {"error": repr(err)}
         torch.cuda.empty_cache()
-    write_results("fp8_gemm", {"results": results})
+    write_results(args.tag, {"results": results})
 
 
 if __name__ == "__main__":

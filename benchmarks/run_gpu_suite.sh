@@ -19,15 +19,19 @@ PARTS="${PARTS:-tests block ep train te fp8 curves}"  # tests already include th
 RETURN_DIR="${OUT:-}"
 unset OUT  # the scripts would copy every JSON there; only 8 files may come back, so pack them
 LOG=/tmp/gpu_suite.log
-: >"$LOG"
+touch "$LOG"  # appended to: several invocations in one device call share it
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
 run() { "$@" 2>&1 | grep -v -i "warn" | tee -a "$LOG"; }
 num_gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
-if has tests; then say "GPU tests"; run python3 -m pytest -q -p no:cacheprovider tests/gpu; fi
+if has tests; then
+  say "GPU tests"
+  run python3 -m pytest -q -p no:cacheprovider tests/gpu
+  run python3 -m pytest -q -p no:cacheprovider -m gpu tests/distributed
+fi
 if has block; then say "moe_block bf16"; run python3 benchmarks/moe_block.py --iters 20; fi
-if has ep && [ "$num_gpus" -ge 2 ]; then say "ep_scaling"; run python3 benchmarks/ep_scaling.py --ep 1 2; fi
+if has ep && [ "$num_gpus" -ge 2 ]; then say "ep_scaling"; run python3 benchmarks/ep_scaling.py --ep 1 2 --chunks 1 2 4; fi
 if has train; then
   say "train_step micro-batch 2"
   run python3 benchmarks/train_step.py --steps 15
@@ -36,6 +40,11 @@ if has train; then
 fi
 if has tetests; then say "TE tests"; run python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_te_backend_gpu.py; fi
 if has te; then say "moe_block TE experts"; run python3 benchmarks/moe_block.py --backend te --iters 20; fi
+if has fp8native; then  # without Transformer Engine: our FP8 GEMMs beside bf16
+  say "fp8_gemm (native)"; run python3 benchmarks/fp8_gemm.py --tag fp8_gemm_native
+  say "moe_block native rowwise"
+  run python3 benchmarks/moe_block.py --precision rowwise --iters 10 --tag "grouped_mm_rowwise"
+fi
 if has fp8; then
   say "fp8_gemm"; run python3 benchmarks/fp8_gemm.py
   for recipe in tensorwise blockwise delayed; do

@@ -50,6 +50,9 @@ class MoEConfig:
         shared_expert_gate: gate the shared expert output by ``sigmoid(x @ w)``.
         token_dispatcher_type: "alltoall", "allgather" or "deepep" (used under expert
             parallelism; a single rank always dispatches locally).
+        dispatch_chunks: all-to-all dispatcher only: split each micro-batch's tokens into this
+            many chunks whose all-to-alls overlap the other chunks' expert GEMMs (one CUDA
+            stream per chunk, forward and backward); 1 = no pipelining.
         apply_probs_on_input: multiply routing probabilities into the expert input instead of
             the expert output (``moe_apply_probs_on_input``; needs ``router_topk == 1``).
         activation: expert activation; "swiglu" fuses gate and up projections.
@@ -81,6 +84,7 @@ class MoEConfig:
     shared_expert_intermediate_size: Optional[int] = None
     shared_expert_gate: bool = False
     token_dispatcher_type: Literal["alltoall", "allgather", "deepep"] = "alltoall"
+    dispatch_chunks: int = 1
     apply_probs_on_input: bool = False
     activation: Literal["swiglu", "gelu", "relu", "squared_relu"] = "swiglu"
     expert_backend: Literal["auto", "grouped_mm", "te", "loop"] = "auto"
@@ -92,6 +96,8 @@ class MoEConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}.")
+        if not isinstance(self.dispatch_chunks, int) or isinstance(self.dispatch_chunks, bool) or self.dispatch_chunks < 1:
+            raise ValueError(f"MoEConfig.dispatch_chunks must be an int >= 1 (1 = no pipelining), got {self.dispatch_chunks!r}.")
         if self.router_topk > self.num_experts:
             raise ValueError(
                 f"router_topk={self.router_topk} exceeds num_experts={self.num_experts}: "

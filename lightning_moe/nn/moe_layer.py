@@ -83,9 +83,12 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects inputs [..., {hidden}], got {tuple(x.shape)}")
         x_TD = x.reshape(-1, hidden)
         routing: RoutingResult = self.router(x if x.dim() == 3 else x_TD)
-        expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing)
-        expert_output_RD = self.experts(expert_input_RD, group_sizes_E)
-        y_TD = self.dispatcher.combine(expert_output_RD, state)
+        run = getattr(self.dispatcher, "run", None)
+        if run is not None:  # dispatchers that pipeline dispatch, experts and combine themselves
+            y_TD = run(x_TD, routing, self.experts)
+        else:
+            expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing)
+            y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E), state)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         self.last_stats = RoutingStats(

@@ -29,14 +29,16 @@ combine and both backward passes reuse those sizes. The all-gather dispatcher ne
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe.nn.aux_losses import tokens_per_expert
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.dispatcher import input_side_probs
 from lightning_moe.nn.permutation import PermutationPlan, permute, plan_permutation, unpermute
@@ -111,6 +113,68 @@ class TokenAllToAllState:
     peer_stride: int
 
 
+@dataclass
+class _TokenSplits:
+    """Host split sizes of one token-level dispatch (see `AllToAllDispatcher._exchange_counts_tokens`)."""
+
+    input_splits: list[int]
+    output_splits: list[int]
+    num_received: int
+    peer_stride: int
+    num_expert_rows: int
+
+
+def _kept_experts(routing: RoutingResult) -> Tensor:
+    """``experts_TK`` with capacity-dropped assignments set to -1 (no destination)."""
+    if routing.keep_TK is None:
+        return routing.experts_TK
+    return torch.where(routing.keep_TK, routing.experts_TK, -1)
+
+
+def _routing_rows(routing: RoutingResult, start: int, end: int) -> RoutingResult:
+    """The routing of tokens ``start:end`` (its per-expert counts recomputed on the device)."""
+    keep = None if routing.keep_TK is None else routing.keep_TK[start:end]
+    experts = routing.experts_TK[start:end]
+    return RoutingResult(
+        routing.probs_TK[start:end], experts, keep, tokens_per_expert(experts, routing.num_experts, keep),
+        routing.num_experts, routing.capacity,
+    )
+
+
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def _side_streams(device: torch.device, count: int) -> list:
+    """``count`` CUDA side streams of ``device`` (created once, reused by every layer); none on CPU."""
+    if device.type != "cuda":
+        return []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    streams = []
+    for i in range(count):
+        key = (index, i)
+        if key not in _STREAMS:
+            _STREAMS[key] = torch.cuda.Stream(device=index)
+        streams.append(_STREAMS[key])
+    return streams
+
+
+@contextlib.contextmanager
+def _on_stream(streams: list, index: int, wait_for, inputs: tuple):
+    """Run the block on ``streams[index]`` (after ``wait_for``'s queued work; ``inputs`` made on
+    another stream are marked as used there, so the allocator does not hand out their memory
+    while this stream still reads it). Without streams (CPU): just run it."""
+    if not streams:
+        yield
+        return
+    stream = streams[index]
+    if wait_for is not None:
+        stream.wait_stream(wait_for)
+    for t in inputs:
+        t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield
+
+
 def _init_groups(
     dispatcher: Any, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup]
 ) -> None:
@@ -168,45 +232,72 @@ class AllToAllDispatcher:
     # Token-level path (default): one row per (token, destination rank).
 
     def _dispatch_tokens(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, TokenAllToAllState]:
-        cfg = self.cfg
+        needs_TR, send_RC = self._token_counts(routing)
+        (splits,) = self._exchange_counts_tokens([send_RC])
+        return self._dispatch_tokens_with(x_TD, routing, needs_TR, splits)
+
+    def _token_counts(self, routing: RoutingResult) -> tuple[Tensor, Tensor]:
+        """``needs_TR`` (bool ``[T, EP]``: token t has a kept assignment on EP rank r) and the
+        counts to send each rank, ``[EP, E_local + 1]``: its local experts' assignments, then
+        the token rows. Device-side, no sync."""
         ep, el = self.ep_size, self.num_local_experts
-        num_tokens, topk = routing.experts_TK.shape
-        device = x_TD.device
-        experts_TK = routing.experts_TK
-        if routing.keep_TK is not None:
-            experts_TK = torch.where(routing.keep_TK, experts_TK, -1)  # dropped: no destination
-        # needs_TR[t, r]: token t has a kept assignment on EP rank r (column ep absorbs drops).
-        dest_rank_TK = torch.where(experts_TK >= 0, experts_TK // el, ep)
-        needs_TR = torch.zeros(num_tokens, ep + 1, dtype=torch.bool, device=device)
+        experts_TK = _kept_experts(routing)
+        dest_rank_TK = torch.where(experts_TK >= 0, experts_TK // el, ep)  # column ep absorbs drops
+        needs_TR = torch.zeros(experts_TK.shape[0], ep + 1, dtype=torch.bool, device=experts_TK.device)
         needs_TR.scatter_(1, dest_rank_TK, True)
         needs_TR = needs_TR[:, :ep]
-
-        # Counts to exchange, per destination rank: [its local experts' assignments | token rows].
         send_RC = torch.cat(
             [routing.tokens_per_expert_E.view(ep, el), needs_TR.sum(0, dtype=torch.long).view(ep, 1)], 1
         )
-        received_SC = torch.empty_like(send_RC)
-        dist.all_to_all_single(received_SC, send_RC, group=self.ep_group)
+        return needs_TR, send_RC
+
+    def _exchange_counts_tokens(self, sends_RC: list[Tensor]) -> list[_TokenSplits]:
+        """Exchange the counts of ``C`` chunks in one all-to-all and read every split on the host
+        with a single sync."""
+        ep, el, num_chunks = self.ep_size, self.num_local_experts, len(sends_RC)
+        send_RXC = torch.stack(sends_RC, 1)  # [EP, chunks, E_local + 1]: rank-major for the all-to-all
+        received = torch.empty_like(send_RXC)
+        dist.all_to_all_single(received, send_RXC, group=self.ep_group)
         if self.etp_group is not None:
-            received_SC = all_gather_plain(received_SC, self.etp_group)
-        received_PSC = received_SC.view(self.etp_size, ep, el + 1)
-        expert_rows_E = received_PSC[..., :el].sum((0, 1))
-        align = cfg.expert_alignment
-        # Host sync (the only one): all_to_all_single takes its split sizes as Python ints; the
-        # expert buffer's exact size (aligned) comes along so no GEMM sees spare rows.
+            received = all_gather_plain(received, self.etp_group)
+        received_PSXC = received.view(self.etp_size, ep, num_chunks, el + 1)
+        align = self.cfg.expert_alignment
+        aligned_rows_X = ((received_PSXC[..., :el].sum((0, 1)) + align - 1) // align * align).sum(1)
+        # Host sync (the only one per micro-batch): all_to_all_single takes its split sizes as
+        # Python ints; each expert buffer's exact (aligned) size comes along, so no GEMM sees
+        # spare rows.
         sizes = torch.cat(
-            [send_RC[:, el], received_PSC[..., el].reshape(-1), ((expert_rows_E + align - 1) // align * align).sum(0, keepdim=True)]
+            [send_RXC[..., el].t().reshape(-1), received_PSXC[..., el].permute(2, 0, 1).reshape(-1), aligned_rows_X]
         ).tolist()
-        input_splits = sizes[:ep]
-        rows_PS = [sizes[ep + p * ep : ep + (p + 1) * ep] for p in range(self.etp_size)]
-        num_expert_rows = sizes[-1]
-        output_splits = rows_PS[self.etp_rank]
-        num_sent, num_received = sum(input_splits), sum(output_splits)
-        peer_stride = max(sum(rows) for rows in rows_PS)
+        peers = self.etp_size
+        chunks = []
+        for c in range(num_chunks):
+            input_splits = sizes[c * ep : (c + 1) * ep]
+            base = num_chunks * ep + c * peers * ep
+            rows_PS = [sizes[base + p * ep : base + (p + 1) * ep] for p in range(peers)]
+            output_splits = rows_PS[self.etp_rank]
+            chunks.append(_TokenSplits(
+                input_splits=input_splits,
+                output_splits=output_splits,
+                num_received=sum(output_splits),
+                peer_stride=max(sum(rows) for rows in rows_PS),
+                num_expert_rows=sizes[num_chunks * ep * (1 + peers) + c],
+            ))
+        return chunks
+
+    def _dispatch_tokens_with(
+        self, x_TD: Tensor, routing: RoutingResult, needs_TR: Tensor, splits: _TokenSplits
+    ) -> tuple[Tensor, Tensor, TokenAllToAllState]:
+        cfg = self.cfg
+        ep, el = self.ep_size, self.num_local_experts
+        num_tokens, topk = routing.experts_TK.shape
+        experts_TK = _kept_experts(routing)
+        input_splits, output_splits = splits.input_splits, splits.output_splits
+        num_received, peer_stride = splits.num_received, splits.peer_stride
 
         # Rows to send, grouped by destination rank, in token order within each.
-        ranks_TR = torch.arange(ep, device=device).expand(num_tokens, ep)
-        send_plan = plan_permutation(ranks_TR, ep, keep_TK=needs_TR, num_rows=num_sent)
+        ranks_TR = torch.arange(ep, device=x_TD.device).expand(num_tokens, ep)
+        send_plan = plan_permutation(ranks_TR, ep, keep_TK=needs_TR, num_rows=sum(input_splits))
         x_ND = permute(x_TD, send_plan)
         # Per sent row: its token's K assignments as the destination's local expert ids (-1 for
         # other ranks' or dropped ones) and their probabilities. The ids travel as exact floats
@@ -228,7 +319,8 @@ class AllToAllDispatcher:
         probs_NK, local_NK = recv_meta[:, :topk], recv_meta[:, topk:].detach().long()
         mine_NK = local_NK >= 0
         expert_plan = plan_permutation(
-            local_NK.clamp(min=0), el, keep_TK=mine_NK, alignment=align, num_rows=num_expert_rows
+            local_NK.clamp(min=0), el, keep_TK=mine_NK, alignment=cfg.expert_alignment,
+            num_rows=splits.num_expert_rows,
         )
         expert_input_RD = permute(recv_x_ND, expert_plan)
         combine_probs_NK = probs_NK
@@ -239,6 +331,44 @@ class AllToAllDispatcher:
             send_plan, expert_plan, combine_probs_NK, input_splits, output_splits, num_received, peer_stride
         )
         return expert_input_RD, expert_plan.group_sizes_E, state
+
+    # Pipelined dispatch: chunks of tokens on separate CUDA streams.
+
+    def run(self, x_TD: Tensor, routing: RoutingResult, experts: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """dispatch -> ``experts(expert_input_RD, group_sizes_E)`` -> combine, pipelined.
+
+        With ``cfg.dispatch_chunks = C > 1`` the tokens are split into ``C`` contiguous chunks;
+        every chunk's all-to-alls are issued before any chunk's GEMMs, and each chunk runs on its
+        own CUDA stream, so the all-to-all of one chunk overlaps the expert GEMMs of another
+        (forward, and backward too: autograd runs each backward op on its forward op's stream).
+        The counts of all chunks are exchanged together: still one host sync per micro-batch.
+        Results equal the unchunked dispatch up to the order of floating-point sums.
+        """
+        num_chunks = min(self.cfg.dispatch_chunks, x_TD.shape[0])
+        padded = self.cfg.pad_expert_input_to_capacity and routing.capacity is not None
+        if num_chunks <= 1 or padded:
+            expert_input_RD, group_sizes_E, state = self.dispatch(x_TD, routing)
+            return self.combine(experts(expert_input_RD, group_sizes_E), state)
+        bounds = [(c * x_TD.shape[0] // num_chunks, (c + 1) * x_TD.shape[0] // num_chunks) for c in range(num_chunks)]
+        routings = [_routing_rows(routing, a, b) for a, b in bounds]
+        counts = [self._token_counts(r) for r in routings]
+        splits = self._exchange_counts_tokens([send_RC for _, send_RC in counts])
+        streams = _side_streams(x_TD.device, num_chunks)
+        main = torch.cuda.current_stream(x_TD.device) if streams else None
+        dispatched = []
+        for c, (a, b) in enumerate(bounds):  # every chunk's dispatch first: its all-to-alls queue up
+            inputs = (x_TD, routing.probs_TK, routing.experts_TK, counts[c][0])
+            with _on_stream(streams, c, main, inputs=inputs):
+                dispatched.append(self._dispatch_tokens_with(x_TD[a:b], routings[c], counts[c][0], splits[c]))
+        outputs = []
+        for c, (expert_input_RD, group_sizes_E, state) in enumerate(dispatched):
+            with _on_stream(streams, c, None, inputs=()):
+                outputs.append(self._combine_tokens(experts(expert_input_RD, group_sizes_E), state))
+        if streams:
+            for stream, y_TD in zip(streams, outputs):
+                main.wait_stream(stream)
+                y_TD.record_stream(main)  # made on a side stream, consumed (and freed) on the main one
+        return torch.cat(outputs)
 
     def _combine_tokens(self, expert_output_RD: Tensor, state: TokenAllToAllState) -> Tensor:
         # Each received row's partial output: the weighted sum over this rank's experts.

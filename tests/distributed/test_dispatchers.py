@@ -41,14 +41,22 @@ ROUTING_CASES = {
     "gelu": (dict(activation="gelu"), False),
     "starved_align8": (dict(expert_alignment=8), True),
     "starved_capacity": (dict(expert_capacity_factor=1.5), True),
+    # Pipelined all-to-all (token chunks; streams only on CUDA): same results as unchunked.
+    "chunks3_aux": (dict(aux_loss_coeff=1e-2, dispatch_chunks=3), False),
+    "chunks2_capacity_align8": (dict(expert_capacity_factor=0.7, expert_alignment=8, dispatch_chunks=2), False),
+    "chunks4_starved_probs_on_input": (
+        dict(router_topk=1, router_pre_softmax=True, apply_probs_on_input=True, dispatch_chunks=4), True
+    ),
 }
 LAYOUTS = {"ep2": (2, 1), "ep4": (4, 1), "ep2_etp2": (2, 2), "ep1_etp2": (1, 2)}
 # Every routing case on EP2; a representative subset on the 4-rank layouts. The cases of one
 # layout run in one launch (a process's first step pays most of the warm-up).
 CASES_BY_LAYOUT = {
     "ep2": list(ROUTING_CASES),
-    "ep4": ["k2_aux", "k4_sigmoid", "capacity_drop", "capacity_pad", "align8_shared", "gelu", "starved_align8"],
-    "ep2_etp2": ["k2_aux", "k4_sigmoid", "capacity_drop", "capacity_pad", "align8_shared", "gelu", "starved_align8"],
+    "ep4": ["k2_aux", "k4_sigmoid", "capacity_drop", "capacity_pad", "align8_shared", "gelu", "starved_align8",
+            "chunks3_aux"],
+    "ep2_etp2": ["k2_aux", "k4_sigmoid", "capacity_drop", "capacity_pad", "align8_shared", "gelu", "starved_align8",
+                 "chunks2_capacity_align8"],
     "ep1_etp2": ["k2_aux", "capacity_pad", "align8_shared"],
 }
 
@@ -139,10 +147,13 @@ def _run_parity(rank, world_size, layout, case, dispatcher, device="cpu"):
         assert isinstance(param.grad, DTensor)
         torch.testing.assert_close(param.grad.to_local(), want, **close)
 
-    (group_sizes,) = seen_group_sizes
+    chunks = cfg.dispatch_chunks if dispatcher == "alltoall" and not overrides.get("pad_expert_input_to_capacity") else 1
+    assert len(seen_group_sizes) == chunks  # one expert call per token chunk
     align = cfg.expert_alignment
+    for sizes in seen_group_sizes:
+        assert bool((sizes % align == 0).all())
+    group_sizes = torch.stack(seen_group_sizes).sum(0)
     assert group_sizes.shape == (cfg.num_experts // ep,)
-    assert bool((group_sizes % align == 0).all())
     if starve and ep_rank == 1:
         assert int(group_sizes.sum()) == 0, "the starved EP rank must receive no rows"
     if overrides.get("pad_expert_input_to_capacity"):
@@ -205,13 +216,14 @@ def _count_host_syncs(rank, world_size, overrides, dispatcher):
         ("alltoall", {}, {"tolist": 1}),
         ("alltoall", dict(expert_capacity_factor=0.5), {"tolist": 1}),
         ("alltoall", dict(expert_capacity_factor=1.0, pad_expert_input_to_capacity=True), {}),
+        ("alltoall", dict(dispatch_chunks=3, expert_alignment=8), {"tolist": 1}),
         ("allgather", {}, {}),
         ("allgather", dict(expert_capacity_factor=0.5, expert_alignment=8), {}),
     ],
-    ids=["a2a-dropless", "a2a-capacity", "a2a-pad-capacity", "ag-dropless", "ag-capacity-align"],
+    ids=["a2a-dropless", "a2a-capacity", "a2a-pad-capacity", "a2a-chunked", "ag-dropless", "ag-capacity-align"],
 )
 def test_host_syncs(dispatcher, overrides, expected):
-    """The all-to-all reads its split sizes once per forward (none when padded to capacity); the
+    """The all-to-all reads its split sizes once per forward, chunked or not (none when padded to capacity); the
     all-gather never reads the device. Counts Python-level reads (``tolist``, ``item``, ``cpu``,
     conversions); syncs inside C++ kernels are checked on CUDA by the GPU test below."""
     for counts in run_distributed(_count_host_syncs, 2, overrides, dispatcher):
@@ -276,6 +288,7 @@ def _cuda_syncs(step) -> list[str]:
 PARALLEL_FILES = ("dispatchers.py", "dispatch_ops.py", "expert_parallel.py")
 GPU_SYNC_CASES = [
     ("alltoall", {}),
+    ("alltoall", dict(dispatch_chunks=2)),
     ("alltoall", dict(expert_capacity_factor=1.0, pad_expert_input_to_capacity=True)),
     ("allgather", {}),
 ]
@@ -292,6 +305,10 @@ def _gpu_checks(rank, world_size):
             for case in ("k2_aux", "capacity_drop", "capacity_pad", "align8_shared"):
                 _run_parity(rank, world_size, layout, case, dispatcher, device="cuda")
     _run_parity(rank, world_size, "ep2", "starved_align8", "alltoall", device="cuda")
+    # Chunked all-to-all: every chunk on its own CUDA stream.
+    for case in ("chunks3_aux", "chunks4_starved_probs_on_input", "chunks2_capacity_align8"):
+        _run_parity(rank, world_size, "ep2", case, "alltoall", device="cuda")
+    _run_parity(rank, world_size, "ep1_etp2", "chunks2_capacity_align8", "alltoall", device="cuda")
     # bf16 activations through torch._grouped_mm, as in training; syncs of the whole layer
     # (router, permutation, experts, dispatcher, backward), expert-parallel vs local.
     syncs = []
@@ -324,4 +341,4 @@ def test_nccl_parity_and_host_syncs():
         # Whatever the expert-parallel layer syncs beyond the local layer comes from the dispatcher.
         assert set((Counter(parallel) - Counter(local)).elements()) <= set(own)
         own_syncs.append(len(own))
-    assert own_syncs == [1, 0, 0]
+    assert own_syncs == [1, 1, 0, 0]
