@@ -67,3 +67,23 @@ def test_expert_bias_moves_identically():
     assert bias and any(ref["state"][k].abs().sum() > 0 for k in bias)
     for k in bias:
         torch.testing.assert_close(result["state"][k], ref["state"][k], rtol=0, atol=0)
+
+
+# The 8-GPU layouts of the multi-node issue, on 8 gloo processes (their GPU runs need 8 H200s).
+EIGHT_RANK_LAYOUTS = {
+    "ep8": dict(expert_parallel_size=8),
+    "tp2_ep4": dict(tensor_parallel_size=2, expert_parallel_size=4),
+    "tp2_ep8": dict(tensor_parallel_size=2, expert_parallel_size=8),
+}
+
+
+@pytest.mark.parametrize("layout", list(EIGHT_RANK_LAYOUTS))
+def test_eight_rank_layouts_match_one_process(layout):
+    kwargs = {**EIGHT_RANK_LAYOUTS[layout], **SHARDING["fsdp"]}
+    dp = 8 // kwargs.get("tensor_parallel_size", 1)
+    result = as_tensors(run_distributed(train, 8, kwargs, dp, STEPS, 1, None, None, timeout=300)[0])
+    ref = reference(dp, 1, None)
+    losses = step_losses(result, dp_representatives(kwargs, 8))
+    torch.testing.assert_close(losses, ref["rank_losses"][0], rtol=0, atol=1e-5)
+    for name, value in ref["state"].items():
+        torch.testing.assert_close(result["state"][name], value, rtol=0, atol=1e-5, msg=name)
