@@ -112,7 +112,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self._parallelized = False
         self._dense_fsdp = False
         self._experts_fsdp = False
-        self._dense_outside_fsdp: list[torch.nn.Parameter] = []  # e.g. params on the LightningModule itself
+        # Parameters FSDP reduces itself (its units, plus what it was told to ignore); every other
+        # parameter (e.g. on the LightningModule itself) is all-reduced by finalize_gradients.
+        self._fsdp_managed: set[torch.nn.Parameter] = set()
         self._grads_finalized = False
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._crash_hook: Optional[Callable[[str], None]] = None  # tests simulate crashes
@@ -242,8 +244,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             self._dense_fsdp = True
             # The LightningModule itself is never wrapped: its own parameters (and any module
             # FSDP skipped) are all-reduced by finalize_gradients like in "ddp" mode.
-            managed = {p for module in wrapped for p in module.parameters()} | set(ignored)
-            self._dense_outside_fsdp = [p for p in model.parameters() if p not in managed]
+            self._fsdp_managed = {p for module in wrapped for p in module.parameters()} | set(ignored)
 
     def _validate_model(self, model: torch.nn.Module, layers: list) -> None:
         layout = self.layout
@@ -311,7 +312,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             excluded = set(replicated) | set(expert_params(model))
             dense = [p for p in model.parameters() if p not in excluded]
         else:
-            dense = self._dense_outside_fsdp
+            # Looked up per step, not at wrap time: a precision plugin may swap modules outside
+            # the FSDP units afterwards (e.g. nn.Linear -> te.Linear), whose new parameters
+            # must still be reduced.
+            dense = [p for p in model.parameters() if p not in self._fsdp_managed]
         all_reduce_grads(dense, self._group("dp"), scale=1.0 / layout.data_parallel_size)
         experts = expert_params(model)
         if self._experts_fsdp:
