@@ -52,7 +52,9 @@ class MoEConfig:
             parallelism; a single rank always dispatches locally).
         dispatch_chunks: all-to-all dispatcher only: split each micro-batch's tokens into this
             many chunks whose all-to-alls overlap the other chunks' expert GEMMs (one CUDA
-            stream per chunk, forward and backward); 1 = no pipelining.
+            stream per chunk, forward and backward); 1 = no pipelining. Measured slower than 1
+            on 2 x H200 with ``torch._grouped_mm`` experts, whose kernels hold every SM (see
+            ``benchmarks/NOTES.md``), hence off by default.
         apply_probs_on_input: multiply routing probabilities into the expert input instead of
             the expert output (``moe_apply_probs_on_input``; needs ``router_topk == 1``).
         activation: expert activation; "swiglu" fuses gate and up projections.
