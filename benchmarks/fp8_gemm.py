@@ -70,22 +70,23 @@ def _measure_or_raise(name: str, fn, inputs, dy, reference, flops: float, iters:
     return row
 
 
-def _te():
-    try:
-        import transformer_engine.pytorch as te
-        from transformer_engine.common import recipe as te_recipe
-    except Exception as err:  # noqa: BLE001 - not installed or broken: report and skip
-        print(f"Transformer Engine unavailable: {err!r}")
-        return None, None
-    return te, te_recipe
+def _te_module():
+    """``transformer_engine.pytorch``, or None (reported) when it is missing or broken."""
+    from lightning_moe.precision import _te
+
+    if not _te.available():
+        print(f"Transformer Engine unavailable: {_te.import_error()}")
+        return None
+    return _te._module()
 
 
-def _te_recipes(te, te_recipe) -> dict:
-    recipes = {"tensorwise": te_recipe.Float8CurrentScaling(), "delayed": te_recipe.DelayedScaling()}
-    ok = te.is_fp8_block_scaling_available() if hasattr(te, "is_fp8_block_scaling_available") else (False, "")
-    if (ok[0] if isinstance(ok, tuple) else ok):
-        recipes["blockwise"] = te_recipe.Float8BlockScaling()
-    return recipes
+def _te_recipes() -> dict:
+    """TE recipe objects as `FP8Precision(backend="te")` builds them, for the recipes this GPU runs."""
+    from lightning_moe.precision import _te
+    from lightning_moe.precision.recipes import FP8Recipe
+
+    recipes = {name: FP8Recipe.of(name) for name in ("tensorwise", "delayed", "blockwise")}
+    return {name: _te.te_recipe(r) for name, r in recipes.items() if _te.supports(r)[0]}
 
 
 def dense_case(c: dict, iters: int) -> dict:
@@ -108,12 +109,12 @@ def dense_case(c: dict, iters: int) -> dict:
     for label, recipe in recipes.items():
         fn = lambda r=recipe: fp8_linear(x, w, r, backend="torch")  # noqa: E731
         out[f"torch/{label}"] = _measure(f"torch/{label}", fn, [x, w], dy, reference, flops, iters)
-    te, te_recipe = _te()
+    te = _te_module()
     if te is not None:
         layer = te.Linear(k, n, bias=False, params_dtype=torch.float32, device="cuda")
         with torch.no_grad():
             layer.weight.copy_(w)
-        for name, recipe in _te_recipes(te, te_recipe).items():
+        for name, recipe in _te_recipes().items():
 
             def fn(recipe=recipe):
                 with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=True, recipe=recipe):
@@ -142,11 +143,11 @@ def grouped_case(c: dict, iters: int) -> dict:
     out["bf16"] = _measure("bf16", bf16, [x, w], dy, None, flops, iters)
     fn = lambda: fp8_grouped_mm(x, w, offsets, "rowwise", backend="torch")  # noqa: E731
     out["torch/rowwise"] = _measure("torch/rowwise", fn, [x, w], dy, reference, flops, iters)
-    te, te_recipe = _te()
+    te = _te_module()
     if te is not None:
         bf16_te = lambda: te_grouped_linear(x, w, sizes, te_modules, "bf16")  # noqa: E731
         out["te/bf16"] = _measure("te/bf16", bf16_te, [x, w], dy, reference, flops, iters)
-        for name, recipe in _te_recipes(te, te_recipe).items():
+        for name, recipe in _te_recipes().items():
 
             def fn(recipe=recipe, name=name):
                 with te.autocast(enabled=True, recipe=recipe):

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import write_results  # noqa: E402
+from benchmarks.moe_block import expert_alignment  # noqa: E402
 
 H200_BF16_PEAK = 787e12  # measured dense bf16 GEMM rate on one H200 (BENCHMARKS.md)
 
@@ -36,11 +37,8 @@ def build_module(args):
     from lightning_moe.models.lightning_module import MoELanguageModel
 
     overrides = {"num_layers": args.layers, "max_seq_length": args.seq, "moe": {"expert_backend": args.expert_backend}}
-    if args.precision != "bf16":
-        from lightning_moe.precision.recipes import FP8Recipe
-
-        # FP8 grouped GEMMs (torch and TE kernels) need every expert's token group padded.
-        overrides["moe"]["expert_alignment"] = FP8Recipe.of(args.precision).alignment
+    # FP8 grouped GEMMs (torch and TE kernels) need every expert's token group padded.
+    overrides["moe"]["expert_alignment"] = expert_alignment(args.precision)
     return MoELanguageModel(args.preset, overrides=overrides, learning_rate=1e-4, warmup_steps=10, max_steps=10_000)
 
 
@@ -75,6 +73,7 @@ def bare_loop(args) -> list[float]:
     times: list[float] = []
     vocab = module.model_config.vocab_size
     data = batches(args, vocab, (args.warmup + args.steps) * args.accumulate, "cuda")
+    losses: list[torch.Tensor] = []
     torch.cuda.synchronize()  # host sync: the first step's start
     last_end = time.perf_counter()
     for _ in range(args.warmup + args.steps):
@@ -92,7 +91,8 @@ def bare_loop(args) -> list[float]:
         now = time.perf_counter()
         times.append(now - last_end)
         last_end = now
-    final = float(loss)
+        losses.append(loss.detach())  # read once after the loop: no extra sync in the timed steps
+    losses_list = torch.stack(losses).tolist()
     if args.profile:
         from benchmarks.moe_block import profile_step
 
@@ -108,7 +108,7 @@ def bare_loop(args) -> list[float]:
             print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:8.2f} ms x{row['calls']:<4d} {row['name'][:100]}")
     del module, optimizer, scheduler
     torch.cuda.empty_cache()
-    return times[args.warmup :], final
+    return times[args.warmup :], losses_list
 
 
 def lightning_run(args) -> list[float]:
@@ -156,8 +156,7 @@ def lightning_run(args) -> list[float]:
         gradient_clip_val=args.clip, callbacks=[Timer()], num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None, pin_memory=True))
-    args.lightning_losses = [float(x) for x in losses]
-    return times[args.warmup :], float(losses[-1])
+    return times[args.warmup :], [float(x) for x in losses]
 
 
 def main(argv=None) -> None:
@@ -195,7 +194,8 @@ def main(argv=None) -> None:
         raise SystemExit("--precision applies to the Lightning run only: add --skip-bare")
     for name, fn in runs:
         torch.cuda.reset_peak_memory_stats()
-        times, final_loss = fn(args)
+        times, losses = fn(args)
+        final_loss = losses[-1]
         median = statistics.median(times)
         results[name] = {
             "median_step_s": median,
@@ -205,6 +205,7 @@ def main(argv=None) -> None:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "final_loss": final_loss,
             "step_times_s": times,
+            "losses": losses,
         }
         r = results[name]
         print(f"{name:11s} {median*1e3:8.1f} ms/step {r['tokens_per_s']:9.0f} tok/s {r['tflops']:6.1f} TFLOP/s "
@@ -213,11 +214,9 @@ def main(argv=None) -> None:
     if "bare_torch" in results:
         overhead = results["lightning"]["median_step_s"] / results["bare_torch"]["median_step_s"] - 1
         print(f"Lightning overhead: {overhead*100:+.2f}%")
-    results["lightning"]["losses"] = args.lightning_losses
-    config = {k: v for k, v in vars(args).items() if k != "lightning_losses"}
     tag = args.tag or f"{args.preset}_{args.layers}l"
     write_results(f"train_step_{tag}", {
-        "config": {**config, "tokens_per_step": tokens, "model_flops_per_step": flops_per_step},
+        "config": {**vars(args), "tokens_per_step": tokens, "model_flops_per_step": flops_per_step},
         "results": results,
         "lightning_overhead": overhead,
     })

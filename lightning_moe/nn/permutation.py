@@ -101,10 +101,10 @@ def plan_permutation(
         group_sizes_E = torch.full((num_experts,), capacity, dtype=torch.long, device=device)
         num_rows = num_experts * capacity
     elif alignment > 1:
-        group_sizes_E = (tokens_per_expert_E + alignment - 1) // alignment * alignment
+        group_sizes_E = round_up(tokens_per_expert_E, alignment)
         # An upper bound, itself rounded up: padding rows join the last group, whose end must
         # stay aligned too (quantized grouped GEMMs check every group boundary).
-        num_rows = _round_up(num_assign + num_experts * (alignment - 1), alignment)
+        num_rows = round_up(num_assign + num_experts * (alignment - 1), alignment)
     else:
         group_sizes_E = tokens_per_expert_E
         num_rows = num_assign
@@ -155,8 +155,9 @@ def plan_permutation(
     )
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def round_up(n, multiple: int):
+    """``n`` rounded up to a multiple of ``multiple`` (a Python int or an integer tensor)."""
+    return (n + multiple - 1) // multiple * multiple
 
 
 def _with_zero_row(x_ND: Tensor) -> Tensor:

@@ -41,7 +41,7 @@ from torch import Tensor
 from lightning_moe.nn.aux_losses import tokens_per_expert
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.dispatcher import input_side_probs
-from lightning_moe.nn.permutation import PermutationPlan, permute, plan_permutation, unpermute
+from lightning_moe.nn.permutation import PermutationPlan, permute, plan_permutation, round_up, unpermute
 from lightning_moe.nn.router import RoutingResult
 from lightning_moe.parallel.dispatch_ops import (
     all_gather_plain,
@@ -122,6 +122,11 @@ class _TokenSplits:
     num_received: int
     peer_stride: int
     num_expert_rows: int
+
+
+def _pads_to_capacity(cfg: MoEConfig, routing: RoutingResult) -> bool:
+    """Whether this dispatch sends ``capacity`` rows per expert (static splits, no sync)."""
+    return cfg.pad_expert_input_to_capacity and routing.capacity is not None
 
 
 def _kept_experts(routing: RoutingResult) -> Tensor:
@@ -220,7 +225,7 @@ class AllToAllDispatcher:
         return _describe("all-to-all", self.ep_size, self.etp_size)
 
     def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, Any]:
-        if self.cfg.pad_expert_input_to_capacity and routing.capacity is not None:
+        if _pads_to_capacity(self.cfg, routing):
             return self._dispatch_assignments(x_TD, routing)
         return self._dispatch_tokens(x_TD, routing)
 
@@ -232,14 +237,15 @@ class AllToAllDispatcher:
     # Token-level path (default): one row per (token, destination rank).
 
     def _dispatch_tokens(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, TokenAllToAllState]:
-        needs_TR, send_RC = self._token_counts(routing)
+        experts_TK, needs_TR, send_RC = self._token_counts(routing)
         (splits,) = self._exchange_counts_tokens([send_RC])
-        return self._dispatch_tokens_with(x_TD, routing, needs_TR, splits)
+        return self._dispatch_tokens_with(x_TD, routing, experts_TK, needs_TR, splits)
 
-    def _token_counts(self, routing: RoutingResult) -> tuple[Tensor, Tensor]:
-        """``needs_TR`` (bool ``[T, EP]``: token t has a kept assignment on EP rank r) and the
-        counts to send each rank, ``[EP, E_local + 1]``: its local experts' assignments, then
-        the token rows. Device-side, no sync."""
+    def _token_counts(self, routing: RoutingResult) -> tuple[Tensor, Tensor, Tensor]:
+        """``experts_TK`` with dropped assignments as -1, ``needs_TR`` (bool ``[T, EP]``: token t
+        has a kept assignment on EP rank r) and the counts to send each rank,
+        ``[EP, E_local + 1]``: its local experts' assignments, then the token rows. Device-side,
+        no sync."""
         ep, el = self.ep_size, self.num_local_experts
         experts_TK = _kept_experts(routing)
         dest_rank_TK = torch.where(experts_TK >= 0, experts_TK // el, ep)  # column ep absorbs drops
@@ -249,7 +255,7 @@ class AllToAllDispatcher:
         send_RC = torch.cat(
             [routing.tokens_per_expert_E.view(ep, el), needs_TR.sum(0, dtype=torch.long).view(ep, 1)], 1
         )
-        return needs_TR, send_RC
+        return experts_TK, needs_TR, send_RC
 
     def _exchange_counts_tokens(self, sends_RC: list[Tensor]) -> list[_TokenSplits]:
         """Exchange the counts of ``C`` chunks in one all-to-all and read every split on the host
@@ -262,7 +268,7 @@ class AllToAllDispatcher:
             received = all_gather_plain(received, self.etp_group)
         received_PSXC = received.view(self.etp_size, ep, num_chunks, el + 1)
         align = self.cfg.expert_alignment
-        aligned_rows_X = ((received_PSXC[..., :el].sum((0, 1)) + align - 1) // align * align).sum(1)
+        aligned_rows_X = round_up(received_PSXC[..., :el].sum((0, 1)), align).sum(1)
         # Host sync (the only one per micro-batch): all_to_all_single takes its split sizes as
         # Python ints; each expert buffer's exact (aligned) size comes along, so no GEMM sees
         # spare rows.
@@ -286,12 +292,11 @@ class AllToAllDispatcher:
         return chunks
 
     def _dispatch_tokens_with(
-        self, x_TD: Tensor, routing: RoutingResult, needs_TR: Tensor, splits: _TokenSplits
+        self, x_TD: Tensor, routing: RoutingResult, experts_TK: Tensor, needs_TR: Tensor, splits: _TokenSplits
     ) -> tuple[Tensor, Tensor, TokenAllToAllState]:
         cfg = self.cfg
         ep, el = self.ep_size, self.num_local_experts
-        num_tokens, topk = routing.experts_TK.shape
-        experts_TK = _kept_experts(routing)
+        num_tokens, topk = experts_TK.shape
         input_splits, output_splits = splits.input_splits, splits.output_splits
         num_received, peer_stride = splits.num_received, splits.peer_stride
 
@@ -345,21 +350,20 @@ class AllToAllDispatcher:
         Results equal the unchunked dispatch up to the order of floating-point sums.
         """
         num_chunks = min(self.cfg.dispatch_chunks, x_TD.shape[0])
-        padded = self.cfg.pad_expert_input_to_capacity and routing.capacity is not None
-        if num_chunks <= 1 or padded:
+        if num_chunks <= 1 or _pads_to_capacity(self.cfg, routing):
             expert_input_RD, group_sizes_E, state = self.dispatch(x_TD, routing)
             return self.combine(experts(expert_input_RD, group_sizes_E), state)
         bounds = [(c * x_TD.shape[0] // num_chunks, (c + 1) * x_TD.shape[0] // num_chunks) for c in range(num_chunks)]
         routings = [_routing_rows(routing, a, b) for a, b in bounds]
         counts = [self._token_counts(r) for r in routings]
-        splits = self._exchange_counts_tokens([send_RC for _, send_RC in counts])
+        splits = self._exchange_counts_tokens([send_RC for _, _, send_RC in counts])
         streams = _side_streams(x_TD.device, num_chunks)
         main = torch.cuda.current_stream(x_TD.device) if streams else None
         dispatched = []
         for c, (a, b) in enumerate(bounds):  # every chunk's dispatch first: its all-to-alls queue up
-            inputs = (x_TD, routing.probs_TK, routing.experts_TK, counts[c][0])
-            with _on_stream(streams, c, main, inputs=inputs):
-                dispatched.append(self._dispatch_tokens_with(x_TD[a:b], routings[c], counts[c][0], splits[c]))
+            experts_TK, needs_TR, _ = counts[c]
+            with _on_stream(streams, c, main, inputs=(x_TD, routing.probs_TK, experts_TK, needs_TR)):
+                dispatched.append(self._dispatch_tokens_with(x_TD[a:b], routings[c], experts_TK, needs_TR, splits[c]))
         outputs = []
         for c, (expert_input_RD, group_sizes_E, state) in enumerate(dispatched):
             with _on_stream(streams, c, None, inputs=()):
@@ -385,13 +389,12 @@ class AllToAllDispatcher:
 
     def _dispatch_assignments(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, AllToAllDispatchState]:
         cfg = self.cfg
-        pad_to_capacity = cfg.pad_expert_input_to_capacity and routing.capacity is not None
         plan = plan_permutation(
             routing.experts_TK,
             routing.num_experts,
             keep_TK=routing.keep_TK,
             capacity=routing.capacity,
-            pad_to_capacity=pad_to_capacity,
+            pad_to_capacity=True,
         )
         x_RD = permute(x_TD, plan)
         combine_probs_TK = routing.probs_TK
@@ -399,16 +402,13 @@ class AllToAllDispatcher:
             x_RD = input_side_probs(x_RD, routing.probs_TK, plan)
             combine_probs_TK = torch.ones_like(routing.probs_TK)
 
-        if pad_to_capacity:
-            counts_PSE, input_splits, rows_PS = self._static_counts(routing.capacity, x_TD.device)
-        else:
-            counts_PSE, input_splits, rows_PS = self._exchange_counts(plan.tokens_per_expert_E)
+        counts_PSE, input_splits, rows_PS = self._static_counts(routing.capacity, x_TD.device)
         output_splits = rows_PS[self.etp_rank]
         rows_per_peer = [sum(rows) for rows in rows_PS]
-        num_sent, num_received = sum(input_splits), rows_per_peer[self.etp_rank]
+        num_received = rows_per_peer[self.etp_rank]
         peer_stride = max(rows_per_peer)
 
-        received_ND = all_to_all_rows(x_RD[:num_sent], output_splits, input_splits, self.ep_group)
+        received_ND = all_to_all_rows(x_RD, output_splits, input_splits, self.ep_group)
         if self.etp_group is not None:
             # Equal-sized blocks for the all-gather: pad each peer's rows to the largest count.
             received_ND = all_gather_rows(F.pad(received_ND, (0, 0, 0, peer_stride - num_received)), self.etp_group)
@@ -424,34 +424,19 @@ class AllToAllDispatcher:
         if self.etp_group is not None:
             # Each ETP rank holds partial sums (its FFN slice); sum them, keep this rank's rows.
             received_ND = reduce_scatter_rows(received_ND, self.etp_group)[: state.num_received]
+        # Every one of the E * capacity rows was sent (padding rows are zero), so the returned
+        # rows are the whole permuted buffer.
         sent_RD = all_to_all_rows(received_ND, state.input_splits, state.output_splits, self.ep_group)
-        missing = state.plan.num_rows - sent_RD.shape[0]  # dropped assignments: zero rows
-        if missing:
-            sent_RD = F.pad(sent_RD, (0, 0, 0, missing))
         return unpermute(sent_RD, state.combine_probs_TK, state.plan)
 
-    def _exchange_counts(self, tokens_per_expert_E: Tensor) -> tuple[Tensor, list[int], list[list[int]]]:
-        """Row counts of this ETP group's local experts, and the host split sizes.
-
-        Returns ``counts_PSE`` (device, ``[ETP, EP, E_local]``: rows that source EP rank ``s``
-        sends to local expert ``e`` of ETP peer ``p``; this rank is peer ``etp_rank``), the rows
-        this rank sends to each EP rank, and ``rows_PS[p][s]`` = ``counts_PSE[p, s].sum()`` on
-        the host.
-        """
-        ep, el = self.ep_size, self.num_local_experts
-        send_E = tokens_per_expert_E.contiguous()
-        received_SE = torch.empty_like(send_E)
-        dist.all_to_all_single(received_SE, send_E, group=self.ep_group)
-        if self.etp_group is not None:
-            received_SE = all_gather_plain(received_SE, self.etp_group)
-        counts_PSE = received_SE.view(self.etp_size, ep, el)
-        # Host sync (the only one): all_to_all_single takes its split sizes as Python ints.
-        sizes = torch.cat([send_E.view(ep, el).sum(1), counts_PSE.sum(2).reshape(-1)]).tolist()
-        rows_PS = [sizes[ep + p * ep : ep + (p + 1) * ep] for p in range(self.etp_size)]
-        return counts_PSE, sizes[:ep], rows_PS
-
     def _static_counts(self, capacity: int, device: torch.device) -> tuple[Tensor, list[int], list[list[int]]]:
-        """`_exchange_counts` under ``pad_expert_input_to_capacity``: ``capacity`` rows per block."""
+        """Row counts and host splits under ``pad_expert_input_to_capacity``: ``capacity`` rows per
+        (source, expert) block, so nothing is read from the device.
+
+        Returns ``counts_PSE`` (``[ETP, EP, E_local]``: rows source EP rank ``s`` sends to local
+        expert ``e`` of ETP peer ``p``), the rows this rank sends to each EP rank, and
+        ``rows_PS[p][s]`` on the host.
+        """
         ep, el = self.ep_size, self.num_local_experts
         counts_PSE = torch.full((self.etp_size, ep, el), capacity, dtype=torch.long, device=device)
         return counts_PSE, [el * capacity] * ep, [[el * capacity] * ep for _ in range(self.etp_size)]
@@ -470,9 +455,9 @@ class AllToAllDispatcher:
         peers, sources, el = counts_PSE.shape
         align = self.cfg.expert_alignment
         counts_BE = counts_PSE.reshape(peers * sources, el)
-        group_sizes_E = (counts_BE.sum(0) + align - 1) // align * align
-        num_dst = sum(rows_per_peer) + (el * (align - 1) if align > 1 else 0)
-        num_dst = -(-num_dst // align) * align  # the last group's end stays aligned too
+        group_sizes_E = round_up(counts_BE.sum(0), align)
+        # The last group's end (the buffer size) stays aligned too.
+        num_dst = round_up(sum(rows_per_peer) + el * (align - 1), align)
         dst_start_BE = exclusive_cumsum(group_sizes_E, 0) + exclusive_cumsum(counts_BE, 0)
         peer_base = torch.arange(peers, device=counts_PSE.device).unsqueeze(1) * peer_stride
         src_start_PB = exclusive_cumsum(counts_PSE.reshape(peers, sources * el), 1) + peer_base
@@ -535,7 +520,7 @@ class AllGatherDispatcher:
             experts_TK = all_gather_plain(experts_TK, group)
         local_TK = experts_TK - self.first_local_expert
         mine_TK = (local_TK >= 0) & (local_TK < self.num_local_experts)
-        pad_to_capacity = cfg.pad_expert_input_to_capacity and routing.capacity is not None
+        pad_to_capacity = _pads_to_capacity(cfg, routing)
         group_ranks = self.ep_size * self.etp_size
         plan = plan_permutation(
             torch.where(mine_TK, local_TK, 0),
