@@ -62,8 +62,13 @@ class _ScaledLinear(torch.autograd.Function):
         out_dtype = compute_dtype(x)
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
-            qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
-            qw, sw, _, _ = quantize_operand(weight, recipe, "weight", state=state, native=True)
+            if _fused_rowwise(recipe, state, x2):
+                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
+
+                (qx, sx), (qw, sw) = rowwise_quantize(x2), rowwise_quantize(weight)
+            else:
+                qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
+                qw, sw, _, _ = quantize_operand(weight, recipe, "weight", state=state, native=True)
             y = _mm(qx, sx, qw, sw, out_dtype, fast=True)
             if bias is not None:
                 y = y + bias.to(out_dtype)
@@ -80,13 +85,24 @@ class _ScaledLinear(torch.autograd.Function):
         recipe, state = ctx.recipe, ctx.state
         with no_autocast(dy):
             dy2 = dy.reshape(-1, dy.shape[-1])
-            qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
             if ctx.tensorwise:
+                qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
                 qx, sx, qw, sw = ctx.saved_tensors
                 qw_t, sw_t = qw.t().contiguous(), sw
                 qdy_t, sdy_t, qx_t, sx_t = qdy.t().contiguous(), sdy, qx.t().contiguous(), sx
+            elif _fused_rowwise(recipe, state, dy2):
+                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
+
+                x2, weight = ctx.saved_tensors
+                qdy, sdy = rowwise_quantize(dy2)
+                # Transposed operands: one group spanning all rows (tokens padded to 16 by zeros).
+                whole = lambda t: torch.full((1,), t.shape[0], dtype=torch.int32, device=t.device)  # noqa: E731
+                qw_t, sw_t = _fused_columns(weight, whole(weight))
+                qdy_t, sdy_t = _fused_columns(dy2, whole(dy2))
+                qx_t, sx_t = _fused_columns(x2, whole(x2))
             else:
                 x2, weight = ctx.saved_tensors
+                qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
                 qw_t, sw_t, _, _ = quantize_operand(weight.t(), recipe, "weight", state=state, native=True)
                 qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
                 qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
@@ -99,6 +115,39 @@ class _ScaledLinear(torch.autograd.Function):
 def scaled_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
                   state: Optional[DelayedState]) -> Tensor:
     return _ScaledLinear.apply(x, weight, bias, recipe, state)
+
+
+def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
+    """The rowwise recipe's operands can take the fused Triton quantizers (same numbers, one
+    kernel per operand; see ``kernels.fp8_quant_triton``)."""
+    from lightning_moe.kernels import use_triton
+
+    e4m3 = all(recipe.format(role) is E4M3 for role in ("input", "weight", "grad"))
+    return recipe.name == "rowwise" and e4m3 and state is None and not recipe.power_2_scales and use_triton(t)
+
+
+def _fused_columns(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor]:
+    """``t^T`` quantized per (column, row group): (float8 ``[C, R]`` with ``R`` padded to 16 by
+    zero columns, group-major fp32 scales ``[G * C]``), the weight-gradient operand layout."""
+    from lightning_moe.kernels.fp8_quant_triton import group_column_quantize
+
+    rows, cols = t_RC.shape
+    padded = -(-rows // _ALIGN) * _ALIGN
+    q_CR = torch.zeros(cols, padded, dtype=torch.float8_e4m3fn, device=t_RC.device)
+    scale_inv_GC = group_column_quantize(t_RC, offsets_G, q_CR, stride_out_col=padded, stride_out_group=0)
+    return q_CR, scale_inv_GC.reshape(-1)
+
+
+def _fused_weight_fprop(w_EKN: Tensor) -> tuple[Tensor, Tensor]:
+    """``w [E, K, N]`` quantized per (expert, output column) over K, stored ``[E, N, K]``."""
+    from lightning_moe.kernels.fp8_quant_triton import group_column_quantize
+
+    experts, k, n = w_EKN.shape
+    q_ENK = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn, device=w_EKN.device)
+    ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
+    # Row e*K + k, column n -> q[e, n, k] = e*N*K + n*K + k = (e*K + k) + n*K + e*K*(N-1).
+    scale_inv_EN = group_column_quantize(w_EKN.reshape(experts * k, n), ends, q_ENK, k, k * (n - 1))
+    return q_ENK, scale_inv_EN
 
 
 def _per_row(scale_inv: Tensor, rows: Axis) -> Tensor:
@@ -119,11 +168,17 @@ class _ScaledGroupedMM(torch.autograd.Function):
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
-            qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
-            qw, sw, rw, _ = quantize_operand(w.transpose(1, 2).reshape(experts * n, k), recipe, "weight",
-                                             Layout(batch=experts), state, True, E4M3)
-            y = torch._scaled_grouped_mm(qx, qw.view(experts, n, k).transpose(1, 2), _per_row(sx, rx),
-                                         _per_row(sw, rw).view(experts, n), offs=offsets,
+            if _fused_rowwise(recipe, state, x):
+                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
+
+                qx, sx_R = rowwise_quantize(x)
+                qw_ENK, sw_EN = _fused_weight_fprop(w)
+            else:
+                qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
+                qw, sw, rw, _ = quantize_operand(w.transpose(1, 2).reshape(experts * n, k), recipe, "weight",
+                                                 Layout(batch=experts), state, True, E4M3)
+                sx_R, qw_ENK, sw_EN = _per_row(sx, rx), qw.view(experts, n, k), _per_row(sw, rw).view(experts, n)
+            y = torch._scaled_grouped_mm(qx, qw_ENK.transpose(1, 2), sx_R, sw_EN, offs=offsets,
                                          out_dtype=torch.bfloat16, use_fast_accum=True)
         ctx.save_for_backward(x, w, offsets)
         ctx.recipe, ctx.state = recipe, state
@@ -138,19 +193,28 @@ class _ScaledGroupedMM(torch.autograd.Function):
                             "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
         with no_autocast(dy):
             dy = dy.contiguous()
-            qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
-            qw, sw, rw, _ = quantize_operand(w.reshape(experts * k, n), recipe, "weight", Layout(batch=experts),
-                                             state, True, E4M3)
-            dx = torch._scaled_grouped_mm(qdy, qw.view(experts, k, n).transpose(1, 2), _per_row(sdy, rdy),
-                                          _per_row(sw, rw).view(experts, k), offs=offsets,
+            if _fused_rowwise(recipe, state, dy):
+                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
+
+                qdy, sdy_R = rowwise_quantize(dy)
+                qw, sw_EK = rowwise_quantize(w.reshape(experts * k, n))
+                qx_t, sx_t = _fused_columns(x, offsets)  # zero tokens past the last group
+                qdy_t, sdy_t = _fused_columns(dy, offsets)
+            else:
+                qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
+                qw, sw, rw, _ = quantize_operand(w.reshape(experts * k, n), recipe, "weight", Layout(batch=experts),
+                                                 state, True, E4M3)
+                cols = Layout(col_offsets=offsets)
+                qx_t, sx_t, rx_t, _ = quantize_operand(x.t(), recipe, "input", cols, state, True, E4M3)
+                qdy_t, sdy_t, rdy_t, _ = quantize_operand(dy.t(), recipe, "grad", cols, state, True, E4M3)
+                # zero tokens past the last group keep the 16-byte strides the kernel needs
+                qx_t, qdy_t = _pad_fp8(qx_t), _pad_fp8(qdy_t)
+                sdy_R, sw_EK = _per_row(sdy, rdy), _per_row(sw, rw)
+                sx_t, sdy_t = _per_group_rows(sx_t, rx_t, experts), _per_group_rows(sdy_t, rdy_t, experts)
+            dx = torch._scaled_grouped_mm(qdy, qw.view(experts, k, n).transpose(1, 2), sdy_R,
+                                          sw_EK.view(experts, k), offs=offsets,
                                           out_dtype=torch.bfloat16, use_fast_accum=False)
-            cols = Layout(col_offsets=offsets)
-            qx_t, sx_t, rx_t, _ = quantize_operand(x.t(), recipe, "input", cols, state, True, E4M3)
-            qdy_t, sdy_t, rdy_t, _ = quantize_operand(dy.t(), recipe, "grad", cols, state, True, E4M3)
-            # zero tokens past the last group keep the 16-byte strides the kernel needs
-            dw = torch._scaled_grouped_mm(_pad_fp8(qx_t), _pad_fp8(qdy_t).t(),
-                                          _per_group_rows(sx_t, rx_t, experts),
-                                          _per_group_rows(sdy_t, rdy_t, experts), offs=offsets,
+            dw = torch._scaled_grouped_mm(qx_t, qdy_t.t(), sx_t, sdy_t, offs=offsets,
                                           out_dtype=torch.bfloat16, use_fast_accum=False)
         return dx.to(x.dtype), dw.to(w.dtype), None, None, None
 

@@ -1,0 +1,114 @@
+"""Fused E4M3 quantizers for the native FP8 GEMMs (rowwise recipe), one Triton kernel each.
+
+The generic tile quantizer (``precision.quantize``) takes 6-10 memory passes per operand (fp32
+copies, ``nan_to_num``, scatter-reduce amax for token groups, index-select of the scales, a
+separate transposing copy). These kernels read the operand twice (amax, then scale + cast) and
+write the float8 values once, already in the layout the GEMM wants, with the same numbers:
+
+- ``scale = 448 / amax`` in IEEE fp32 (``div_rn``; Triton's default ``/`` is approximate),
+  ``FLT_MAX`` when that overflows, 1 when ``amax`` is 0 or ``inf``; NaN is ignored by the amax;
+- ``q = fp8(x * scale)``: round to nearest even, saturating (``cvt.rn.satfinite``), which
+  equals torch's ``clamp(-448, 448).to(float8_e4m3fn)``;
+- ``scale_inv = 1 / scale`` (IEEE).
+
+``rowwise_quantize``: one scale per row of a row-major ``[P, L]`` operand.
+``group_column_quantize``: ``x [R, C]`` whose rows form token groups (``offsets``, cumulative
+ends); one scale per (group, column) over the group's rows, written transposed per group at
+caller-chosen strides: the weight-gradient operands ``x^T`` / ``dy^T`` (``[C, R]``) and the
+forward weight ``[E, K, N] -> [E, N, K]`` (groups = experts) come from the same kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_E4M3_MAX = 448.0
+_FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _scale_from_amax(amax):
+    scale = tl.math.div_rn(tl.zeros_like(amax) + 448.0, amax)
+    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
+    return tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
+
+
+@triton.jit
+def _rowwise_kernel(x_ptr, q_ptr, s_ptr, L, BL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * L
+    amax = tl.zeros([BL], dtype=tl.float32)
+    for c0 in range(0, L, BL):
+        cols = c0 + tl.arange(0, BL)
+        x = tl.load(x_ptr + base + cols, mask=cols < L, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.where(x == x, tl.abs(x), 0.0))  # x != x: NaN, ignored
+    scale = _scale_from_amax(tl.max(amax, 0))
+    for c0 in range(0, L, BL):
+        cols = c0 + tl.arange(0, BL)
+        x = tl.load(x_ptr + base + cols, mask=cols < L, other=0.0).to(tl.float32)
+        tl.store(q_ptr + base + cols, (x * scale).to(tl.float8e4nv), mask=cols < L)
+    tl.store(s_ptr + row, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale))
+
+
+@triton.jit
+def _group_column_kernel(
+    x_ptr, offsets_ptr, q_ptr, s_ptr, C, stride_qc, stride_qg, BR: tl.constexpr, BC: tl.constexpr
+):
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    end = tl.load(offsets_ptr + group).to(tl.int64)
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    amax = tl.zeros([BC], dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        m = (rows[:, None] < end) & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), 0.0), 0))
+    scale = _scale_from_amax(amax)
+    out_base = group.to(tl.int64) * stride_qg
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        m = (rows[:, None] < end) & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        q = (x * scale[None, :]).to(tl.float8e4nv)
+        tl.store(q_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None], q, mask=m)
+    tl.store(s_ptr + group.to(tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cmask)
+
+
+def rowwise_quantize(x_PL: Tensor) -> tuple[Tensor, Tensor]:
+    """``[P, L]`` -> (float8_e4m3fn ``[P, L]``, fp32 ``scale_inv [P]``), one scale per row."""
+    x_PL = x_PL.contiguous()
+    rows, length = x_PL.shape
+    q = torch.empty(rows, length, dtype=torch.float8_e4m3fn, device=x_PL.device)
+    scale_inv = torch.empty(rows, dtype=torch.float32, device=x_PL.device)
+    if rows and length:
+        block = min(triton.next_power_of_2(length), 2048)
+        _rowwise_kernel[(rows,)](x_PL, q, scale_inv, length, BL=block, num_warps=4 if block <= 1024 else 8)
+    elif rows:
+        scale_inv.fill_(1.0)
+    return q, scale_inv
+
+
+def group_column_quantize(
+    x_RC: Tensor, offsets_G: Tensor, out: Tensor, stride_out_col: int, stride_out_group: int
+) -> Tensor:
+    """Quantize ``x [R, C]`` per (row group, column) into ``out`` (float8_e4m3fn, preallocated).
+
+    Row ``r`` of group ``g`` and column ``c`` go to ``out.flatten()[g * stride_out_group +
+    c * stride_out_col + r]``; rows past the last offset are not written. Returns the fp32
+    ``scale_inv [G, C]``.
+    """
+    x_RC = x_RC.contiguous()
+    groups, cols = offsets_G.numel(), x_RC.shape[1]
+    scale_inv = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
+    if groups and cols:
+        block_c = 64
+        _group_column_kernel[(groups, triton.cdiv(cols, block_c))](
+            x_RC, offsets_G.contiguous(), out, scale_inv, cols, stride_out_col, stride_out_group,
+            BR=64, BC=block_c, num_warps=4,
+        )
+    return scale_inv
