@@ -5,8 +5,9 @@ copies, ``nan_to_num``, scatter-reduce amax for token groups, index-select of th
 separate transposing copy). These kernels read the operand twice (amax, then scale + cast) and
 write the float8 values once, already in the layout the GEMM wants, with the same numbers:
 
-- ``scale = 448 / amax`` in IEEE fp32 (``div_rn``; Triton's default ``/`` is approximate),
-  ``FLT_MAX`` when that overflows, 1 when ``amax`` is 0 or ``inf``; NaN is ignored by the amax;
+- ``scale = (1 / amax) * 448`` in fp32 as torch evaluates ``448 / amax`` (IEEE reciprocal via
+  ``div_rn``, since Triton's default ``/`` is approximate), ``FLT_MAX`` when that overflows, 1
+  when ``amax`` is 0 or ``inf``; NaN is ignored by the amax;
 - ``q = fp8(x * scale)``: round to nearest even, saturating (``cvt.rn.satfinite``), which
   equals torch's ``clamp(-448, 448).to(float8_e4m3fn)``;
 - ``scale_inv = 1 / scale`` (IEEE).
@@ -31,7 +32,9 @@ _FLT_MAX = 3.4028234663852886e38
 
 @triton.jit
 def _scale_from_amax(amax):
-    scale = tl.math.div_rn(tl.zeros_like(amax) + 448.0, amax)
+    # torch's ``448 / amax`` is ``reciprocal(amax) * 448`` (two roundings); the same here, so
+    # both quantizers give the same bits.
+    scale = tl.math.div_rn(tl.zeros_like(amax) + 1.0, amax) * 448.0
     scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
     return tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
 
