@@ -12,6 +12,9 @@ float8 cast instead of the reference rounding, bit-identical), then:
   gradient, groups along the contraction, scales ``[E * K]`` and ``[E * N]`` (group-major).
   Tensorwise / delayed per-expert scales are expanded to rows. The grouped kernels take
   E4M3 only, so gradients are E4M3 here whatever the recipe's format.
+- with at most ``PER_EXPERT_MAX_EXPERTS`` experts, one ``_scaled_mm`` per expert instead of
+  the grouped kernel (faster for few large experts; costs one host sync per forward for the
+  group sizes, none in the backward). Under CUDA-graph capture the grouped kernel is used.
 
 fprop uses fast accumulation, dgrad / wgrad split accumulation (TE's defaults).
 """
@@ -161,6 +164,68 @@ def _per_group_rows(scale_inv: Tensor, rows: Axis, groups: int) -> Tensor:
     return per_row[:, :groups].t().contiguous().reshape(-1)
 
 
+# One ``_scaled_mm`` per expert beats ``_scaled_grouped_mm`` when experts are few and large
+# (fp8_gemm_ceiling.json, H200: mixtral fprop 1465 vs 1271 TFLOP/s, weight gradient 1276 vs
+# 870; deepseek_v3_slice 1261 vs 1098 and 1184 vs 842) and loses badly when they are many and
+# small (qwen3, 128 experts: 143 vs 939): per-expert launches then dominate.
+PER_EXPERT_MAX_EXPERTS = 32
+
+
+def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
+    """Row ends per expert on the host when per-expert GEMMs pay off, else None (grouped kernel).
+
+    The host list is kept on the offsets tensor so the layer's other projections (same offsets)
+    and the backward reuse it.
+    """
+    if experts > PER_EXPERT_MAX_EXPERTS or torch.cuda.is_current_stream_capturing():
+        return None
+    ends = getattr(offsets_E, "_host_ends", None)
+    if ends is None:
+        ends = offsets_E.tolist()  # host sync: each expert's _scaled_mm call needs its row count
+        offsets_E._host_ends = ends
+    return ends
+
+
+def _group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offsets_E: Tensor,
+                ends: Optional[list[int]], fast: bool) -> Tensor:
+    """``out[rows of e] = a[rows of e] @ b[e]^T`` (fprop / dgrad): ``a`` row-major ``[R, K]`` with
+    per-row scales ``[R]``, ``b`` stored ``[E, O, K]`` with per-output scales ``[E, O]``.
+    Returns bf16 ``[R, O]``; rows past the last group are zero (per-expert) or unspecified."""
+    if ends is None:
+        return torch._scaled_grouped_mm(qa_RK, qb_EOK.transpose(1, 2), sa_R, sb_EO, offs=offsets_E,
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
+    out = torch.empty(qa_RK.shape[0], qb_EOK.shape[1], dtype=torch.bfloat16, device=qa_RK.device)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            torch._scaled_mm(qa_RK[start:end], qb_EOK[e].t(), scale_a=sa_R[start:end, None],
+                             scale_b=sb_EO[e][None], out_dtype=torch.bfloat16, use_fast_accum=fast,
+                             out=out[start:end])
+        start = end
+    out[start:].zero_()
+    return out
+
+
+def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Tensor, offsets_E: Tensor,
+                           ends: Optional[list[int]]) -> Tensor:
+    """``dw[e] = a[:, rows of e] @ b[:, rows of e]^T``: both operands ``[features, R]`` with
+    per-(expert, feature) scales ``[E, features]``. Returns bf16 ``[E, K, N]``."""
+    experts = sa_EK.shape[0]
+    if ends is None:
+        return torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1), offs=offsets_E,
+                                        out_dtype=torch.bfloat16, use_fast_accum=False)
+    out = torch.empty(experts, qa_KR.shape[0], qb_NR.shape[0], dtype=torch.bfloat16, device=qa_KR.device)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            torch._scaled_mm(qa_KR[:, start:end], qb_NR[:, start:end].t(), scale_a=sa_EK[e][:, None],
+                             scale_b=sb_EN[e][None], out_dtype=torch.bfloat16, use_fast_accum=False, out=out[e])
+        else:
+            out[e].zero_()  # an expert without tokens has no gradient
+        start = end
+    return out
+
+
 class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
@@ -178,16 +243,16 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 qw, sw, rw, _ = quantize_operand(w.transpose(1, 2).reshape(experts * n, k), recipe, "weight",
                                                  Layout(batch=experts), state, True, E4M3)
                 sx_R, qw_ENK, sw_EN = _per_row(sx, rx), qw.view(experts, n, k), _per_row(sw, rw).view(experts, n)
-            y = torch._scaled_grouped_mm(qx, qw_ENK.transpose(1, 2), sx_R, sw_EN, offs=offsets,
-                                         out_dtype=torch.bfloat16, use_fast_accum=True)
+            ends = _host_group_ends(offsets, experts)
+            y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=True)
         ctx.save_for_backward(x, w, offsets)
-        ctx.recipe, ctx.state = recipe, state
+        ctx.recipe, ctx.state, ctx.ends = recipe, state, ends
         return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
         x, w, offsets = ctx.saved_tensors
-        recipe, state = ctx.recipe, ctx.state
+        recipe, state, ends = ctx.recipe, ctx.state, ctx.ends
         experts, k, n = w.shape
         torch._assert_async((offsets % _ALIGN == 0).all(),
                             "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
@@ -211,11 +276,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 qx_t, qdy_t = _pad_fp8(qx_t), _pad_fp8(qdy_t)
                 sdy_R, sw_EK = _per_row(sdy, rdy), _per_row(sw, rw)
                 sx_t, sdy_t = _per_group_rows(sx_t, rx_t, experts), _per_group_rows(sdy_t, rdy_t, experts)
-            dx = torch._scaled_grouped_mm(qdy, qw.view(experts, k, n).transpose(1, 2), sdy_R,
-                                          sw_EK.view(experts, k), offs=offsets,
-                                          out_dtype=torch.bfloat16, use_fast_accum=False)
-            dw = torch._scaled_grouped_mm(qx_t, qdy_t.t(), sx_t, sdy_t, offs=offsets,
-                                          out_dtype=torch.bfloat16, use_fast_accum=False)
+            dx = _group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ends, fast=False)
+            dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends)
         return dx.to(x.dtype), dw.to(w.dtype), None, None, None
 
 
