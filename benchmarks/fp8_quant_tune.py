@@ -1,0 +1,75 @@
+"""Launch configurations of the fused FP8 quantizers, timed on the MoE block's operand shapes.
+
+    python benchmarks/fp8_quant_tune.py
+
+Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
+writes ``benchmarks/results/fp8_quant_tune.json``; the defaults in
+``lightning_moe/kernels/fp8_quant_triton.py`` come from it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import cuda_time_ms, write_results  # noqa: E402
+from lightning_moe.kernels import fp8_quant_triton as fq  # noqa: E402
+
+# name: groups, rows per group, columns (bf16 input)
+GROUP_COLUMN = {
+    "mixtral_w1_fprop": (8, 4096, 28672),
+    "mixtral_dh1_wgrad": (8, 4096, 28672),
+    "mixtral_h_wgrad": (8, 2048, 14336),
+    "qwen3_x_wgrad": (128, 1024, 2048),
+    "qwen3_w1_fprop": (128, 2048, 1536),
+}
+ROWWISE = {"mixtral_w1_dgrad": (8 * 4096, 28672), "mixtral_h": (16384, 14336), "qwen3_x": (131072, 2048)}
+
+
+def main() -> None:
+    results = {"group_column": {}, "rowwise": {}}
+    for name, (groups, rows, cols) in GROUP_COLUMN.items():
+        x = torch.randn(groups * rows, cols, device="cuda", dtype=torch.bfloat16)
+        offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+        out = torch.empty(cols, groups * rows, dtype=torch.float8_e4m3fn, device="cuda")
+        scale = torch.empty(groups, cols, device="cuda")
+        nbytes = x.numel() * 3
+        rows_out = []
+        for br, bc, warps in itertools.product((32, 64, 128), (32, 64, 128), (4, 8)):
+            def run():
+                fq._group_column_kernel[(groups, triton.cdiv(cols, bc))](
+                    x, offsets, out, scale, cols, groups * rows, 0, BR=br, BC=bc, num_warps=warps)
+            try:
+                ms, _ = cuda_time_ms(run, warmup=2, iters=5)
+            except Exception as error:  # a config that does not compile (shared memory)
+                rows_out.append({"BR": br, "BC": bc, "warps": warps, "error": str(error)[:100]})
+                continue
+            rows_out.append({"BR": br, "BC": bc, "warps": warps, "ms": ms, "gb_s": nbytes / ms / 1e6})
+        rows_out.sort(key=lambda r: -r.get("gb_s", 0))
+        results["group_column"][name] = rows_out
+        print(name, [(r["BR"], r["BC"], r["warps"], round(r.get("gb_s", 0))) for r in rows_out[:4]], flush=True)
+    for name, (rows, cols) in ROWWISE.items():
+        x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.empty(rows, device="cuda")
+        nbytes = x.numel() * 3
+        rows_out = []
+        for bl, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8, 16)):
+            def run():
+                fq._rowwise_kernel[(rows,)](x, q, s, cols, BL=bl, num_warps=warps)
+            ms, _ = cuda_time_ms(run, warmup=2, iters=5)
+            rows_out.append({"BL": bl, "warps": warps, "ms": ms, "gb_s": nbytes / ms / 1e6})
+        rows_out.sort(key=lambda r: -r["gb_s"])
+        results["rowwise"][name] = rows_out
+        print(name, [(r["BL"], r["warps"], round(r["gb_s"])) for r in rows_out[:4]], flush=True)
+    write_results("fp8_quant_tune", {"results": results})
+
+
+if __name__ == "__main__":
+    main()
