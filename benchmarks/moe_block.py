@@ -121,27 +121,39 @@ def run_case(name: str, c: dict, args) -> dict:
         **correctness,
     }
     if args.profile:
-        result["profile_top"] = profile_step(step)
+        with context:
+            result["profile"] = profile_step(step)
     del layer, x, dy
     torch.cuda.empty_cache()
     return result
 
 
-def profile_step(step) -> list[dict]:
-    """Per-kernel CUDA time of one step (top 25), to see where the block spends its time."""
+def profile_step(step) -> dict:
+    """One profiled step: per-kernel CUDA time (top 25), the summed kernel time (below the
+    step's wall time = the GPU idled), and the host-side synchronizations and heaviest CPU ops."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    rows = []
-    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.device_time_total for e in events if e.device_time_total > 0) or 1.0
-    for e in events[:25]:
-        rows.append({"name": e.key[:120], "cuda_ms": e.device_time_total / 1e3, "share": e.device_time_total / total, "calls": e.count})
-    return rows
+    averages = prof.key_averages()
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in averages if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in kernels) or 1.0
+    syncs = [e for e in averages if "Synchronize" in e.key or e.key in ("aten::_local_scalar_dense", "aten::item")]
+    cpu_top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return {
+        "kernel_ms": total / 1e3,
+        "kernels": [{"name": e.key[:120], "cuda_ms": e.device_time_total / 1e3, "share": e.device_time_total / total,
+                     "calls": e.count} for e in kernels[:25]],
+        "host_syncs": [{"name": e.key, "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3} for e in syncs],
+        "cpu_top": [{"name": e.key[:80], "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+                    for e in cpu_top],
+    }
 
 
 def main(argv=None) -> None:
@@ -165,8 +177,14 @@ def main(argv=None) -> None:
             f"{r['tflops']:7.1f} TFLOP/s peak {r['peak_gib']:6.1f} GiB  err out {r['rel_err_out']:.2e} dx {r['rel_err_dx']:.2e}",
             flush=True,
         )
-        for row in r.get("profile_top", [])[:12]:
-            print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:7.3f} ms x{row['calls']:<3d} {row['name'][:90]}")
+        if "profile" in r:
+            p = r["profile"]
+            print(f"    kernels {p['kernel_ms']:.2f} ms of the step; host syncs: "
+                  + ", ".join(f"{s['name']} x{s['calls']} ({s['cpu_ms']:.2f} ms)" for s in p["host_syncs"]))
+            for row in p["kernels"][:12]:
+                print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:7.3f} ms x{row['calls']:<3d} {row['name'][:90]}")
+            for row in p["cpu_top"][:6]:
+                print(f"    cpu {row['self_cpu_ms']:7.3f} ms x{row['calls']:<4d} {row['name']}")
     tag = args.tag or f"{args.backend}_{args.precision}"
     path = write_results(f"moe_block_{tag}", {"cases": results})
     print(f"wrote {path}")
