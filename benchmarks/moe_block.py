@@ -57,7 +57,7 @@ def expert_alignment(precision: str) -> int:
     return FP8Recipe.of(precision).alignment
 
 
-def apply_precision(layer: MoELayer, precision: str):
+def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False):
     """bf16: nothing to do. Otherwise ``precision`` is an FP8 recipe name ("tensorwise",
     "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin and return
     the plugin's forward context."""
@@ -65,7 +65,7 @@ def apply_precision(layer: MoELayer, precision: str):
         return contextlib.nullcontext()
     from lightning_moe.precision import FP8Precision  # lazily: optional feature
 
-    plugin = FP8Precision(recipe=precision, backend="auto")
+    plugin = FP8Precision(recipe=precision, backend="auto", cache_fp8_weights=cache_weights)
     plugin.convert_module(layer)
     return plugin.forward_context()
 
@@ -93,7 +93,7 @@ def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
     layer = build_layer(c, args.backend, torch.bfloat16, expert_alignment(args.precision))
     correctness = check_correctness(layer, c, tokens=min(4096, c["B"] * c["S"]))
-    context = apply_precision(layer, args.precision)
+    context = apply_precision(layer, args.precision, args.cache_weights)
     layer.zero_grad(set_to_none=True)
     x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
@@ -108,6 +108,7 @@ def run_case(name: str, c: dict, args) -> dict:
     torch.cuda.reset_peak_memory_stats()
     with context:
         median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
+        profile = profile_step(step) if args.profile else None
     flops = block_flops(c)
     result = {
         "shape": c,
@@ -120,9 +121,8 @@ def run_case(name: str, c: dict, args) -> dict:
         "flops": flops,
         **correctness,
     }
-    if args.profile:
-        with context:
-            result["profile"] = profile_step(step)
+    if profile is not None:
+        result["profile"] = profile
     del layer, x, dy
     torch.cuda.empty_cache()
     return result
@@ -164,6 +164,9 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cache-weights", action="store_true",
+                        help="FP8Precision(cache_fp8_weights=True): weights are quantized once, so the timed "
+                             "steps are the later micro-batches of a gradient-accumulation window")
     parser.add_argument("--tag", default=None, help="suffix of the results file (default: backend_precision)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -38,7 +38,7 @@ def activate(h: Tensor, activation: str) -> Tensor:
 class GroupedGemm(Protocol):
     """A replacement grouped GEMM (e.g. FP8) set by a precision plugin on ``GroupedExperts``."""
 
-    def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor: ...
+    def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str) -> Tensor: ...
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -106,7 +106,7 @@ class GroupedExperts(nn.Module):
         if self.quantization is not None:
             from lightning_moe.nn.grouped_gemm import group_offsets
 
-            return self.quantization.grouped_mm(x_RK, w_EKN, group_offsets(group_sizes_E, x_RK.shape[0]))
+            return self.quantization.grouped_mm(x_RK, w_EKN, group_offsets(group_sizes_E, x_RK.shape[0]), projection)
         if self.backend == "te":
             # Each projection keeps its own te.GroupedLinear (per-module FP8 state), held in a
             # plain dict attribute: not a submodule, so state dicts never depend on the backend.

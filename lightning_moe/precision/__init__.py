@@ -17,6 +17,7 @@ from lightning_moe.precision.quantize import (
     quantize_nvfp4,
 )
 from lightning_moe.precision.recipes import BACKENDS, RECIPES, FP8Recipe, resolve_backend
+from lightning_moe.precision.weight_cache import FP8WeightCache, caching_fp8_weights
 
 __all__ = [
     "BACKENDS",
@@ -31,8 +32,10 @@ __all__ = [
     "FP8Quantized",
     "FP8Recipe",
     "FP8Summary",
+    "FP8WeightCache",
     "FloatFormat",
     "NVFP4Quantized",
+    "caching_fp8_weights",
     "configure_fp8",
     "dequantize_fp8",
     "dequantize_nvfp4",

@@ -20,6 +20,8 @@ tokens).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Union
 
@@ -168,6 +170,7 @@ def fp8_linear(
     backend: str = "emulated",
     bias: Optional[Tensor] = None,
     state: Optional[DelayedState] = None,
+    weight_key: Optional[Hashable] = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with every GEMM of forward and backward quantized.
 
@@ -177,6 +180,9 @@ def fp8_linear(
         recipe: a recipe name or `FP8Recipe`.
         backend: "emulated", "torch" or "auto" (see `resolve_backend`).
         state: delayed-scaling buffers (required by the "delayed" recipe).
+        weight_key: a name for ``weight`` that lives as long as it does (e.g. ``(id(module),
+            "weight")``): inside `caching_fp8_weights` the "torch" backend then quantizes it
+            once per weight state instead of every call. None: no caching.
     Returns:
         ``[..., N]`` in the autocast dtype when autocast is on, else in ``x.dtype``.
     """
@@ -184,7 +190,7 @@ def fp8_linear(
     if _backend(recipe, backend, x, grouped=False) == "torch":
         from lightning_moe.precision.scaled_mm import scaled_linear
 
-        return scaled_linear(x, weight, bias, recipe, state)
+        return scaled_linear(x, weight, bias, recipe, state, weight_key)
     return _EmulatedLinear.apply(x, weight, bias, recipe, state)
 
 
@@ -195,6 +201,7 @@ def fp8_grouped_mm(
     recipe: Union[str, FP8Recipe] = "tensorwise",
     backend: str = "emulated",
     state: Optional[DelayedState] = None,
+    weight_key: Optional[Hashable] = None,
 ) -> Tensor:
     """Grouped GEMM ``y[rows of e] = x[rows of e] @ w[e]`` with quantized operands.
 
@@ -205,6 +212,7 @@ def fp8_grouped_mm(
             ``offs``); groups should be padded to ``recipe.alignment`` tokens.
         recipe / backend / state: as in `fp8_linear`. Tensorwise and delayed scales are
             per expert (one per token group, one per expert weight), as in TE's GroupedLinear.
+        weight_key: as in `fp8_linear`.
     Returns:
         ``[R, N]``.
     """
@@ -212,5 +220,5 @@ def fp8_grouped_mm(
     if _backend(recipe, backend, x_RK, grouped=True) == "torch":
         from lightning_moe.precision.scaled_mm import scaled_grouped_mm
 
-        return scaled_grouped_mm(x_RK, w_EKN, offsets_E, recipe, state)
+        return scaled_grouped_mm(x_RK, w_EKN, offsets_E, recipe, state, weight_key)
     return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state)

@@ -72,7 +72,7 @@ class FP8Linear(nn.Linear):
         state = None
         if self.recipe.name == "delayed":
             state = ensure_delayed_state(self, self.recipe, 1, self.weight.device)
-        return fp8_linear(x, self.weight, self.recipe, self.backend, self.bias, state)
+        return fp8_linear(x, self.weight, self.recipe, self.backend, self.bias, state, weight_key=(id(self), "weight"))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
@@ -99,11 +99,13 @@ class FP8GroupedGemm(nn.Module):
         if self.recipe.name == "delayed":
             register_delayed_buffers(self)  # one history per local expert, sized at the first call
 
-    def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+    def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str = "") -> Tensor:
+        """``projection`` ("fc1" / "fc2") names the weight for the FP8 weight cache."""
         state = None
         if self.recipe.name == "delayed":
             state = ensure_delayed_state(self, self.recipe, w_EKN.shape[0], w_EKN.device)
-        return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state)
+        key = (id(self), projection) if projection else None
+        return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key)
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe.name}, backend={self.backend}"

@@ -22,6 +22,7 @@ from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import amax_recording_paused, update_delayed_scaling
 from lightning_moe.precision.modules import FP8Summary, ModuleFilter, configure_fp8, fp8_modules
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
+from lightning_moe.precision.weight_cache import FP8WeightCache, caching_fp8_weights
 
 _BACKEND_WORDS = {
     "te": "Transformer Engine",
@@ -48,6 +49,10 @@ class FP8Precision(MixedPrecision):
         amax_reduction_group: ranks over which delayed-scaling amaxes are max-reduced once
             per optimizer step (default: all ranks when ``torch.distributed`` is initialized).
         device: autocast device, "cuda" or "cpu" (default: "cuda" when available).
+        cache_fp8_weights: keep each weight's FP8 operands from its first quantization until the
+            next optimizer step, so later micro-batches of a gradient-accumulation window do not
+            quantize the weights again (see `FP8WeightCache`; costs about two bytes per FP8
+            parameter; no gain where FSDP re-gathers weights). Native "torch" backend only.
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class FP8Precision(MixedPrecision):
         module_filter: Optional[ModuleFilter] = None,
         amax_reduction_group: Optional[dist.ProcessGroup] = None,
         device: Optional[str] = None,
+        cache_fp8_weights: bool = False,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         super().__init__("bf16-mixed", device)
@@ -72,6 +78,12 @@ class FP8Precision(MixedPrecision):
         self.summary: Optional[FP8Summary] = None
         self._delayed_modules: list[nn.Module] = []
         self._te_recipe = _te.te_recipe(self.recipe) if self.backend == "te" else None
+        if cache_fp8_weights and self.backend != "torch":
+            raise ValueError(
+                f"cache_fp8_weights needs the native backend (backend='torch'); this plugin runs {self.backend!r}. "
+                "Transformer Engine keeps its own weight casts; the emulated backend is for numerics only."
+            )
+        self.weight_cache: Optional[FP8WeightCache] = FP8WeightCache() if cache_fp8_weights else None
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -95,6 +107,8 @@ class FP8Precision(MixedPrecision):
             stack.enter_context(self.autocast_context_manager())
             if self._te_recipe is not None:
                 stack.enter_context(_te.autocast(self._te_recipe, self.amax_reduction_group))
+            if self.weight_cache is not None:
+                stack.enter_context(caching_fp8_weights(self.weight_cache))
             yield
 
     @contextmanager
@@ -119,11 +133,15 @@ class FP8Precision(MixedPrecision):
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         # Delayed scaling: reduce this step's amaxes (one collective) and refresh the scales.
         update_delayed_scaling(self._delayed_modules, self.recipe, self.amax_reduction_group)
+        if self.weight_cache is not None:
+            self.weight_cache.clear()  # the weights just changed
         return output
 
     def backend_description(self) -> str:
         """One line for the layout table: recipe, backends and what was converted."""
         text = f"{self.recipe.describe()}; linears: {_BACKEND_WORDS[self.backend]}"
+        if self.weight_cache is not None:
+            text += " (FP8 weights cached per optimizer step)"
         if self._te_recipe is not None:
             text += f" ({type(self._te_recipe).__name__})"
         if self.summary is None:

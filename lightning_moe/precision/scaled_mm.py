@@ -21,6 +21,7 @@ fprop uses fast accumulation, dgrad / wgrad split accumulation (TE's defaults).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, Optional
 
 import torch
@@ -33,6 +34,7 @@ from lightning_moe.precision.gemm import compute_dtype, no_autocast
 from lightning_moe.precision.operands import Layout, quantize_operand
 from lightning_moe.precision.quantize import Axis
 from lightning_moe.precision.recipes import FP8Recipe
+from lightning_moe.precision.weight_cache import active_cache, cached
 
 _ALIGN = 16
 
@@ -61,24 +63,27 @@ def _mm(a: Tensor, sa: Tensor, b_rows: Tensor, sb: Tensor, out_dtype: torch.dtyp
 class _ScaledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
-                state: Optional[DelayedState]) -> Tensor:
+                state: Optional[DelayedState], weight_key: Optional[Hashable]) -> Tensor:
         out_dtype = compute_dtype(x)
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
+            cache = active_cache()
             if _fused_rowwise(recipe, state, x2):
                 from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
 
-                (qx, sx), (qw, sw) = rowwise_quantize(x2), rowwise_quantize(weight)
+                qx, sx = rowwise_quantize(x2)
+                qw, sw = cached(cache, weight_key, weight, "dense_fprop_fused", lambda: rowwise_quantize(weight))
             else:
                 qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
-                qw, sw, _, _ = quantize_operand(weight, recipe, "weight", state=state, native=True)
+                qw, sw, _, _ = cached(cache, weight_key, weight, "dense_fprop",
+                                      lambda: quantize_operand(weight, recipe, "weight", state=state, native=True))
             y = _mm(qx, sx, qw, sw, out_dtype, fast=True)
             if bias is not None:
                 y = y + bias.to(out_dtype)
         tensorwise = recipe.tile("input") == (None, None)
         # Tensorwise quantization does not depend on direction: keep the FP8 copies.
         ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
-        ctx.tensorwise, ctx.recipe, ctx.state = tensorwise, recipe, state
+        ctx.tensorwise, ctx.recipe, ctx.state, ctx.cache, ctx.weight_key = tensorwise, recipe, state, cache, weight_key
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -100,24 +105,26 @@ class _ScaledLinear(torch.autograd.Function):
                 qdy, sdy = rowwise_quantize(dy2)
                 # Transposed operands: one group spanning all rows (tokens padded to 16 by zeros).
                 whole = lambda t: torch.full((1,), t.shape[0], dtype=torch.int32, device=t.device)  # noqa: E731
-                qw_t, sw_t = _fused_columns(weight, whole(weight))
+                qw_t, sw_t = cached(ctx.cache, ctx.weight_key, weight, "dense_dgrad_fused", lambda: _fused_columns(weight, whole(weight)))
                 qdy_t, sdy_t = _fused_columns(dy2, whole(dy2))
                 qx_t, sx_t = _fused_columns(x2, whole(x2))
             else:
                 x2, weight = ctx.saved_tensors
                 qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
-                qw_t, sw_t, _, _ = quantize_operand(weight.t(), recipe, "weight", state=state, native=True)
+                qw_t, sw_t, _, _ = cached(ctx.cache, ctx.weight_key, weight, "dense_dgrad", lambda: quantize_operand(
+                    weight.t(), recipe, "weight", state=state, native=True))
                 qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
                 qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
             dx = _mm(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=False)
             dw = _mm(_pad_fp8(qdy_t), sdy_t, _pad_fp8(qx_t), sx_t, ctx.w_dtype, fast=False)
             db = None if ctx.bias_dtype is None else dy2.float().sum(0).to(ctx.bias_dtype)
-        return dx.reshape(ctx.x_shape), dw, db, None, None
+        return dx.reshape(ctx.x_shape), dw, db, None, None, None
 
 
 def scaled_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
-                  state: Optional[DelayedState]) -> Tensor:
-    return _ScaledLinear.apply(x, weight, bias, recipe, state)
+                  state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
+    """FP8 ``x @ weight.T (+ bias)``; ``weight_key`` names the weight for an active `FP8WeightCache`."""
+    return _ScaledLinear.apply(x, weight, bias, recipe, state, weight_key)
 
 
 def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
@@ -229,24 +236,30 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
 class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
-                state: Optional[DelayedState]) -> Tensor:
+                state: Optional[DelayedState], weight_key: Optional[Hashable]) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
+        cache = active_cache()
         with no_autocast(x):
             if _fused_rowwise(recipe, state, x):
                 from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
 
                 qx, sx_R = rowwise_quantize(x)
-                qw_ENK, sw_EN = _fused_weight_fprop(w)
+                qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop_fused", lambda: _fused_weight_fprop(w))
             else:
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
-                qw, sw, rw, _ = quantize_operand(w.transpose(1, 2).reshape(experts * n, k), recipe, "weight",
-                                                 Layout(batch=experts), state, True, E4M3)
-                sx_R, qw_ENK, sw_EN = _per_row(sx, rx), qw.view(experts, n, k), _per_row(sw, rw).view(experts, n)
+
+                def weight_fprop() -> tuple[Tensor, Tensor]:
+                    qw, sw, rw, _ = quantize_operand(w.transpose(1, 2).reshape(experts * n, k), recipe, "weight",
+                                                     Layout(batch=experts), state, True, E4M3)
+                    return qw.view(experts, n, k), _per_row(sw, rw).view(experts, n)
+
+                sx_R = _per_row(sx, rx)
+                qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop", weight_fprop)
             ends = _host_group_ends(offsets, experts)
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=True)
         ctx.save_for_backward(x, w, offsets)
-        ctx.recipe, ctx.state, ctx.ends = recipe, state, ends
+        ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         return y.to(out_dtype)
 
     @staticmethod
@@ -262,25 +275,30 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
 
                 qdy, sdy_R = rowwise_quantize(dy)
-                qw, sw_EK = rowwise_quantize(w.reshape(experts * k, n))
+                qw, sw_EK = cached(ctx.cache, ctx.weight_key, w, "grouped_dgrad_fused", lambda: rowwise_quantize(w.reshape(experts * k, n)))
                 qx_t, sx_t = _fused_columns(x, offsets)  # zero tokens past the last group
                 qdy_t, sdy_t = _fused_columns(dy, offsets)
             else:
                 qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
-                qw, sw, rw, _ = quantize_operand(w.reshape(experts * k, n), recipe, "weight", Layout(batch=experts),
-                                                 state, True, E4M3)
+                def weight_dgrad() -> tuple[Tensor, Tensor]:
+                    qw, sw, rw, _ = quantize_operand(w.reshape(experts * k, n), recipe, "weight", Layout(batch=experts),
+                                                     state, True, E4M3)
+                    return qw, _per_row(sw, rw)
+
+                qw, sw_EK = cached(ctx.cache, ctx.weight_key, w, "grouped_dgrad", weight_dgrad)
                 cols = Layout(col_offsets=offsets)
                 qx_t, sx_t, rx_t, _ = quantize_operand(x.t(), recipe, "input", cols, state, True, E4M3)
                 qdy_t, sdy_t, rdy_t, _ = quantize_operand(dy.t(), recipe, "grad", cols, state, True, E4M3)
                 # zero tokens past the last group keep the 16-byte strides the kernel needs
                 qx_t, qdy_t = _pad_fp8(qx_t), _pad_fp8(qdy_t)
-                sdy_R, sw_EK = _per_row(sdy, rdy), _per_row(sw, rw)
+                sdy_R = _per_row(sdy, rdy)
                 sx_t, sdy_t = _per_group_rows(sx_t, rx_t, experts), _per_group_rows(sdy_t, rdy_t, experts)
             dx = _group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ends, fast=False)
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends)
-        return dx.to(x.dtype), dw.to(w.dtype), None, None, None
+        return dx.to(x.dtype), dw.to(w.dtype), None, None, None, None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
-                      state: Optional[DelayedState]) -> Tensor:
-    return _ScaledGroupedMM.apply(x, w, offsets, recipe, state)
+                      state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
+    """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`."""
+    return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key)
