@@ -7,6 +7,8 @@ gradient ``X_e^T dY_e``), TFLOP/s of:
   * bf16 ``torch._grouped_mm``;
   * FP8 ``torch._scaled_grouped_mm`` (rowwise scales, CUTLASS);
   * FP8 one ``torch._scaled_mm`` per expert, tensorwise (cuBLASLt) and rowwise (CUTLASS).
+Each FP8 kernel with fast accumulation (fprop's default) and, where marked, split
+accumulation (promoted to fp32: the dgrad / wgrad default, as in Transformer Engine).
 The ratio of the best FP8 column to bf16 bounds what an FP8 MoE block can gain over bf16.
 Writes ``benchmarks/results/fp8_gemm_ceiling.json``.
 """
@@ -47,9 +49,14 @@ def fprop(E: int, M: int, K: int, N: int) -> dict:
         "bf16_grouped_mm": lambda: torch._grouped_mm(x, w, offs=offs),
         "fp8_scaled_grouped_mm_rowwise": lambda: torch._scaled_grouped_mm(
             qx, qw_ENK.transpose(1, 2), sx, sw, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True),
+        "fp8_scaled_grouped_mm_rowwise_split_accumulation": lambda: torch._scaled_grouped_mm(
+            qx, qw_ENK.transpose(1, 2), sx, sw, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False),
         "fp8_per_expert_tensorwise": lambda: [
             torch._scaled_mm(xs[e], qw_ENK[e].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                              use_fast_accum=True) for e in range(E)],
+        "fp8_per_expert_rowwise_split_accumulation": lambda: [
+            torch._scaled_mm(xs[e], qw_ENK[e].t(), scale_a=sx[:M, None], scale_b=sw[e][None],
+                             out_dtype=torch.bfloat16, use_fast_accum=False) for e in range(E)],
         "fp8_per_expert_rowwise": lambda: [
             torch._scaled_mm(xs[e], qw_ENK[e].t(), scale_a=sx[:M, None], scale_b=sw[e][None],
                              out_dtype=torch.bfloat16, use_fast_accum=True) for e in range(E)],
@@ -76,8 +83,10 @@ def wgrad(E: int, M: int, K: int, N: int) -> dict:
     sx, sd = torch.ones(E * K, device="cuda"), torch.ones(E * N, device="cuda")
     runs = {
         "bf16_grouped_mm": lambda: torch._grouped_mm(xt, dy, offs=offs),
-        "fp8_scaled_grouped_mm_rowwise": lambda: torch._scaled_grouped_mm(
+        "fp8_scaled_grouped_mm_rowwise_split_accumulation": lambda: torch._scaled_grouped_mm(
             qxt, qdyt.t(), sx, sd, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False),
+        "fp8_scaled_grouped_mm_rowwise": lambda: torch._scaled_grouped_mm(
+            qxt, qdyt.t(), sx, sd, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True),
         "fp8_per_expert_tensorwise": lambda: [
             torch._scaled_mm(qxt[:, e * M:(e + 1) * M], qdyt[:, e * M:(e + 1) * M].t(), scale_a=one,
                              scale_b=one, out_dtype=torch.bfloat16) for e in range(E)],
