@@ -18,6 +18,7 @@ import contextlib
 import copy
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -57,15 +58,17 @@ def expert_alignment(precision: str) -> int:
     return FP8Recipe.of(precision).alignment
 
 
-def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False):
+def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False,
+                    fast_accumulation: Optional[list[str]] = None):
     """bf16: nothing to do. Otherwise ``precision`` is an FP8 recipe name ("tensorwise",
     "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin and return
     the plugin's forward context."""
     if precision == "bf16":
         return contextlib.nullcontext()
-    from lightning_moe.precision import FP8Precision  # lazily: optional feature
+    from lightning_moe.precision import FP8Precision, FP8Recipe  # lazily: optional feature
 
-    plugin = FP8Precision(recipe=precision, backend="auto", cache_fp8_weights=cache_weights)
+    recipe = FP8Recipe(precision, fast_accumulation=None if fast_accumulation is None else tuple(fast_accumulation))
+    plugin = FP8Precision(recipe=recipe, backend="auto", cache_fp8_weights=cache_weights)
     plugin.convert_module(layer)
     return plugin.forward_context()
 
@@ -93,7 +96,7 @@ def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
     layer = build_layer(c, args.backend, torch.bfloat16, expert_alignment(args.precision))
     correctness = check_correctness(layer, c, tokens=min(4096, c["B"] * c["S"]))
-    context = apply_precision(layer, args.precision, args.cache_weights)
+    context = apply_precision(layer, args.precision, args.cache_weights, args.fast_accumulation)
     layer.zero_grad(set_to_none=True)
     x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
@@ -164,6 +167,8 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--fast-accumulation", nargs="*", default=None, choices=["fprop", "dgrad", "wgrad"],
+                        help="FP8Recipe.fast_accumulation (default: the recipe's, fprop only for rowwise)")
     parser.add_argument("--cache-weights", action="store_true",
                         help="FP8Precision(cache_fp8_weights=True): weights are quantized once, so the timed "
                              "steps are the later micro-batches of a gradient-accumulation window")

@@ -77,12 +77,20 @@ def supports(recipe: FP8Recipe) -> tuple[bool, str]:
 
 def te_recipe(recipe: FP8Recipe) -> Any:
     """The ``transformer_engine.common.recipe`` object for ``recipe``."""
+    if recipe.name == "delayed" and recipe.fast_accumulation != ("fprop",):
+        raise ValueError(
+            "Transformer Engine's DelayedScaling fixes the accumulation (fast fprop, split dgrad / wgrad); "
+            "leave fast_accumulation unset, or use backend='torch' or the tensorwise recipe to choose it."
+        )
     _module()
     from transformer_engine.common import recipe as te_recipes
 
     fmt = te_recipes.Format.HYBRID if recipe.fmt == "hybrid" else te_recipes.Format.E4M3
     if recipe.name == "tensorwise":
-        return te_recipes.Float8CurrentScaling(fp8_format=fmt)
+        split = {g: te_recipes.MMParams(use_split_accumulator=not recipe.fast(g)) for g in ("fprop", "dgrad", "wgrad")}
+        return te_recipes.Float8CurrentScaling(
+            fp8_format=fmt, fp8_gemm_fprop=split["fprop"], fp8_gemm_dgrad=split["dgrad"], fp8_gemm_wgrad=split["wgrad"],
+        )
     if recipe.name == "delayed":
         return te_recipes.DelayedScaling(
             fp8_format=fmt, margin=recipe.margin, amax_history_len=recipe.amax_history_len,

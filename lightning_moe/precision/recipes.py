@@ -48,6 +48,13 @@ class FP8Recipe:
             (16x16 weight tiles, random Hadamard transform on the weight-gradient GEMM inputs,
             stochastic rounding of gradients); all on by default, as in TE.
         rht_seed: seed of the Hadamard transform's random signs.
+        fast_accumulation: which FP8 GEMMs ("fprop", "dgrad", "wgrad") accumulate in Hopper's
+            fast (reduced-precision) FP8 tensor-core accumulator instead of promoting partial
+            sums to fp32 ("split accumulation"). Default: TE's, ``("fprop",)`` for tensorwise,
+            rowwise and delayed, ``()`` for blockwise (TE requires split accumulation there);
+            not applicable to mxfp8 / nvfp4. Adding "dgrad" and "wgrad" makes torch's grouped
+            FP8 kernel about 3x faster on small experts (fp8_gemm_ceiling.json) at some
+            gradient accuracy. The emulated backend accumulates exactly whatever this says.
 
     ``alignment`` (derived) is the multiple each expert's token group must be padded to:
     16 for FP8, 32 for MXFP8, 128 for NVFP4 (TE's ``get_align_size_for_quantization``).
@@ -62,6 +69,7 @@ class FP8Recipe:
     nvfp4_rht: bool = True
     nvfp4_stochastic_rounding: bool = True
     rht_seed: int = 0
+    fast_accumulation: Optional[tuple[str, ...]] = None
     alignment: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,7 +90,26 @@ class FP8Recipe:
         if self.amax_history_len < 1 or self.margin < 0:
             raise ValueError("amax_history_len must be >= 1 and margin >= 0.")
         self.alignment = {"mxfp8": 32, "nvfp4": 128}.get(self.name, 16)
+        self._check_fast_accumulation()
 
+    def _check_fast_accumulation(self) -> None:
+        default = ("fprop",) if self.name in ("tensorwise", "rowwise", "delayed") else ()
+        if self.fast_accumulation is None:
+            self.fast_accumulation = default
+            return
+        self.fast_accumulation = tuple(self.fast_accumulation)
+        unknown = set(self.fast_accumulation) - {"fprop", "dgrad", "wgrad"}
+        if unknown:
+            raise ValueError(f"fast_accumulation takes 'fprop', 'dgrad' and 'wgrad'; got {sorted(unknown)}.")
+        if self.fast_accumulation and self.name not in ("tensorwise", "rowwise", "delayed"):
+            raise ValueError(
+                f"The {self.name} recipe accumulates in fp32 (split accumulation) by design; "
+                "leave fast_accumulation unset, or use the tensorwise / rowwise recipes for fast accumulation."
+            )
+
+    def fast(self, gemm: str) -> bool:
+        """Whether GEMM "fprop", "dgrad" or "wgrad" uses the fast FP8 accumulator."""
+        return gemm in self.fast_accumulation
     @classmethod
     def of(cls, recipe: Union[str, FP8Recipe]) -> FP8Recipe:
         """A recipe from its name, or the recipe itself."""
@@ -123,7 +150,8 @@ class FP8Recipe:
                                      ("stochastic rounding", self.nvfp4_stochastic_rounding)) if on]
             return f"nvfp4 ({', '.join(parts) or 'plain'})"
         fmt = "E4M3 fwd / E5M2 grads" if self.fmt == "hybrid" else "E4M3"
-        return f"{self.name} ({fmt})"
+        fast = f", fast accumulation: {'/'.join(self.fast_accumulation)}" if self.fast_accumulation else ""
+        return f"{self.name} ({fmt}{fast})"
 
 
 def cuda_capability(device: Optional[torch.device] = None) -> Optional[tuple[int, int]]:

@@ -16,7 +16,8 @@ float8 cast instead of the reference rounding, bit-identical), then:
   the grouped kernel (faster for few large experts; costs one host sync per forward for the
   group sizes, none in the backward). Under CUDA-graph capture the grouped kernel is used.
 
-fprop uses fast accumulation, dgrad / wgrad split accumulation (TE's defaults).
+Accumulation per GEMM follows ``recipe.fast_accumulation`` (default: fast fprop, split dgrad /
+wgrad, as Transformer Engine).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class _ScaledLinear(torch.autograd.Function):
                 qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
                 qw, sw, _, _ = cached(cache, weight_key, weight, "dense_fprop",
                                       lambda: quantize_operand(weight, recipe, "weight", state=state, native=True))
-            y = _mm(qx, sx, qw, sw, out_dtype, fast=True)
+            y = _mm(qx, sx, qw, sw, out_dtype, fast=recipe.fast("fprop"))
             if bias is not None:
                 y = y + bias.to(out_dtype)
         tensorwise = recipe.tile("input") == (None, None)
@@ -115,8 +116,8 @@ class _ScaledLinear(torch.autograd.Function):
                     weight.t(), recipe, "weight", state=state, native=True))
                 qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
                 qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
-            dx = _mm(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=False)
-            dw = _mm(_pad_fp8(qdy_t), sdy_t, _pad_fp8(qx_t), sx_t, ctx.w_dtype, fast=False)
+            dx = _mm(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=recipe.fast("dgrad"))
+            dw = _mm(_pad_fp8(qdy_t), sdy_t, _pad_fp8(qx_t), sx_t, ctx.w_dtype, fast=recipe.fast("wgrad"))
             db = None if ctx.bias_dtype is None else dy2.float().sum(0).to(ctx.bias_dtype)
         return dx.reshape(ctx.x_shape), dw, db, None, None, None
 
@@ -214,19 +215,19 @@ def _group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offs
 
 
 def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Tensor, offsets_E: Tensor,
-                           ends: Optional[list[int]]) -> Tensor:
+                           ends: Optional[list[int]], fast: bool) -> Tensor:
     """``dw[e] = a[:, rows of e] @ b[:, rows of e]^T``: both operands ``[features, R]`` with
     per-(expert, feature) scales ``[E, features]``. Returns bf16 ``[E, K, N]``."""
     experts = sa_EK.shape[0]
     if ends is None:
         return torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1), offs=offsets_E,
-                                        out_dtype=torch.bfloat16, use_fast_accum=False)
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
     out = torch.empty(experts, qa_KR.shape[0], qb_NR.shape[0], dtype=torch.bfloat16, device=qa_KR.device)
     start = 0
     for e, end in enumerate(ends):
         if end > start:
             torch._scaled_mm(qa_KR[:, start:end], qb_NR[:, start:end].t(), scale_a=sa_EK[e][:, None],
-                             scale_b=sb_EN[e][None], out_dtype=torch.bfloat16, use_fast_accum=False, out=out[e])
+                             scale_b=sb_EN[e][None], out_dtype=torch.bfloat16, use_fast_accum=fast, out=out[e])
         else:
             out[e].zero_()  # an expert without tokens has no gradient
         start = end
@@ -257,7 +258,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 sx_R = _per_row(sx, rx)
                 qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop", weight_fprop)
             ends = _host_group_ends(offsets, experts)
-            y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=True)
+            y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
         ctx.save_for_backward(x, w, offsets)
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         return y.to(out_dtype)
@@ -293,8 +294,10 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 qx_t, qdy_t = _pad_fp8(qx_t), _pad_fp8(qdy_t)
                 sdy_R = _per_row(sdy, rdy)
                 sx_t, sdy_t = _per_group_rows(sx_t, rx_t, experts), _per_group_rows(sdy_t, rdy_t, experts)
-            dx = _group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ends, fast=False)
-            dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends)
+            dx = _group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ends,
+                             fast=recipe.fast("dgrad"))
+            dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
+                                        fast=recipe.fast("wgrad"))
         return dx.to(x.dtype), dw.to(w.dtype), None, None, None, None
 
 

@@ -205,3 +205,23 @@ def test_grouped_mm_no_tokens_and_ragged_token_count(name):
     x = torch.randn(13, 32, requires_grad=True)  # 13 rows: not a multiple of the 16-byte stride
     gemm.grouped_mm(x, w, torch.tensor([5, 13], dtype=torch.int32)).sum().backward()
     assert x.grad.shape == x.shape and w.grad.isfinite().all()
+
+
+def test_fast_accumulation_defaults_and_validation():
+    assert FP8Recipe("rowwise").fast_accumulation == ("fprop",)  # Transformer Engine's default
+    assert FP8Recipe("tensorwise").fast("fprop") and not FP8Recipe("tensorwise").fast("wgrad")
+    assert FP8Recipe("blockwise").fast_accumulation == ()
+    everywhere = FP8Recipe("rowwise", fast_accumulation=["fprop", "dgrad", "wgrad"])
+    assert everywhere.fast("dgrad") and everywhere.fast("wgrad")
+    assert "fast accumulation: fprop/dgrad/wgrad" in everywhere.describe()
+    with pytest.raises(ValueError, match="'fprop', 'dgrad' and 'wgrad'"):
+        FP8Recipe("rowwise", fast_accumulation=("forward",))
+    with pytest.raises(ValueError, match="split accumulation"):
+        FP8Recipe("blockwise", fast_accumulation=("fprop",))
+
+
+def test_te_delayed_scaling_rejects_a_custom_accumulation():
+    from lightning_moe.precision import _te
+
+    with pytest.raises(ValueError, match="DelayedScaling fixes the accumulation"):
+        _te.te_recipe(FP8Recipe("delayed", fast_accumulation=("fprop", "wgrad")))
