@@ -49,7 +49,7 @@ def timed(fn, iters: int = 10) -> float:
     return statistics.median(times)
 
 
-def worker(rank: int, world: int, port: int, mib: int, queue) -> None:
+def worker(rank: int, world: int, port: int, mib: int, only_a2a: bool, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
@@ -91,6 +91,12 @@ def worker(rank: int, world: int, port: int, mib: int, queue) -> None:
     out["a2a_mib_to_peer"] = mib
     out["a2a_ms"] = timed(a2a)
     out["a2a_gb_s_per_direction"] = mib * 2**20 / (out["a2a_ms"] * 1e-3) / 1e9
+    if only_a2a:
+        if rank == 0:
+            queue.put(out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     out["gemm_ms"] = timed(gemm)
     out["a2a_issued_first_with_gemm_ms"] = timed(a2a_then_gemm)
     out["gemm_issued_first_with_a2a_ms"] = timed(gemm_then_a2a)
@@ -148,17 +154,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=64, help="MiB each rank sends to its peer")
     parser.add_argument("--tag", default="ep_comm_probe")
+    parser.add_argument("--only-a2a", action="store_true", help="just the NCCL all-to-all bandwidth")
     args = parser.parse_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit("ep_comm_probe needs 2 GPUs")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.spawn(worker, args=(2, 29650, args.mib, queue), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, 29650, args.mib, args.only_a2a, queue), nprocs=2, join=True)
     out = queue.get()
     for key, value in out.items():
         if key != "topology":
             print(f"{key:45s} {value}")
-    print(out["topology"])
+    print(out.get("topology", ""))
     write_results(args.tag, {"results": out, "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL")}})
 
 
