@@ -145,9 +145,12 @@ def lightning_run(args) -> list[float]:
     data = list(batches(args, module.model_config.vocab_size, num_batches, "cpu"))
     precision: dict = {"precision": "bf16-mixed"}
     if args.precision != "bf16":
-        from lightning_moe.precision import FP8Precision
+        from lightning_moe.precision import FP8Precision, FP8Recipe
 
-        precision = {"plugins": [FP8Precision(recipe=args.precision, backend=args.fp8_backend)]}
+        fast = None if args.fast_accumulation is None else tuple(args.fast_accumulation)
+        plugin = FP8Precision(recipe=FP8Recipe(args.precision, fast_accumulation=fast), backend=args.fp8_backend,
+                              cache_fp8_weights=args.cache_fp8_weights)
+        precision = {"plugins": [plugin]}
     trainer = L.Trainer(
         accelerator="cuda", devices=1, strategy=MegatronMoEStrategy(print_layout=False),
         **precision, max_steps=args.warmup + args.steps, logger=False,
@@ -174,6 +177,9 @@ def main(argv=None) -> None:
     parser.add_argument("--precision", default="bf16",
                         help="bf16, or an FP8Precision recipe for the Lightning run (tensorwise, blockwise, delayed, ...)")
     parser.add_argument("--fp8-backend", default="auto", help="FP8Precision backend: auto, te, torch, emulated")
+    parser.add_argument("--fast-accumulation", nargs="*", default=None, choices=["fprop", "dgrad", "wgrad"],
+                        help="FP8Recipe.fast_accumulation (default: the recipe's)")
+    parser.add_argument("--cache-fp8-weights", action="store_true", help="FP8Precision(cache_fp8_weights=True)")
     parser.add_argument("--expert-backend", default="auto", help="grouped GEMM backend: auto, grouped_mm, te")
     parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")
     parser.add_argument("--tag", default=None)
