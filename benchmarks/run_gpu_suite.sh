@@ -7,10 +7,12 @@
 #   PARTS="tests ep train" bash benchmarks/run_gpu_suite.sh
 #   PARTS="tetests te fp8 curves" bash benchmarks/run_gpu_suite.sh  # after installing Transformer Engine
 #
-# Parts: tests (tests/gpu), block (moe_block bf16), ep (ep_scaling EP=1,2), train (train_step
-# MFU at two batch shapes), tetests (the TE tests alone, verbose), te (moe_block with TE
-# experts), fp8 (fp8_gemm + moe_block FP8 recipes on TE experts and native rowwise), curves
-# (300-step FP8 vs BF16 loss curves on the embedded corpus).
+# Parts: tests (tests/gpu), block (moe_block bf16), ep (ep_scaling EP=1,2), probe (EP link:
+# NCCL vs copy engine, overlap with GEMMs; 2 GPUs), train (train_step MFU at two batch shapes),
+# tetests (the TE tests alone, verbose), te (moe_block with TE experts), fp8native (native FP8:
+# GEMM ceilings, block with per-expert GEMMs / fast accumulation / cached weights), fp8
+# (fp8_gemm + moe_block FP8 recipes on TE experts and native rowwise), curves (300-step FP8 vs
+# BF16 loss curves on the embedded corpus, TE tensorwise at micro-batch 1, native rowwise at 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -42,9 +44,16 @@ if has tetests; then say "TE tests"; run python3 -m pytest -q -p no:cacheprovide
 if has te; then say "moe_block TE experts"; run python3 benchmarks/moe_block.py --backend te --iters 20; fi
 if has fp8native; then  # without Transformer Engine: our FP8 GEMMs beside bf16
   say "fp8_gemm (native)"; run python3 benchmarks/fp8_gemm.py --tag fp8_gemm_native
-  say "moe_block native rowwise"
-  run python3 benchmarks/moe_block.py --precision rowwise --iters 10 --tag "grouped_mm_rowwise"
+  say "FP8 GEMM ceilings"; run python3 benchmarks/fp8_gemm_ceiling.py
+  say "moe_block bf16 and native rowwise, same session"
+  run python3 benchmarks/moe_block.py --iters 20 --tag grouped_mm_bf16_same_session
+  run python3 benchmarks/moe_block.py --precision rowwise --iters 20 --tag grouped_mm_rowwise_per_expert
+  run python3 benchmarks/moe_block.py --precision rowwise --fast-accumulation fprop dgrad wgrad --iters 20 \
+    --tag grouped_mm_rowwise_fast
+  run python3 benchmarks/moe_block.py --precision rowwise --fast-accumulation fprop dgrad wgrad --cache-weights \
+    --iters 20 --tag grouped_mm_rowwise_fast_cached
 fi
+if has probe && [ "$num_gpus" -ge 2 ]; then say "EP link probe"; run python3 benchmarks/ep_comm_probe.py; fi
 if has fp8; then
   say "fp8_gemm"; run python3 benchmarks/fp8_gemm.py
   for recipe in tensorwise blockwise delayed; do
@@ -61,6 +70,12 @@ if has curves; then
   run python3 benchmarks/train_step.py $common --precision tensorwise --expert-backend te --tag curve_tensorwise
   run python3 benchmarks/compare_curves.py benchmarks/results/train_step_curve_bf16.json \
     benchmarks/results/train_step_curve_tensorwise.json --tag fp8_tensorwise_vs_bf16
+  mb4="--data corpus --skip-bare --steps 300 --warmup 0 --micro-batch 4 --layers 2"
+  say "curves bf16, micro-batch 4"; run python3 benchmarks/train_step.py $mb4 --tag curve_bf16_mb4
+  say "curves native rowwise, micro-batch 4"
+  run python3 benchmarks/train_step.py $mb4 --precision rowwise --fp8-backend torch --tag curve_rowwise_mb4
+  run python3 benchmarks/compare_curves.py benchmarks/results/train_step_curve_bf16_mb4.json \
+    benchmarks/results/train_step_curve_rowwise_mb4.json --tag fp8_rowwise_vs_bf16_mb4
 fi
 say "done"
 if [ -n "$RETURN_DIR" ]; then

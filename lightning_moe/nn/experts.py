@@ -102,11 +102,10 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.fc1_weight, mean=0.0, std=self.init_std)
         nn.init.normal_(self.fc2_weight, mean=0.0, std=self.output_init_std)
 
-    def _mm(self, x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, projection: str) -> Tensor:
+    def _mm(self, x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, projection: str,
+            offsets_E: Optional[Tensor] = None) -> Tensor:
         if self.quantization is not None:
-            from lightning_moe.nn.grouped_gemm import group_offsets
-
-            return self.quantization.grouped_mm(x_RK, w_EKN, group_offsets(group_sizes_E, x_RK.shape[0]), projection)
+            return self.quantization.grouped_mm(x_RK, w_EKN, offsets_E, projection)
         if self.backend == "te":
             # Each projection keeps its own te.GroupedLinear (per-module FP8 state), held in a
             # plain dict attribute: not a submodule, so state dicts never depend on the backend.
@@ -126,8 +125,15 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts"
             )
-        h_RF = activate(self._mm(x_RD, fc1, group_sizes_E, "fc1"), self.activation)
-        return self._mm(h_RF, fc2, group_sizes_E, "fc2")
+        offsets_E = None
+        if self.quantization is not None:
+            from lightning_moe.nn.grouped_gemm import group_offsets
+
+            # One offsets tensor for both projections: a quantized GEMM that needs the group
+            # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
+            offsets_E = group_offsets(group_sizes_E, x_RD.shape[0])
+        h_RF = activate(self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E), self.activation)
+        return self._mm(h_RF, fc2, group_sizes_E, "fc2", offsets_E)
 
     def extra_repr(self) -> str:
         return (

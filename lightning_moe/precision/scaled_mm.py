@@ -139,12 +139,15 @@ def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
 
 def _fused_columns(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor]:
     """``t^T`` quantized per (column, row group): (float8 ``[C, R]`` with ``R`` padded to 16 by
-    zero columns, group-major fp32 scales ``[G * C]``), the weight-gradient operand layout."""
+    zero columns, group-major fp32 scales ``[G * C]``), the weight-gradient operand layout.
+    Tokens past the last group are not written: no GEMM reads them (the grouped kernels stop
+    at the last offset, the dense one's single group covers every token)."""
     from lightning_moe.kernels.fp8_quant_triton import group_column_quantize
 
     rows, cols = t_RC.shape
     padded = -(-rows // _ALIGN) * _ALIGN
-    q_CR = torch.zeros(cols, padded, dtype=torch.float8_e4m3fn, device=t_RC.device)
+    q_CR = torch.empty(cols, padded, dtype=torch.float8_e4m3fn, device=t_RC.device)
+    q_CR[:, rows:].zero_()  # the contraction padding the dense GEMM reads
     scale_inv_GC = group_column_quantize(t_RC, offsets_G, q_CR, stride_out_col=padded, stride_out_group=0)
     return q_CR, scale_inv_GC.reshape(-1)
 
@@ -277,7 +280,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
                 qdy, sdy_R = rowwise_quantize(dy)
                 qw, sw_EK = cached(ctx.cache, ctx.weight_key, w, "grouped_dgrad_fused", lambda: rowwise_quantize(w.reshape(experts * k, n)))
-                qx_t, sx_t = _fused_columns(x, offsets)  # zero tokens past the last group
+                qx_t, sx_t = _fused_columns(x, offsets)
                 qdy_t, sdy_t = _fused_columns(dy, offsets)
             else:
                 qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)

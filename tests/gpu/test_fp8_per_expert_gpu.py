@@ -79,3 +79,32 @@ def test_fast_accumulation_everywhere_stays_fp8_accurate(monkeypatch, per_expert
     for got, same_quant, ref in zip(fast, split, (y.detach(), xr.grad, wr.grad)):
         assert _rel(got, ref) < 0.05
         assert _rel(got, same_quant) < 1e-2  # the accumulator adds little to the quantization error
+
+
+def test_one_host_sync_per_layer_forward(monkeypatch):
+    """Both expert projections share one offsets tensor: per-expert GEMMs sync once per forward."""
+    from lightning_moe.nn import MoEConfig, MoELayer
+    from lightning_moe.precision import FP8Precision
+
+    calls = {"n": 0}
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        calls["n"] += 1
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=4, router_topk=2, expert_alignment=16)
+    x = torch.randn(2, 64, 256, device="cuda")
+    bf16 = MoELayer(cfg).cuda()
+    with torch.autocast("cuda", torch.bfloat16):
+        bf16(x).float().sum().backward()
+    baseline = calls["n"]
+    layer = MoELayer(cfg).cuda()
+    plugin = FP8Precision(recipe="rowwise", backend="torch")
+    plugin.convert_module(layer)
+    with plugin.forward_context():
+        y = layer(x)
+    y.float().sum().backward()
+    assert calls["n"] - baseline == baseline + 1
