@@ -92,8 +92,12 @@ class FP8Recipe:
         self.alignment = {"mxfp8": 32, "nvfp4": 128}.get(self.name, 16)
         self._check_fast_accumulation()
 
+    @property
+    def _default_fast_accumulation(self) -> tuple[str, ...]:
+        return ("fprop",) if self.name in ("tensorwise", "rowwise", "delayed") else ()
+
     def _check_fast_accumulation(self) -> None:
-        default = ("fprop",) if self.name in ("tensorwise", "rowwise", "delayed") else ()
+        default = self._default_fast_accumulation
         if self.fast_accumulation is None:
             self.fast_accumulation = default
             return
@@ -150,7 +154,9 @@ class FP8Recipe:
                                      ("stochastic rounding", self.nvfp4_stochastic_rounding)) if on]
             return f"nvfp4 ({', '.join(parts) or 'plain'})"
         fmt = "E4M3 fwd / E5M2 grads" if self.fmt == "hybrid" else "E4M3"
-        fast = f", fast accumulation: {'/'.join(self.fast_accumulation)}" if self.fast_accumulation else ""
+        fast = ""
+        if self.fast_accumulation != self._default_fast_accumulation:  # say it only when not TE's default
+            fast = f", fast accumulation: {'/'.join(self.fast_accumulation) or 'none'}"
         return f"{self.name} ({fmt}{fast})"
 
 
