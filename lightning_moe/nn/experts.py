@@ -67,7 +67,7 @@ class GroupedExperts(nn.Module):
     ``forward(x_RD, group_sizes_E)`` takes rows grouped by expert (``group_sizes_E`` int64 [E]
     on the device; rows past their sum are zero padding) and returns [R, D].
     A precision plugin may set ``quantization`` to an object with
-    ``grouped_mm(x_RK, w_EKN, offsets_E)`` to run quantized GEMMs instead.
+    ``grouped_mm(x_RK, w_EKN, offsets_E, projection)`` to run quantized GEMMs instead.
     """
 
     def __init__(

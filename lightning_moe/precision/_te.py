@@ -127,7 +127,8 @@ class HighPrecisionGroupedGemm(torch.nn.Module):
     (without state) because ``quantization`` may already hold an `FP8GroupedGemm` child.
     """
 
-    def grouped_mm(self, x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def grouped_mm(self, x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
+                   projection: str = "") -> torch.Tensor:
         from lightning_moe.nn.grouped_gemm import te_grouped_mm
 
         sizes_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))

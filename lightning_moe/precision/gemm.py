@@ -21,7 +21,6 @@ tokens).
 from __future__ import annotations
 
 from collections.abc import Hashable
-
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Union
 

@@ -5,7 +5,7 @@
   its state dict equals the ``nn.Linear`` it replaces: FP8 can be switched on or off between
   saving and resuming.
 - `FP8GroupedGemm`: the object ``GroupedExperts.quantization`` takes (``grouped_mm(x_RK,
-  w_EKN, offsets_E) -> y_RN``).
+  w_EKN, offsets_E, projection) -> y_RN``).
 - `configure_fp8`: walks a model, swaps eligible linears (``te.Linear`` under the "te"
   backend) and sets the experts' quantization, keeping routers, norms, embeddings, the
   output layer and optionally the first / last blocks in high precision.

@@ -49,10 +49,11 @@ class FP8Precision(MixedPrecision):
         amax_reduction_group: ranks over which delayed-scaling amaxes are max-reduced once
             per optimizer step (default: all ranks when ``torch.distributed`` is initialized).
         device: autocast device, "cuda" or "cpu" (default: "cuda" when available).
-        cache_fp8_weights: keep each weight's FP8 operands from its first quantization until the
-            next optimizer step, so later micro-batches of a gradient-accumulation window do not
-            quantize the weights again (see `FP8WeightCache`; costs about two bytes per FP8
-            parameter; no gain where FSDP re-gathers weights). Native "torch" backend only.
+        cache_fp8_weights: keep each weight's FP8 operands from its first quantization in a
+            training step until the next optimizer step, so later micro-batches of a
+            gradient-accumulation window do not quantize the weights again (see
+            `FP8WeightCache`; costs about two bytes per FP8 parameter; evaluation never uses
+            it). Native "torch" backend only; `MegatronMoEStrategy` refuses it with FSDP.
     """
 
     def __init__(
@@ -113,7 +114,8 @@ class FP8Precision(MixedPrecision):
 
     @contextmanager
     def _eval_context(self) -> Generator[None, None, None]:
-        with self.forward_context(), amax_recording_paused():
+        # No FP8 weight cache in evaluation: weights may be swapped in for it (EMA callbacks).
+        with self.forward_context(), amax_recording_paused(), caching_fp8_weights(None):
             yield
 
     @override

@@ -54,7 +54,8 @@ class FP8Recipe:
             rowwise and delayed, ``()`` for blockwise (TE requires split accumulation there);
             not applicable to mxfp8 / nvfp4. Adding "dgrad" and "wgrad" makes torch's grouped
             FP8 kernel about 3x faster on small experts (fp8_gemm_ceiling.json) at some
-            gradient accuracy. The emulated backend accumulates exactly whatever this says.
+            gradient accuracy. The emulated backend ignores it (its GEMMs always accumulate in
+            fp32).
 
     ``alignment`` (derived) is the multiple each expert's token group must be padded to:
     16 for FP8, 32 for MXFP8, 128 for NVFP4 (TE's ``get_align_size_for_quantization``).
@@ -101,10 +102,13 @@ class FP8Recipe:
         if self.fast_accumulation is None:
             self.fast_accumulation = default
             return
-        self.fast_accumulation = tuple(self.fast_accumulation)
+        if isinstance(self.fast_accumulation, str):
+            raise ValueError(f"fast_accumulation is a sequence of GEMM names, e.g. ('fprop', 'wgrad'); "
+                             f"got the string {self.fast_accumulation!r}.")
         unknown = set(self.fast_accumulation) - {"fprop", "dgrad", "wgrad"}
         if unknown:
             raise ValueError(f"fast_accumulation takes 'fprop', 'dgrad' and 'wgrad'; got {sorted(unknown)}.")
+        self.fast_accumulation = tuple(g for g in ("fprop", "dgrad", "wgrad") if g in self.fast_accumulation)
         if self.fast_accumulation and self.name not in ("tensorwise", "rowwise", "delayed"):
             raise ValueError(
                 f"The {self.name} recipe accumulates in fp32 (split accumulation) by design; "
@@ -114,6 +118,7 @@ class FP8Recipe:
     def fast(self, gemm: str) -> bool:
         """Whether GEMM "fprop", "dgrad" or "wgrad" uses the fast FP8 accumulator."""
         return gemm in self.fast_accumulation
+
     @classmethod
     def of(cls, recipe: Union[str, FP8Recipe]) -> FP8Recipe:
         """A recipe from its name, or the recipe itself."""

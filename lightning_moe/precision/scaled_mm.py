@@ -13,8 +13,9 @@ float8 cast instead of the reference rounding, bit-identical), then:
   Tensorwise / delayed per-expert scales are expanded to rows. The grouped kernels take
   E4M3 only, so gradients are E4M3 here whatever the recipe's format.
 - with at most ``PER_EXPERT_MAX_EXPERTS`` experts, one ``_scaled_mm`` per expert instead of
-  the grouped kernel (faster for few large experts; costs one host sync per forward for the
-  group sizes, none in the backward). Under CUDA-graph capture the grouped kernel is used.
+  the grouped kernel (faster for few large experts; costs one host sync per layer forward for
+  the group sizes, none in the backward unless activation checkpointing recomputes the
+  forward). Under CUDA-graph capture the grouped kernel is used.
 
 Accumulation per GEMM follows ``recipe.fast_accumulation`` (default: fast fprop, split dgrad /
 wgrad, as Transformer Engine).
@@ -35,7 +36,7 @@ from lightning_moe.precision.gemm import compute_dtype, no_autocast
 from lightning_moe.precision.operands import Layout, quantize_operand
 from lightning_moe.precision.quantize import Axis
 from lightning_moe.precision.recipes import FP8Recipe
-from lightning_moe.precision.weight_cache import active_cache, cached
+from lightning_moe.precision.weight_cache import FP8WeightCache, cached, training_cache
 
 _ALIGN = 16
 
@@ -64,11 +65,11 @@ def _mm(a: Tensor, sa: Tensor, b_rows: Tensor, sb: Tensor, out_dtype: torch.dtyp
 class _ScaledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
-                state: Optional[DelayedState], weight_key: Optional[Hashable]) -> Tensor:
+                state: Optional[DelayedState], weight_key: Optional[Hashable],
+                cache: Optional[FP8WeightCache]) -> Tensor:
         out_dtype = compute_dtype(x)
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
-            cache = active_cache()
             if _fused_rowwise(recipe, state, x2):
                 from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
 
@@ -119,13 +120,13 @@ class _ScaledLinear(torch.autograd.Function):
             dx = _mm(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=recipe.fast("dgrad"))
             dw = _mm(_pad_fp8(qdy_t), sdy_t, _pad_fp8(qx_t), sx_t, ctx.w_dtype, fast=recipe.fast("wgrad"))
             db = None if ctx.bias_dtype is None else dy2.float().sum(0).to(ctx.bias_dtype)
-        return dx.reshape(ctx.x_shape), dw, db, None, None, None
+        return dx.reshape(ctx.x_shape), dw, db, None, None, None, None
 
 
 def scaled_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
                   state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
     """FP8 ``x @ weight.T (+ bias)``; ``weight_key`` names the weight for an active `FP8WeightCache`."""
-    return _ScaledLinear.apply(x, weight, bias, recipe, state, weight_key)
+    return _ScaledLinear.apply(x, weight, bias, recipe, state, weight_key, training_cache(weight))
 
 
 def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
@@ -185,15 +186,16 @@ PER_EXPERT_MAX_EXPERTS = 32
 def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
     """Row ends per expert on the host when per-expert GEMMs pay off, else None (grouped kernel).
 
-    The host list is kept on the offsets tensor so the layer's other projections (same offsets)
-    and the backward reuse it.
+    The host list is kept on the offsets tensor (with its version, so an in-place update is
+    seen) for the layer's other projection and the backward, which share that tensor.
     """
-    if experts > PER_EXPERT_MAX_EXPERTS or torch.cuda.is_current_stream_capturing():
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if experts > PER_EXPERT_MAX_EXPERTS or capturing:
         return None
-    ends = getattr(offsets_E, "_host_ends", None)
-    if ends is None:
+    version, ends = getattr(offsets_E, "_host_ends", (None, None))
+    if ends is None or version != offsets_E._version:
         ends = offsets_E.tolist()  # host sync: each expert's _scaled_mm call needs its row count
-        offsets_E._host_ends = ends
+        offsets_E._host_ends = (offsets_E._version, ends)
     return ends
 
 
@@ -240,10 +242,10 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
 class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
-                state: Optional[DelayedState], weight_key: Optional[Hashable]) -> Tensor:
+                state: Optional[DelayedState], weight_key: Optional[Hashable],
+                cache: Optional[FP8WeightCache]) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
-        cache = active_cache()
         with no_autocast(x):
             if _fused_rowwise(recipe, state, x):
                 from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
@@ -301,10 +303,10 @@ class _ScaledGroupedMM(torch.autograd.Function):
                              fast=recipe.fast("dgrad"))
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
                                         fast=recipe.fast("wgrad"))
-        return dx.to(x.dtype), dw.to(w.dtype), None, None, None, None
+        return dx.to(x.dtype), dw.to(w.dtype), None, None, None, None, None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                       state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
     """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`."""
-    return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key)
+    return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w))

@@ -4,20 +4,45 @@ With gradient accumulation the weights do not change between the micro-batches o
 optimizer step, yet each forward and backward would quantize them again (for the native
 rowwise recipe: two layouts per weight, each a full read of the fp32 / bf16 weight). A
 `FP8WeightCache` keeps the quantized operands (values and scales) of each weight and layout
-until the weight changes: `FP8Precision` clears it after every optimizer step, and an entry
-is also dropped when the weight's storage or in-place version counter moves (a manual
-update outside the optimizer). Under FSDP the unsharded weight is re-gathered into new
-storage for every forward, so entries do not survive and nothing is gained (nor lost). Memory: one extra byte per parameter and layout (two layouts
-for most FP8 weights), plus the scales.
+until the weight changes:
+
+- `FP8Precision` clears it after every optimizer step;
+- only training passes fill or read it (grad mode on, not inference mode, not under CUDA-graph
+  capture): validation with swapped-in weights (EMA callbacks write through ``.data``, which
+  no version counter sees) never leaves an entry behind;
+- an entry is also dropped when the weight's storage or in-place version counter moves (an
+  in-place update outside the optimizer; writes through ``.data`` are not seen).
+
+Memory: one extra byte per parameter and layout (two layouts for most FP8 weights), plus the
+scales, held until the optimizer step. With FSDP that would be an unsharded copy of every
+weight on every rank, so `MegatronMoEStrategy` refuses the combination.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Generator, Hashable
 from contextlib import contextmanager
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
+
+
+def _storage_pointer(weight: Tensor) -> int:
+    """The address of the weight's local data (a DTensor reports 0 for itself)."""
+    to_local = getattr(weight, "to_local", None)
+    return (to_local() if to_local is not None else weight).data_ptr()
+
+
+def caching_allowed(weight: Tensor) -> bool:
+    """A training pass on an ordinary tensor: the only place where entries are made or used."""
+    return (
+        torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and not weight.is_inference()
+        and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    )
 
 
 class FP8WeightCache:
@@ -36,7 +61,7 @@ class FP8WeightCache:
 
     def get(self, owner: Hashable, weight: Tensor, layout: str, quantize: Callable[[], Any]) -> Any:
         """``quantize()``'s result for this weight and layout, computed at most once per weight state."""
-        stamp = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+        stamp = (_storage_pointer(weight), weight._version, tuple(weight.shape), weight.dtype)
         entry = self._entries.get((owner, layout))
         if entry is not None and entry[0] == stamp:
             self.hits += 1
@@ -54,24 +79,33 @@ class FP8WeightCache:
         return len(self._entries)
 
 
-_active: Optional[FP8WeightCache] = None
+_ACTIVE: contextvars.ContextVar[Optional[FP8WeightCache]] = contextvars.ContextVar(
+    "lightning_moe_fp8_weight_cache", default=None
+)
 
 
 @contextmanager
 def caching_fp8_weights(cache: Optional[FP8WeightCache]) -> Generator[None, None, None]:
-    """Within this context the native FP8 GEMMs take their weight operands from ``cache``."""
-    global _active
-    previous, _active = _active, cache
+    """Within this context the native FP8 GEMMs take their weight operands from ``cache``
+    (None: no caching, e.g. for evaluation inside a caching training context)."""
+    token = _ACTIVE.set(cache)
     try:
         yield
     finally:
-        _active = previous
+        _ACTIVE.reset(token)
 
 
 def active_cache() -> Optional[FP8WeightCache]:
-    """The cache of the enclosing `caching_fp8_weights` context (captured by each GEMM's forward
-    so that its backward, which runs outside the context, uses the same one)."""
-    return _active
+    """The cache of the enclosing `caching_fp8_weights` context."""
+    return _ACTIVE.get()
+
+
+def training_cache(weight: Tensor) -> Optional[FP8WeightCache]:
+    """The active cache if this call is a training pass on ``weight`` (see `caching_allowed`),
+    else None. Decided where the GEMM is called (inside an autograd Function's forward grad
+    mode is always off); the Function keeps it for its backward."""
+    cache = _ACTIVE.get()
+    return cache if cache is not None and caching_allowed(weight) else None
 
 
 def cached(cache: Optional[FP8WeightCache], owner: Optional[Hashable], weight: Tensor, layout: str,

@@ -182,6 +182,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if not self._parallelized:
             self._parallelize(self.model, trainer)
             self._parallelized = True
+        self._check_fp8_weight_cache()
         from lightning.fabric.utilities.init import _materialize_distributed_module
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
@@ -358,6 +359,17 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                         "MegatronMoEStrategy: a param group mixes DTensor and plain parameters; "
                         "its optimizer runs without foreach kernels."
                     )
+
+    def _check_fp8_weight_cache(self) -> None:
+        """FP8 weight caching keeps an unsharded FP8 copy of every weight until the optimizer
+        step: under FSDP that undoes the sharding's memory savings (and the re-gathered weights'
+        new storage means the copies are rarely reused)."""
+        if getattr(self.precision_plugin, "weight_cache", None) is not None and (self._dense_fsdp or self._experts_fsdp):
+            raise ValueError(
+                "FP8Precision(cache_fp8_weights=True) cannot be combined with FSDP sharding (it would keep an "
+                "unsharded FP8 copy of every weight on every rank): use sharding='ddp' and expert_sharding='ddp', "
+                "or cache_fp8_weights=False."
+            )
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping to one norm over both meshes.

@@ -58,16 +58,64 @@ def test_cache_needs_the_native_backend():
         FP8Precision(recipe="rowwise", backend="emulated", cache_fp8_weights=True, device="cpu")
 
 
-def test_emulated_gemms_ignore_an_active_cache():
-    """The emulated backend quantizes every call (numerics studies); a cache never changes it."""
+def test_no_caching_outside_training_passes():
+    """Evaluation (no_grad / inference mode) and inference tensors get no cache."""
+    from lightning_moe.precision.weight_cache import training_cache
+
+    cache, w = FP8WeightCache(), torch.randn(4, 4)
+    with caching_fp8_weights(cache):
+        assert training_cache(w) is cache
+        with torch.no_grad():
+            assert training_cache(w) is None
+        with torch.inference_mode():
+            assert training_cache(w) is None
+            frozen = torch.randn(4, 4)  # an inference tensor
+        assert training_cache(frozen) is None
+    assert training_cache(w) is None
+
+
+def _native_plugin(monkeypatch, **kwargs):
+    """An FP8Precision with the native backend on a CPU machine (the backend check patched)."""
+    from lightning_moe.precision import plugin as plugin_module
+
+    monkeypatch.setattr(plugin_module, "resolve_backend", lambda recipe, backend, device: "torch")
+    return FP8Precision(recipe="rowwise", backend="torch", device="cpu", **kwargs)
+
+
+def test_plugin_clears_after_each_optimizer_step_and_not_in_evaluation(monkeypatch):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = _native_plugin(monkeypatch, cache_fp8_weights=True)
+    w = torch.randn(2, 2)
+    with plugin.forward_context():
+        active_cache().get("fc1", w, "fprop", lambda: w * 2)
+        with plugin.val_step_context():
+            assert active_cache() is None  # evaluation runs without the cache
+        assert active_cache() is plugin.weight_cache
+    assert len(plugin.weight_cache) == 1
+    monkeypatch.setattr(MixedPrecision, "optimizer_step", lambda self, optimizer, model, closure, **kw: closure())
+    plugin.optimizer_step(None, model=None, closure=lambda: None)
+    assert len(plugin.weight_cache) == 0
+    assert "cached per optimizer step" in plugin.backend_description()
+
+
+def test_strategy_refuses_the_cache_with_fsdp(monkeypatch):
+    from lightning_moe.strategies import MegatronMoEStrategy
+
+    strategy = MegatronMoEStrategy()
+    strategy._precision_plugin = _native_plugin(monkeypatch, cache_fp8_weights=True)
+    strategy._check_fp8_weight_cache()  # nothing sharded yet: fine
+    strategy._experts_fsdp = True
+    with pytest.raises(ValueError, match="expert_sharding='ddp'"):
+        strategy._check_fp8_weight_cache()
+
+
+def test_every_quantized_grouped_gemm_takes_the_projection_name():
+    """`GroupedExperts` calls ``quantization.grouped_mm(x, w, offsets, projection)``."""
+    import inspect
+
+    from lightning_moe.precision._te import HighPrecisionGroupedGemm
     from lightning_moe.precision.modules import FP8GroupedGemm
 
-    torch.manual_seed(0)
-    gemm = FP8GroupedGemm("rowwise", backend="emulated")
-    x, w = torch.randn(32, 16), torch.randn(2, 16, 8)
-    offsets = torch.tensor([16, 32], dtype=torch.int32)
-    cache = FP8WeightCache()
-    plain = gemm.grouped_mm(x, w, offsets, "fc1")
-    with caching_fp8_weights(cache):
-        again = gemm.grouped_mm(x, w, offsets, "fc1")
-    assert torch.equal(plain, again) and len(cache) == 0
+    for gemm in (FP8GroupedGemm("rowwise"), HighPrecisionGroupedGemm()):
+        inspect.signature(gemm.grouped_mm).bind("x", "w", "offsets", "fc1")

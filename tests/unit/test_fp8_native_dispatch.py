@@ -1,0 +1,104 @@
+"""The native FP8 grouped GEMM's dispatch, run on CPU: per-expert ``torch._scaled_mm`` (CPU has
+it) against a reference ``torch._scaled_grouped_mm`` (CUDA only, so a dequantizing stand-in
+here), the accumulation flag each GEMM receives, and the weight cache inside training."""
+
+import pytest
+import torch
+
+from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights
+from lightning_moe.precision import scaled_mm
+
+
+def _fake_grouped(calls):
+    """``torch._scaled_grouped_mm`` semantics for the two layouts the backend uses, in fp32."""
+
+    def run(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
+        calls.append(use_fast_accum)
+        ends = offs.tolist()
+        starts = [0] + ends[:-1]
+        if b.dim() == 3:  # [R, K] x [E, K, N], per-row / per-(expert, column) scales
+            out = torch.zeros(a.shape[0], b.shape[2])
+            for e, (s, t) in enumerate(zip(starts, ends)):
+                out[s:t] = (a[s:t].float() * scale_a[s:t, None]) @ (b[e].float() * scale_b[e][None])
+            return out.to(out_dtype)
+        k, n = a.shape[0], b.shape[1]  # [K, R] x [R, N], group-major scales
+        out = torch.zeros(len(ends), k, n)
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            out[e] = (a[:, s:t].float() * scale_a[e * k:(e + 1) * k, None]) @ (
+                b[s:t].float() * scale_b[e * n:(e + 1) * n][None])
+        return out.to(out_dtype)
+
+    return run
+
+
+def _recording_scaled_mm(calls):
+    real = torch._scaled_mm
+
+    def run(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+
+    return run
+
+
+def _step(recipe, offsets):
+    torch.manual_seed(0)
+    x = torch.randn(int(offsets[-1]), 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(3, 64, 32) / 8).requires_grad_(True)
+    y = scaled_mm.scaled_grouped_mm(x, w, offsets, recipe, None, weight_key=("experts", "fc1"))
+    y.float().square().sum().backward()
+    return y.detach().float(), x.grad.float(), w.grad.float()
+
+
+@pytest.mark.parametrize("fast", [None, ("fprop", "dgrad", "wgrad")])
+def test_per_expert_gemms_match_the_grouped_kernel_and_honour_the_accumulation(monkeypatch, fast):
+    recipe = FP8Recipe("rowwise", fast_accumulation=fast)
+    offsets = torch.tensor([32, 32, 80], dtype=torch.int32)  # expert 1 has no tokens
+    grouped_calls, single_calls = [], []
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped(grouped_calls))
+    monkeypatch.setattr(torch, "_scaled_mm", _recording_scaled_mm(single_calls))
+
+    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 0)
+    grouped = _step(recipe, offsets)
+    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)
+    per_expert = _step(recipe, offsets)
+
+    expected = [recipe.fast(g) for g in ("fprop", "dgrad", "wgrad")]
+    assert grouped_calls == expected
+    # per expert: fprop and dgrad skip the empty expert (2 calls each), wgrad zero-fills it
+    assert single_calls == [expected[0]] * 2 + [expected[1]] * 2 + [expected[2]] * 2
+    for a, b in zip(per_expert, grouped):
+        assert float((a - b).norm() / b.norm()) < 1e-2
+    assert not per_expert[2][1].any()  # the empty expert has no weight gradient
+
+
+def test_cached_weights_are_reused_across_micro_batches_and_give_the_same_result(monkeypatch):
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped([]))
+    offsets = torch.tensor([32, 48, 80], dtype=torch.int32)
+    recipe = FP8Recipe("rowwise")
+    plain = _step(recipe, offsets)
+    cache = FP8WeightCache()
+    with caching_fp8_weights(cache):
+        first = _step(recipe, offsets)
+    with caching_fp8_weights(cache):
+        second = _step(recipe, offsets)  # a new weight tensor: new storage, so a miss
+    assert cache.misses == 4 and cache.hits == 0
+    for a, b, c in zip(plain, first, second):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+    torch.manual_seed(0)
+    x = torch.randn(80, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(3, 64, 32) / 8).requires_grad_(True)
+    cache = FP8WeightCache()
+    with caching_fp8_weights(cache):
+        for _ in range(2):  # two micro-batches on the same weight
+            scaled_mm.scaled_grouped_mm(x, w, offsets, recipe, None, ("experts", "fc1")).float().sum().backward()
+    assert (cache.misses, cache.hits) == (2, 2)  # forward and backward layouts, once each
+
+
+def test_host_group_ends_follow_in_place_updates():
+    offsets = torch.tensor([16, 32], dtype=torch.int32)
+    assert scaled_mm._host_group_ends(offsets, 2) == [16, 32]
+    offsets.copy_(torch.tensor([8, 32], dtype=torch.int32))
+    assert scaled_mm._host_group_ends(offsets, 2) == [8, 32]
+    assert scaled_mm._host_group_ends(offsets, scaled_mm.PER_EXPERT_MAX_EXPERTS + 1) is None
