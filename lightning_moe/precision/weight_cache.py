@@ -11,7 +11,9 @@ until the weight changes:
   capture): validation with swapped-in weights (EMA callbacks write through ``.data``, which
   no version counter sees) never leaves an entry behind;
 - an entry is also dropped when the weight's storage or in-place version counter moves (an
-  in-place update outside the optimizer; writes through ``.data`` are not seen).
+  in-place update outside the optimizer; writes through ``.data`` are not seen, nor a
+  parameter replaced between two micro-batches by a new tensor that lands at the same
+  address: replace parameters only between optimizer steps).
 
 Memory: one extra byte per parameter and layout (two layouts for most FP8 weights), plus the
 scales, held until the optimizer step. With FSDP that would be an unsharded copy of every

@@ -41,10 +41,15 @@ def _recording_scaled_mm(calls):
     return run
 
 
-def _step(recipe, offsets):
-    torch.manual_seed(0)
+def _weight(seed=0):
+    torch.manual_seed(seed)
+    return (torch.randn(3, 64, 32) / 8).requires_grad_(True)
+
+
+def _step(recipe, offsets, w=None):
+    w = _weight() if w is None else w
+    torch.manual_seed(1)
     x = torch.randn(int(offsets[-1]), 64, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(3, 64, 32) / 8).requires_grad_(True)
     y = scaled_mm.scaled_grouped_mm(x, w, offsets, recipe, None, weight_key=("experts", "fc1"))
     y.float().square().sum().backward()
     return y.detach().float(), x.grad.float(), w.grad.float()
@@ -76,24 +81,23 @@ def test_cached_weights_are_reused_across_micro_batches_and_give_the_same_result
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped([]))
     offsets = torch.tensor([32, 48, 80], dtype=torch.int32)
     recipe = FP8Recipe("rowwise")
-    plain = _step(recipe, offsets)
+    w, other = _weight(0), _weight(1)  # both alive: different storage
+    plain, plain_other = _step(recipe, offsets, w), _step(recipe, offsets, other)
     cache = FP8WeightCache()
     with caching_fp8_weights(cache):
-        first = _step(recipe, offsets)
-    with caching_fp8_weights(cache):
-        second = _step(recipe, offsets)  # a new weight tensor: new storage, so a miss
-    assert cache.misses == 4 and cache.hits == 0
+        first = _step(recipe, offsets, w)  # forward and backward layouts quantized: 2 misses
+        second = _step(recipe, offsets, w)  # the next micro-batch: 2 hits
+        replaced = _step(recipe, offsets, other)  # same owner, another tensor: 2 misses
+    assert (cache.misses, cache.hits) == (4, 2)
     for a, b, c in zip(plain, first, second):
         assert torch.equal(a, b) and torch.equal(a, c)
-
-    torch.manual_seed(0)
-    x = torch.randn(80, 64, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(3, 64, 32) / 8).requires_grad_(True)
-    cache = FP8WeightCache()
+    for a, b in zip(plain_other, replaced):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        w.add_(1.0)  # the optimizer's in-place update moves the version counter
     with caching_fp8_weights(cache):
-        for _ in range(2):  # two micro-batches on the same weight
-            scaled_mm.scaled_grouped_mm(x, w, offsets, recipe, None, ("experts", "fc1")).float().sum().backward()
-    assert (cache.misses, cache.hits) == (2, 2)  # forward and backward layouts, once each
+        _step(recipe, offsets, w)
+    assert cache.misses == 6
 
 
 def test_host_group_ends_follow_in_place_updates():
