@@ -63,19 +63,19 @@ if has fp8; then
   say "moe_block native rowwise"
   run python3 benchmarks/moe_block.py --precision rowwise --iters 20 --tag "grouped_mm_rowwise"
 fi
+# curve_pair MICRO_BATCH SUFFIX NAME FP8_FLAGS...: 300 steps in bf16 and in FP8 on the corpus,
+# then compared (train_step_curve_{bf16,NAME}SUFFIX.json, curves_fp8_NAME_vs_bf16SUFFIX.json)
+curve_pair() {
+  local mb="$1" suffix="$2" name="$3"; shift 3
+  local common="--data corpus --skip-bare --steps 300 --warmup 0 --micro-batch $mb --layers 2"
+  say "curves bf16, micro-batch $mb"; run python3 benchmarks/train_step.py $common --tag "curve_bf16$suffix"
+  say "curves $name, micro-batch $mb"; run python3 benchmarks/train_step.py $common "$@" --tag "curve_$name$suffix"
+  run python3 benchmarks/compare_curves.py "benchmarks/results/train_step_curve_bf16$suffix.json" \
+    "benchmarks/results/train_step_curve_$name$suffix.json" --tag "fp8_${name}_vs_bf16$suffix"
+}
 if has curves; then
-  common="--data corpus --skip-bare --steps 300 --warmup 0 --micro-batch 1 --layers 2"
-  say "curves bf16"; run python3 benchmarks/train_step.py $common --tag curve_bf16
-  say "curves tensorwise"
-  run python3 benchmarks/train_step.py $common --precision tensorwise --expert-backend te --tag curve_tensorwise
-  run python3 benchmarks/compare_curves.py benchmarks/results/train_step_curve_bf16.json \
-    benchmarks/results/train_step_curve_tensorwise.json --tag fp8_tensorwise_vs_bf16
-  mb4="--data corpus --skip-bare --steps 300 --warmup 0 --micro-batch 4 --layers 2"
-  say "curves bf16, micro-batch 4"; run python3 benchmarks/train_step.py $mb4 --tag curve_bf16_mb4
-  say "curves native rowwise, micro-batch 4"
-  run python3 benchmarks/train_step.py $mb4 --precision rowwise --fp8-backend torch --tag curve_rowwise_mb4
-  run python3 benchmarks/compare_curves.py benchmarks/results/train_step_curve_bf16_mb4.json \
-    benchmarks/results/train_step_curve_rowwise_mb4.json --tag fp8_rowwise_vs_bf16_mb4
+  curve_pair 1 "" tensorwise --precision tensorwise --expert-backend te
+  curve_pair 4 "_mb4" rowwise --precision rowwise --fp8-backend torch
 fi
 say "done"
 if [ -n "$RETURN_DIR" ]; then

@@ -20,12 +20,26 @@ def _grads(x, w, offsets, recipe):
     return y.float(), x.grad.float(), w.grad.float()
 
 
+@pytest.fixture
+def host_syncs(monkeypatch):
+    """Counts ``Tensor.tolist`` calls (the per-expert path's host sync)."""
+    calls = {"n": 0}
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        calls["n"] += 1
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    return calls
+
+
 def _rel(a, b):
     return float((a.detach() - b.detach()).norm() / b.detach().norm())
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_per_expert_and_grouped_kernels_agree(monkeypatch, recipe):
+def test_per_expert_and_grouped_kernels_agree(monkeypatch, host_syncs, recipe):
     from lightning_moe.precision import scaled_mm
 
     torch.manual_seed(0)
@@ -34,20 +48,12 @@ def test_per_expert_and_grouped_kernels_agree(monkeypatch, recipe):
     offsets = torch.tensor([128, 128, 304, 496], device="cuda", dtype=torch.int32)
     x = torch.randn(512, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(experts, k, n, device="cuda") / k**0.5).requires_grad_(True)
-    calls = {"host_sync": 0}
-    tolist = torch.Tensor.tolist
-
-    def counting_tolist(t):
-        calls["host_sync"] += 1
-        return tolist(t)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
     monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)
     y_pe, dx_pe, dw_pe = _grads(x, w, offsets, recipe)
-    assert calls["host_sync"] == 1  # forward only; the backward reuses the host list
+    assert host_syncs["n"] == 1  # forward only; the backward reuses the host list
     monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 0)
     y_g, dx_g, dw_g = _grads(x, w, offsets, recipe)
-    assert calls["host_sync"] == 1
+    assert host_syncs["n"] == 1
 
     valid = slice(0, 496)
     assert _rel(y_pe[valid], y_g[valid]) < 1e-2
@@ -81,30 +87,22 @@ def test_fast_accumulation_everywhere_stays_fp8_accurate(monkeypatch, per_expert
         assert _rel(got, same_quant) < 1e-2  # the accumulator adds little to the quantization error
 
 
-def test_one_host_sync_per_layer_forward(monkeypatch):
+def test_one_host_sync_per_layer_forward(host_syncs):
     """Both expert projections share one offsets tensor: per-expert GEMMs sync once per forward."""
     from lightning_moe.nn import MoEConfig, MoELayer
     from lightning_moe.precision import FP8Precision
 
-    calls = {"n": 0}
-    tolist = torch.Tensor.tolist
-
-    def counting_tolist(t):
-        calls["n"] += 1
-        return tolist(t)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=4, router_topk=2, expert_alignment=16)
     x = torch.randn(2, 64, 256, device="cuda")
     bf16 = MoELayer(cfg).cuda()
     with torch.autocast("cuda", torch.bfloat16):
         bf16(x).float().sum().backward()
-    baseline = calls["n"]
+    baseline = host_syncs["n"]
     layer = MoELayer(cfg).cuda()
     plugin = FP8Precision(recipe="rowwise", backend="torch")
     plugin.convert_module(layer)
     with plugin.forward_context():
         y = layer(x)
     y.float().sum().backward()
-    assert calls["n"] - baseline == baseline + 1
+    assert host_syncs["n"] - baseline == baseline + 1
