@@ -180,8 +180,9 @@ def fp8_linear(
         backend: "emulated", "torch" or "auto" (see `resolve_backend`).
         state: delayed-scaling buffers (required by the "delayed" recipe).
         weight_key: a name for ``weight`` that lives as long as it does (e.g. ``(id(module),
-            "weight")``): inside `caching_fp8_weights` the "torch" backend then quantizes it
-            once per weight state instead of every call. None: no caching.
+            "weight")``): in training passes inside `caching_fp8_weights` the "torch" backend
+            then quantizes it once per weight state instead of every call (evaluation, no-grad
+            and inference-mode calls never use the cache). None: no caching.
     Returns:
         ``[..., N]`` in the autocast dtype when autocast is on, else in ``x.dtype``.
     """

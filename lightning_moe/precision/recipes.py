@@ -105,10 +105,11 @@ class FP8Recipe:
         if isinstance(self.fast_accumulation, str):
             raise ValueError(f"fast_accumulation is a sequence of GEMM names, e.g. ('fprop', 'wgrad'); "
                              f"got the string {self.fast_accumulation!r}.")
-        unknown = set(self.fast_accumulation) - {"fprop", "dgrad", "wgrad"}
+        names = tuple(self.fast_accumulation)  # once: the argument may be an iterator
+        unknown = set(names) - {"fprop", "dgrad", "wgrad"}
         if unknown:
             raise ValueError(f"fast_accumulation takes 'fprop', 'dgrad' and 'wgrad'; got {sorted(unknown)}.")
-        self.fast_accumulation = tuple(g for g in ("fprop", "dgrad", "wgrad") if g in self.fast_accumulation)
+        self.fast_accumulation = tuple(g for g in ("fprop", "dgrad", "wgrad") if g in names)
         if self.fast_accumulation and self.name not in ("tensorwise", "rowwise", "delayed"):
             raise ValueError(
                 f"The {self.name} recipe accumulates in fp32 (split accumulation) by design; "

@@ -192,10 +192,12 @@ def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if experts > PER_EXPERT_MAX_EXPERTS or capturing:
         return None
-    version, ends = getattr(offsets_E, "_host_ends", (None, None))
-    if ends is None or version != offsets_E._version:
+    # Inference tensors (Lightning's evaluation loops) have no version counter.
+    version = None if offsets_E.is_inference() else offsets_E._version
+    cached_version, ends = getattr(offsets_E, "_host_ends", (None, None))
+    if ends is None or cached_version != version:
         ends = offsets_E.tolist()  # host sync: each expert's _scaled_mm call needs its row count
-        offsets_E._host_ends = (offsets_E._version, ends)
+        offsets_E._host_ends = (version, ends)
     return ends
 
 

@@ -65,9 +65,10 @@ def _step(recipe, offsets, w=None):
     w = _weight() if w is None else w
     torch.manual_seed(1)
     x = torch.randn(int(offsets[-1]), 64, dtype=torch.bfloat16, requires_grad=True)
+    w.grad = None
     y = scaled_mm.scaled_grouped_mm(x, w, offsets, recipe, None, weight_key=("experts", "fc1"))
     y.float().square().sum().backward()
-    return y.detach().float(), x.grad.float(), w.grad.float()
+    return y.detach().float(), x.grad.float(), w.grad.clone()
 
 
 @needs_cpu_rowwise
@@ -115,6 +116,26 @@ def test_cached_weights_are_reused_across_micro_batches_and_give_the_same_result
     with caching_fp8_weights(cache):
         _step(recipe, offsets, w)
     assert cache.misses == 6
+
+
+def test_evaluation_calls_neither_fill_nor_read_the_cache(monkeypatch):
+    """Decided where the GEMM is called: no_grad and inference-mode passes (Lightning's
+    evaluation loops, whose offsets are inference tensors) quantize afresh and cache nothing."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped([]))
+    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)  # the host-ends path too
+    recipe = FP8Recipe("tensorwise")
+    w, dense = _weight(), torch.randn(16, 64, requires_grad=True)
+    x = torch.randn(80, 64, dtype=torch.bfloat16)
+    cache = FP8WeightCache()
+    with caching_fp8_weights(cache):
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                offsets = torch.tensor([32, 48, 80], dtype=torch.int32)
+                y = scaled_mm.scaled_grouped_mm(x, w, offsets, recipe, None, ("experts", "fc1"))
+                scaled_mm.scaled_linear(x, dense, None, recipe, None, ("dense", "weight"))
+        assert len(cache) == 0 and cache.misses == 0
+        scaled_mm.scaled_linear(x, dense, None, recipe, None, ("dense", "weight"))  # a training pass
+    assert len(cache) == 1 and y.shape == (80, 32)
 
 
 def test_host_group_ends_follow_in_place_updates():
