@@ -40,7 +40,7 @@ def test_print_config_resolves_the_example_config(capsys):
         "lightning_moe.callbacks.MoEThroughput",
         "lightning.pytorch.callbacks.ModelCheckpoint",
     ]
-    for config in ("small_gpu.yaml", "ep2_gpu.yaml", "ep2_cpu.yaml"):
+    for config in ("small_gpu.yaml", "small_gpu_fp8.yaml", "ep2_gpu.yaml", "ep2_cpu.yaml"):
         with pytest.raises(SystemExit):
             MoECLI(args=["fit", "--config", str(CONFIGS / config), "--print_config"])
         assert yaml.safe_load(capsys.readouterr().out)["model"]["config"] in ("tiny", "small")
@@ -183,3 +183,21 @@ def test_main_job_beats_the_unigram_entropy(tmp_path):
     ((_, val_loss),) = _column(rows, "val/loss")
     entropy = unigram_entropy_nats(load_corpus().val_tokens)
     assert val_loss < entropy - 0.3, (val_loss, entropy)
+
+
+def test_fp8_example_config_builds_its_plugin(tmp_path):
+    """examples/configs/small_gpu_fp8.yaml: the FP8 plugin with a nested FP8Recipe, no
+    precision flag beside it. On this CPU machine: the emulated backend, no weight cache."""
+    from lightning_moe.precision import FP8Precision
+
+    config = yaml.safe_load((CONFIGS / "small_gpu_fp8.yaml").read_text())
+    config["trainer"].update(accelerator="cpu", logger=False, callbacks=[])
+    plugin_args = config["trainer"]["plugins"][0]["init_args"]
+    plugin_args.update(backend="emulated", cache_fp8_weights=False, device="cpu")
+    path = tmp_path / "fp8.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = MoECLI(args=["--config", str(path), *QUIET], run=False)
+    plugin = cli.trainer.precision_plugin
+    assert isinstance(plugin, FP8Precision)
+    assert plugin.recipe.name == "rowwise" and plugin.recipe.fast_accumulation == ("fprop", "dgrad", "wgrad")
+    assert cli.trainer.accumulate_grad_batches == 2
