@@ -35,6 +35,18 @@ SHAPES = {
 }
 
 
+def _time_all(runs: dict, flops: int) -> dict:
+    """TFLOP/s of each named GEMM callable; an error (a kernel this torch lacks) is recorded."""
+    out = {}
+    for name, fn in runs.items():
+        try:
+            ms, _ = cuda_time_ms(fn, warmup=3, iters=10)
+            out[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
+        except Exception as error:
+            out[name] = {"error": f"{type(error).__name__}: {error}"[:200]}
+    return out
+
+
 def fprop(E: int, M: int, K: int, N: int) -> dict:
     flops = 2 * E * M * K * N
     x = torch.randn(E * M, K, device="cuda", dtype=torch.bfloat16)
@@ -61,14 +73,7 @@ def fprop(E: int, M: int, K: int, N: int) -> dict:
             torch._scaled_mm(xs[e], qw_ENK[e].t(), scale_a=sx[:M, None], scale_b=sw[e][None],
                              out_dtype=torch.bfloat16, use_fast_accum=True) for e in range(E)],
     }
-    out = {}
-    for name, fn in runs.items():
-        try:
-            ms, _ = cuda_time_ms(fn, warmup=3, iters=10)
-            out[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
-        except Exception as error:  # record which kernel this torch lacks
-            out[name] = {"error": f"{type(error).__name__}: {error}"[:200]}
-    return out
+    return _time_all(runs, flops)
 
 
 def wgrad(E: int, M: int, K: int, N: int) -> dict:
@@ -91,14 +96,7 @@ def wgrad(E: int, M: int, K: int, N: int) -> dict:
             torch._scaled_mm(qxt[:, e * M:(e + 1) * M], qdyt[:, e * M:(e + 1) * M].t(), scale_a=one,
                              scale_b=one, out_dtype=torch.bfloat16) for e in range(E)],
     }
-    out = {}
-    for name, fn in runs.items():
-        try:
-            ms, _ = cuda_time_ms(fn, warmup=3, iters=10)
-            out[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
-        except Exception as error:
-            out[name] = {"error": f"{type(error).__name__}: {error}"[:200]}
-    return out
+    return _time_all(runs, flops)
 
 
 def main() -> None:

@@ -30,11 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-
-def _storage_pointer(weight: Tensor) -> int:
-    """The address of the weight's local data (a DTensor reports 0 for itself)."""
-    to_local = getattr(weight, "to_local", None)
-    return (to_local() if to_local is not None else weight).data_ptr()
+from lightning_moe.nn.experts import local_tensor
 
 
 def caching_allowed(weight: Tensor) -> bool:
@@ -63,7 +59,8 @@ class FP8WeightCache:
 
     def get(self, owner: Hashable, weight: Tensor, layout: str, quantize: Callable[[], Any]) -> Any:
         """``quantize()``'s result for this weight and layout, computed at most once per weight state."""
-        stamp = (_storage_pointer(weight), weight._version, tuple(weight.shape), weight.dtype)
+        # the local shard's address: a DTensor reports 0 for itself
+        stamp = (local_tensor(weight).data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
         entry = self._entries.get((owner, layout))
         if entry is not None and entry[0] == stamp:
             self.hits += 1

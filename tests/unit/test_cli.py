@@ -25,6 +25,13 @@ def _bare_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-moe"])
 
 
+def _cli_from_yaml(tmp_path: Path, text: str, *args: str) -> MoECLI:
+    """``MoECLI(run=False)`` from a YAML config written to ``tmp_path``."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return MoECLI(args=["--config", str(path), *args, *QUIET], run=False)
+
+
 def test_print_config_resolves_the_example_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
         MoECLI(args=["fit", "--config", TINY, "--trainer.max_steps=7", "--print_config"])
@@ -61,30 +68,30 @@ def test_defaults_links_and_strategy_selection(tmp_path):
     )
     assert isinstance(cli.trainer.strategy, MegatronMoEStrategy)
 
-    config = tmp_path / "ep.yaml"
-    config.write_text(
+    cli = _cli_from_yaml(
+        tmp_path,
         "trainer:\n"
         "  strategy:\n"
         "    class_path: lightning_moe.MegatronMoEStrategy\n"
         "    init_args: {expert_parallel_size: 2, sharding: ddp}\n"
-        "data: {seq_length: 32, micro_batch_size: 2}\n"
+        "data: {seq_length: 32, micro_batch_size: 2}\n",
+        "--trainer.enable_checkpointing=false",
     )
-    cli = MoECLI(args=["--config", str(config), "--trainer.enable_checkpointing=false", *QUIET], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, MegatronMoEStrategy)
     assert strategy.sizes["expert_parallel_size"] == 2 and strategy.sharding == "ddp"
     assert cli.trainer.checkpoint_callback is None  # the default ModelCheckpoint was dropped, not an error
 
     # An inline model config (jsonargparse parses it as a ModelConfig) links like a preset.
-    inline = tmp_path / "inline.yaml"
-    inline.write_text(
+    cli = _cli_from_yaml(
+        tmp_path,
         "model:\n"
         "  config:\n"
         "    {vocab_size: 300, hidden_size: 32, num_layers: 1, num_attention_heads: 2,\n"
         "     moe: {hidden_size: 32, ffn_hidden_size: 16, num_experts: 4, router_topk: 2}}\n"
-        "data: {seq_length: 24, micro_batch_size: 2}\n"
+        "data: {seq_length: 24, micro_batch_size: 2}\n",
+        "--trainer.logger=false",
     )
-    cli = MoECLI(args=["--config", str(inline), "--trainer.logger=false", *QUIET], run=False)
     cfg = cli.model.model_config
     assert (cfg.max_seq_length, cfg.vocab_size, cfg.moe.num_experts) == (24, 300, 4)
 
@@ -194,9 +201,7 @@ def test_fp8_example_config_builds_its_plugin(tmp_path):
     config["trainer"].update(accelerator="cpu", logger=False, callbacks=[])
     plugin_args = config["trainer"]["plugins"][0]["init_args"]
     plugin_args.update(backend="emulated", cache_fp8_weights=False, device="cpu")
-    path = tmp_path / "fp8.yaml"
-    path.write_text(yaml.safe_dump(config))
-    cli = MoECLI(args=["--config", str(path), *QUIET], run=False)
+    cli = _cli_from_yaml(tmp_path, yaml.safe_dump(config))
     plugin = cli.trainer.precision_plugin
     assert isinstance(plugin, FP8Precision)
     assert plugin.recipe.name == "rowwise" and plugin.recipe.fast_accumulation == ("fprop", "dgrad", "wgrad")
