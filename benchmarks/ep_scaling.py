@@ -26,34 +26,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import cuda_time_ms, relative_error, write_results  # noqa: E402
+from benchmarks._profile import profile_step  # noqa: E402
 from benchmarks.moe_block import CASES, block_flops, build_layer  # noqa: E402
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-
-
-def kernel_profile(step) -> dict:
-    """One profiled step: NCCL share of GPU kernel time, summed kernel ms, and the top kernels.
-
-    Summed kernel time below the step's wall time means the GPU idled (host syncs, launch
-    gaps) or kernels overlapped on different streams.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in events)
-    nccl = sum(e.device_time_total for e in events if "nccl" in e.key.lower())
-    top = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:12]
-    return {
-        "nccl_share": nccl / total if total else 0.0,
-        "kernel_ms": total / 1e3,
-        "top_kernels": [{"name": e.key[:100], "ms": e.device_time_total / 1e3, "calls": e.count} for e in top],
-    }
 
 
 def worker(rank: int, world: int, port: int, cases: list[str], iters: int, chunks: int, queue) -> None:
@@ -92,7 +69,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, chunk
 
         torch.cuda.reset_peak_memory_stats()
         median_ms, _ = cuda_time_ms(step, warmup=5, iters=iters)
-        prof = kernel_profile(step)
+        prof = profile_step(step, top_kernels=12)
         times = [torch.tensor(median_ms, device="cuda") for _ in range(world)]
         dist.all_gather(times, torch.tensor(median_ms, device="cuda"))
         slowest = max(float(t) for t in times)  # the step ends when the slowest rank ends
@@ -103,7 +80,9 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, chunk
             "per_gpu_tflops": block_flops(c) / (slowest * 1e-3) / 1e12,
             "nccl_share": prof["nccl_share"],
             "kernel_ms_rank0": prof["kernel_ms"],
-            "top_kernels_rank0": prof["top_kernels"],
+            "wall_ms_rank0": prof["wall_ms"],
+            "top_kernels_rank0": prof["kernels"],
+            "idle_gaps_rank0": prof["idle_gaps"],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "rel_err_vs_ep1": err,
         }
@@ -141,7 +120,7 @@ def main(argv=None) -> None:
                   f"{r['per_gpu_tflops']:7.1f} TFLOP/s/GPU all-to-all share {r['nccl_share']*100:5.1f}% "
                   f"kernels {r['kernel_ms_rank0']:.2f} ms{err}", flush=True)
             for row in r["top_kernels_rank0"]:
-                print(f"      {row['ms']:7.2f} ms x{row['calls']:<4d} {row['name']}")
+                print(f"      {row['cuda_ms']:7.2f} ms x{row['calls']:<4d} {row['name']}")
     if "ep1" in results:
         for key, per_case in results.items():
             for name, r in per_case.items():

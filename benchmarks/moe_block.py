@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import cuda_time_ms, relative_error, write_results  # noqa: E402
+from benchmarks._profile import print_profile, profile_step  # noqa: E402
 from lightning_moe.nn import MoEConfig, MoELayer  # noqa: E402
 
 CASES = {
@@ -131,34 +132,6 @@ def run_case(name: str, c: dict, args) -> dict:
     return result
 
 
-def profile_step(step) -> dict:
-    """One profiled step: per-kernel CUDA time (top 25), the summed kernel time (below the
-    step's wall time = the GPU idled), and the host-side synchronizations and heaviest CPU ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    averages = prof.key_averages()
-    from torch.autograd import DeviceType
-
-    kernels = sorted((e for e in averages if e.device_type == DeviceType.CUDA),
-                     key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.device_time_total for e in kernels) or 1.0
-    syncs = [e for e in averages if "Synchronize" in e.key or e.key in ("aten::_local_scalar_dense", "aten::item")]
-    cpu_top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    return {
-        "kernel_ms": total / 1e3,
-        "kernels": [{"name": e.key[:120], "cuda_ms": e.device_time_total / 1e3, "share": e.device_time_total / total,
-                     "calls": e.count} for e in kernels[:25]],
-        "host_syncs": [{"name": e.key, "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3} for e in syncs],
-        "cpu_top": [{"name": e.key[:80], "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
-                    for e in cpu_top],
-    }
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -186,13 +159,7 @@ def main(argv=None) -> None:
             flush=True,
         )
         if "profile" in r:
-            p = r["profile"]
-            print(f"    kernels {p['kernel_ms']:.2f} ms of the step; host syncs: "
-                  + ", ".join(f"{s['name']} x{s['calls']} ({s['cpu_ms']:.2f} ms)" for s in p["host_syncs"]))
-            for row in p["kernels"][:12]:
-                print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:7.3f} ms x{row['calls']:<3d} {row['name'][:90]}")
-            for row in p["cpu_top"][:6]:
-                print(f"    cpu {row['self_cpu_ms']:7.3f} ms x{row['calls']:<4d} {row['name']}")
+            print_profile(r["profile"])
     tag = args.tag or f"{args.backend}_{args.precision}"
     path = write_results(f"moe_block_{tag}", {"cases": results})
     print(f"wrote {path}")

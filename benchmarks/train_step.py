@@ -94,7 +94,7 @@ def bare_loop(args) -> list[float]:
         losses.append(loss.detach())  # read once after the loop: no extra sync in the timed steps
     losses_list = torch.stack(losses).tolist()
     if args.profile:
-        from benchmarks.moe_block import profile_step
+        from benchmarks._profile import print_profile, profile_step
 
         batch = next(batches(args, vocab, 1, "cuda"))
 
@@ -104,8 +104,7 @@ def bare_loop(args) -> list[float]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        for row in profile_step(step)[:20]:
-            print(f"    {row['share']*100:5.1f}% {row['cuda_ms']:8.2f} ms x{row['calls']:<4d} {row['name'][:100]}")
+        print_profile(profile_step(step))
     del module, optimizer, scheduler
     torch.cuda.empty_cache()
     return times[args.warmup :], losses_list

@@ -17,6 +17,10 @@ write the float8 values once, already in the layout the GEMM wants, with the sam
 ends); one scale per (group, column) over the group's rows, written transposed per group at
 caller-chosen strides: the weight-gradient operands ``x^T`` / ``dy^T`` (``[C, R]``) and the
 forward weight ``[E, K, N] -> [E, N, K]`` (groups = experts) come from the same kernel.
+``dual_quantize``: both of the above from two reads of ``x`` instead of four (one amax pass
+for rows and group columns together, one pass writing both copies). Every operand that a
+GEMM and a transposed GEMM both consume needs the two copies: activations (forward or data
+gradient, and weight gradient) and weights (forward and data gradient).
 """
 
 from __future__ import annotations
@@ -82,6 +86,56 @@ def _group_column_kernel(
     tl.store(s_ptr + group.to(tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cmask)
 
 
+@triton.jit
+def _dual_amax_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, R, C, G,
+                      BR: tl.constexpr, BC: tl.constexpr):
+    # Program (group, column block): the group's column amax in registers, each row's amax by
+    # atomic max over the column blocks (abs values are >= 0, so float max is exact). Group G
+    # (one past the last) covers the rows after the last offset: rowwise only.
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + group, mask=group < G, other=R).to(tl.int64)
+    amax = tl.zeros([BC], dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        rmask = rows < end
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        a = tl.where(x == x, tl.abs(x), 0.0)  # x != x: NaN, ignored
+        amax = tl.maximum(amax, tl.max(a, 0))
+        tl.atomic_max(row_amax_ptr + rows, tl.max(a, 1), mask=rmask)
+    tl.store(col_amax_ptr + group.to(tl.int64) * C + cols, amax, mask=cmask & (group < G))
+
+
+@triton.jit
+def _dual_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
+                      R, C, G, stride_qc, stride_qg, BR: tl.constexpr, BC: tl.constexpr):
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    in_group = group < G
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + group, mask=in_group, other=R).to(tl.int64)
+    col_scale = _scale_from_amax(tl.load(col_amax_ptr + group.to(tl.int64) * C + cols, mask=cmask & in_group,
+                                         other=1.0))
+    out_base = group.to(tl.int64) * stride_qg
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        rmask = rows < end
+        m = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        row_scale = _scale_from_amax(tl.load(row_amax_ptr + rows, mask=rmask, other=1.0))
+        tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * row_scale[:, None]).to(tl.float8e4nv), mask=m)
+        tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
+                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
+        tl.store(s_row_ptr + rows, tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale),
+                 mask=rmask & (tl.program_id(1) == 0))
+    tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale),
+             mask=cmask & in_group)
+
+
 def rowwise_quantize(x_PL: Tensor) -> tuple[Tensor, Tensor]:
     """``[P, L]`` -> (float8_e4m3fn ``[P, L]``, fp32 ``scale_inv [P]``), one scale per row."""
     x_PL = x_PL.contiguous()
@@ -116,3 +170,31 @@ def group_column_quantize(
             BR=128, BC=block_c, num_warps=4,
         )
     return scale_inv
+
+
+def dual_quantize(
+    x_RC: Tensor, offsets_G: Tensor, out_col: Tensor, stride_out_col: int, stride_out_group: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`rowwise_quantize` and `group_column_quantize` of ``x [R, C]`` together, same numbers.
+
+    Returns (float8 ``[R, C]``, fp32 row ``scale_inv [R]``, fp32 group-column ``scale_inv
+    [G, C]``); the group-column copy goes to ``out_col`` as in `group_column_quantize`. Rows
+    past the last offset get their rowwise copy only.
+    """
+    x_RC = x_RC.contiguous()
+    rows, cols = x_RC.shape
+    groups = offsets_G.numel()
+    q_row = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x_RC.device)
+    s_row = torch.ones(rows, dtype=torch.float32, device=x_RC.device)
+    s_col = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
+    if rows and cols:
+        row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
+        col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
+        offsets_G = offsets_G.contiguous()
+        grid = (groups + 1, triton.cdiv(cols, 64))
+        _dual_amax_kernel[grid](x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64, num_warps=4)
+        _dual_cast_kernel[grid](x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows, cols,
+                                groups, stride_out_col, stride_out_group, BR=128, BC=64, num_warps=4)
+    elif groups:
+        s_col.fill_(1.0)
+    return q_row, s_row, s_col

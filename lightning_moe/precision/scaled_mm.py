@@ -70,11 +70,13 @@ class _ScaledLinear(torch.autograd.Function):
         out_dtype = compute_dtype(x)
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
-            if _fused_rowwise(recipe, state, x2):
-                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
-
-                qx, sx = rowwise_quantize(x2)
-                qw, sw = cached(cache, weight_key, weight, "dense_fprop_fused", lambda: rowwise_quantize(weight))
+            fused = _fused_rowwise(recipe, state, x2)
+            if fused:
+                # Both copies of each operand from one quantizer: the forward's, and the
+                # transposed one the backward needs (kept in FP8 instead of the bf16 input).
+                qx, sx, qx_t, sx_t = _fused_both(x2, _whole(x2))
+                qw, sw, qw_t, sw_t = cached(cache, weight_key, weight, "dense_fused",
+                                            lambda: _fused_both(weight, _whole(weight)))
             else:
                 qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
                 qw, sw, _, _ = cached(cache, weight_key, weight, "dense_fprop",
@@ -84,7 +86,11 @@ class _ScaledLinear(torch.autograd.Function):
                 y = y + bias.to(out_dtype)
         tensorwise = recipe.tile("input") == (None, None)
         # Tensorwise quantization does not depend on direction: keep the FP8 copies.
-        ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
+        if fused:
+            ctx.save_for_backward(qx_t, sx_t, qw_t, sw_t)
+        else:
+            ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
+        ctx.fused = fused
         ctx.tensorwise, ctx.recipe, ctx.state, ctx.cache, ctx.weight_key = tensorwise, recipe, state, cache, weight_key
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -100,16 +106,9 @@ class _ScaledLinear(torch.autograd.Function):
                 qx, sx, qw, sw = ctx.saved_tensors
                 qw_t, sw_t = qw.t().contiguous(), sw
                 qdy_t, sdy_t, qx_t, sx_t = qdy.t().contiguous(), sdy, qx.t().contiguous(), sx
-            elif _fused_rowwise(recipe, state, dy2):
-                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
-
-                x2, weight = ctx.saved_tensors
-                qdy, sdy = rowwise_quantize(dy2)
-                # Transposed operands: one group spanning all rows (tokens padded to 16 by zeros).
-                whole = lambda t: torch.full((1,), t.shape[0], dtype=torch.int32, device=t.device)  # noqa: E731
-                qw_t, sw_t = cached(ctx.cache, ctx.weight_key, weight, "dense_dgrad_fused", lambda: _fused_columns(weight, whole(weight)))
-                qdy_t, sdy_t = _fused_columns(dy2, whole(dy2))
-                qx_t, sx_t = _fused_columns(x2, whole(x2))
+            elif ctx.fused:
+                qx_t, sx_t, qw_t, sw_t = ctx.saved_tensors
+                qdy, sdy, qdy_t, sdy_t = _fused_both(dy2, _whole(dy2))
             else:
                 x2, weight = ctx.saved_tensors
                 qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
@@ -138,31 +137,45 @@ def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
     return recipe.name == "rowwise" and e4m3 and state is None and not recipe.power_2_scales and use_triton(t)
 
 
-def _fused_columns(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor]:
-    """``t^T`` quantized per (column, row group): (float8 ``[C, R]`` with ``R`` padded to 16 by
-    zero columns, group-major fp32 scales ``[G * C]``), the weight-gradient operand layout.
-    Tokens past the last group are not written: no GEMM reads them (the grouped kernels stop
-    at the last offset, the dense one's single group covers every token)."""
-    from lightning_moe.kernels.fp8_quant_triton import group_column_quantize
+def _whole(t_RC: Tensor) -> Tensor:
+    """One row group spanning every row of ``t`` (dense operands)."""
+    return torch.full((1,), t_RC.shape[0], dtype=torch.int32, device=t_RC.device)
+
+
+def _fused_both(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``t [R, C]`` quantized twice by one fused quantizer (two reads of ``t``):
+
+    - rowwise: (float8 ``[R, C]``, fp32 ``[R]``), the fprop / dgrad operand;
+    - ``t^T`` per (column, row group): (float8 ``[C, R]`` with ``R`` padded to 16 by zero
+      columns, group-major fp32 ``[G * C]``), the weight-gradient operand (dense: one group).
+
+    Tokens past the last group get no transposed copy: no GEMM reads them (the grouped kernels
+    stop at the last offset, the dense one's single group covers every token).
+    """
+    from lightning_moe.kernels.fp8_quant_triton import dual_quantize
 
     rows, cols = t_RC.shape
     padded = -(-rows // _ALIGN) * _ALIGN
     q_CR = torch.empty(cols, padded, dtype=torch.float8_e4m3fn, device=t_RC.device)
     q_CR[:, rows:].zero_()  # the contraction padding the dense GEMM reads
-    scale_inv_GC = group_column_quantize(t_RC, offsets_G, q_CR, stride_out_col=padded, stride_out_group=0)
-    return q_CR, scale_inv_GC.reshape(-1)
+    q_RC, s_R, s_GC = dual_quantize(t_RC, offsets_G, q_CR, stride_out_col=padded, stride_out_group=0)
+    return q_RC, s_R, q_CR, s_GC.reshape(-1)
 
 
-def _fused_weight_fprop(w_EKN: Tensor) -> tuple[Tensor, Tensor]:
-    """``w [E, K, N]`` quantized per (expert, output column) over K, stored ``[E, N, K]``."""
-    from lightning_moe.kernels.fp8_quant_triton import group_column_quantize
+def _fused_weight_both(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``w [E, K, N]`` quantized for both grouped GEMMs from two reads (one fused quantizer):
+
+    - fprop: per (expert, output column) over K, stored ``[E, N, K]``, scales ``[E, N]``;
+    - dgrad: per (expert, row k) over N, stored ``[E * K, N]``, scales ``[E * K]``.
+    """
+    from lightning_moe.kernels.fp8_quant_triton import dual_quantize
 
     experts, k, n = w_EKN.shape
     q_ENK = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn, device=w_EKN.device)
     ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
     # Row e*K + k, column n -> q[e, n, k] = e*N*K + n*K + k = (e*K + k) + n*K + e*K*(N-1).
-    scale_inv_EN = group_column_quantize(w_EKN.reshape(experts * k, n), ends, q_ENK, k, k * (n - 1))
-    return q_ENK, scale_inv_EN
+    q_dgrad, s_dgrad, s_EN = dual_quantize(w_EKN.reshape(experts * k, n), ends, q_ENK, k, k * (n - 1))
+    return q_ENK, s_EN, q_dgrad, s_dgrad
 
 
 def _per_row(scale_inv: Tensor, rows: Axis) -> Tensor:
@@ -249,11 +262,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
-            if _fused_rowwise(recipe, state, x):
-                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
-
-                qx, sx_R = rowwise_quantize(x)
-                qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop_fused", lambda: _fused_weight_fprop(w))
+            fused = _fused_rowwise(recipe, state, x)
+            if fused:
+                # Both copies of the input and of the weight from one fused quantizer each: the
+                # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
+                qx, sx_R, qx_t, sx_t = _fused_both(x, offsets)
+                qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, "grouped_fused",
+                                                        lambda: _fused_weight_both(w))
             else:
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
 
@@ -266,28 +281,30 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop", weight_fprop)
             ends = _host_group_ends(offsets, experts)
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
-        ctx.save_for_backward(x, w, offsets)
+        if fused:
+            ctx.save_for_backward(qx_t, sx_t, qw_dgrad, sw_EK, offsets)
+        else:
+            ctx.save_for_backward(x, w, offsets)
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
+        ctx.fused, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = fused, x.dtype, w.dtype, w.shape
         return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
-        x, w, offsets = ctx.saved_tensors
         recipe, state, ends = ctx.recipe, ctx.state, ctx.ends
-        experts, k, n = w.shape
+        experts, k, n = ctx.w_shape
+        offsets = ctx.saved_tensors[-1]
         torch._assert_async((offsets % _ALIGN == 0).all(),
                             "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
         with no_autocast(dy):
             dy = dy.contiguous()
-            if _fused_rowwise(recipe, state, dy):
-                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
-
-                qdy, sdy_R = rowwise_quantize(dy)
-                qw, sw_EK = cached(ctx.cache, ctx.weight_key, w, "grouped_dgrad_fused", lambda: rowwise_quantize(w.reshape(experts * k, n)))
-                qx_t, sx_t = _fused_columns(x, offsets)
-                qdy_t, sdy_t = _fused_columns(dy, offsets)
+            if ctx.fused:
+                qx_t, sx_t, qw, sw_EK, _ = ctx.saved_tensors
+                qdy, sdy_R, qdy_t, sdy_t = _fused_both(dy, offsets)
             else:
+                x, w, _ = ctx.saved_tensors
                 qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
+
                 def weight_dgrad() -> tuple[Tensor, Tensor]:
                     qw, sw, rw, _ = quantize_operand(w.reshape(experts * k, n), recipe, "weight", Layout(batch=experts),
                                                      state, True, E4M3)
@@ -305,7 +322,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                              fast=recipe.fast("dgrad"))
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
                                         fast=recipe.fast("wgrad"))
-        return dx.to(x.dtype), dw.to(w.dtype), None, None, None, None, None
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,

@@ -41,23 +41,47 @@ def test_rowwise_quantize_is_bit_exact(dtype):
     assert _same(q, q_ref)
 
 
-def test_group_columns_and_weight_layout_are_bit_exact():
-    from lightning_moe.precision.scaled_mm import _fused_columns, _fused_weight_fprop, _per_group_rows, _per_row
+def test_both_copies_of_an_operand_are_bit_exact():
+    from lightning_moe.precision.scaled_mm import _fused_both, _per_group_rows, _per_row
 
     x = _awkward(200, 96, torch.bfloat16)
-    offsets = torch.tensor([48, 48, 160, 200], device="cuda", dtype=torch.int32)  # one empty group
-    q_t, s_t = _fused_columns(x, offsets)
-    q_ref, s_ref, rows, _ = quantize_operand(x.t(), ROWWISE, "input", Layout(col_offsets=offsets), None, True, E4M3)
+    offsets = torch.tensor([48, 48, 160, 192], device="cuda", dtype=torch.int32)  # one empty group, 8 rows after
+    q, s, q_t, s_t = _fused_both(x, offsets)
+    q_ref, s_ref, _, _ = quantize_operand(x, ROWWISE, "input", native=True, fmt=E4M3)
+    assert torch.equal(s, s_ref[:, 0]) and _same(q, q_ref)  # every row, also those past the last group
+    q_ref, s_ref, rows, _ = quantize_operand(x[:192].t(), ROWWISE, "input", Layout(col_offsets=offsets), None, True, E4M3)
     assert torch.equal(s_t, _per_group_rows(s_ref, rows, 4))
     assert q_t.shape == (96, 208) and not q_t[:, 200:].view(torch.uint8).any()  # tokens padded to 16 with zeros
-    assert _same(q_t[:, :200], q_ref)
+    assert _same(q_t[:, :192], q_ref)
+
+
+def test_both_weight_layouts_are_bit_exact():
+    from lightning_moe.precision.scaled_mm import _fused_weight_both, _per_row
 
     w = torch.randn(4, 64, 48, device="cuda")
-    q_w, s_w = _fused_weight_fprop(w)
+    w[1, 3, 5] = 0.0
+    w[2] = 0.0  # an all-zero expert: scale 1
+    q_fprop, s_fprop, q_dgrad, s_dgrad = _fused_weight_both(w)
     q_ref, s_ref, rows, _ = quantize_operand(w.transpose(1, 2).reshape(4 * 48, 64), ROWWISE, "weight",
                                              Layout(batch=4), None, True, E4M3)
-    assert torch.equal(s_w, _per_row(s_ref, rows).view(4, 48))
-    assert _same(q_w.reshape(4 * 48, 64), q_ref)
+    assert torch.equal(s_fprop, _per_row(s_ref, rows).view(4, 48))
+    assert _same(q_fprop.reshape(4 * 48, 64), q_ref)
+    q_ref, s_ref, rows, _ = quantize_operand(w.reshape(4 * 64, 48), ROWWISE, "weight", Layout(batch=4), None, True, E4M3)
+    assert torch.equal(s_dgrad, _per_row(s_ref, rows))
+    assert _same(q_dgrad, q_ref)
+
+
+def test_dual_quantizer_equals_the_two_single_quantizers():
+    from lightning_moe.kernels.fp8_quant_triton import dual_quantize, group_column_quantize, rowwise_quantize
+
+    x = _awkward(700, 300, torch.bfloat16)  # column and row counts off the tile sizes
+    offsets = torch.tensor([0, 130, 130, 512, 690], device="cuda", dtype=torch.int32)
+    out, out_ref = (torch.zeros(300, 704, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2))
+    q, s, s_col = dual_quantize(x, offsets, out, 704, 0)
+    q_ref, s_ref = rowwise_quantize(x)
+    s_col_ref = group_column_quantize(x, offsets, out_ref, 704, 0)
+    assert torch.equal(s, s_ref) and torch.equal(s_col, s_col_ref)
+    assert _same(q, q_ref) and _same(out, out_ref)
 
 
 def _run(fn, inputs):

@@ -43,8 +43,9 @@ def test_cached_fp8_weights_train_identically(recipe):
     cached_losses, cached_params, cache = _train(recipe, cache=True)
     assert torch.equal(losses, cached_losses)
     assert all(torch.equal(a, b) for a, b in zip(params, cached_params))
-    # Per optimizer step: 2 expert projections x (forward, backward layout) + 2 shared-expert
-    # linears x (forward, and under rowwise a backward layout; tensorwise reuses the forward's
-    # FP8 copy); the second micro-batch hits every time.
-    per_step = 4 + (4 if recipe == "rowwise" else 2)
+    # Per optimizer step, rowwise: one entry per weight (2 expert projections, 2 shared-expert
+    # linears), holding both layouts from the fused quantizer; tensorwise: the expert
+    # projections' forward and backward layouts, the linears' forward copy (the backward reuses
+    # it). The second micro-batch hits every time.
+    per_step = 4 if recipe == "rowwise" else 4 + 2
     assert cache.misses == 3 * per_step and cache.hits == cache.misses
