@@ -68,6 +68,22 @@ def cuda_time_ms(fn: Callable[[], None], warmup: int = 5, iters: int = 20) -> tu
     return statistics.median(times), times
 
 
+def cuda_time_pipelined_ms(fn: Callable[[], None], warmup: int = 5, iters: int = 20) -> float:
+    """Mean milliseconds of ``fn`` over ``iters`` runs issued back to back (one CUDA event pair
+    around all of them): the CPU may run ahead of the GPU as in a training loop, so the time one
+    run takes to launch its first kernels is hidden unless ``fn`` itself waits for the GPU."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()  # host sync: read the elapsed time
+    return start.elapsed_time(end) / iters
+
+
 def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     """``||a - ref|| / ||ref||`` in float64."""
     a, ref = a.detach().double(), ref.detach().double()

@@ -1,6 +1,7 @@
 """Launch configurations of the fused FP8 quantizers, timed on the MoE block's operand shapes.
 
-    python benchmarks/fp8_quant_tune.py
+    python benchmarks/fp8_quant_tune.py           # rowwise and group-column kernels
+    python benchmarks/fp8_quant_tune.py --dual    # the dual quantizer's two kernels
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json``; the defaults in
@@ -30,9 +31,58 @@ GROUP_COLUMN = {
     "qwen3_w1_fprop": (128, 2048, 1536),
 }
 ROWWISE = {"mixtral_w1_dgrad": (8 * 4096, 28672), "mixtral_h": (16384, 14336), "qwen3_x": (131072, 2048)}
+# the dual quantizer (rowwise + group columns): name -> groups, rows per group, columns
+DUAL = {"mixtral_w1": (8, 4096, 28672), "mixtral_dh1": (8, 2048, 28672), "qwen3_x": (128, 1024, 2048)}
+
+
+def tune_dual() -> dict:
+    """Amax and cast kernels of `dual_quantize` timed apart: GB/s over one read (amax) and one
+    read plus two float8 writes (cast)."""
+    out = {}
+    for name, (groups, rows, cols) in DUAL.items():
+        x = torch.randn(groups * rows, cols, device="cuda", dtype=torch.bfloat16)
+        total = groups * rows
+        offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+        row_amax = torch.zeros(total, device="cuda")
+        col_amax = torch.empty(groups, cols, device="cuda")
+        q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
+        q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
+        s_row, s_col = torch.empty(total, device="cuda"), torch.empty(groups, cols, device="cuda")
+        rows_out = []
+        for br, bc, warps in itertools.product((64, 128, 256), (32, 64, 128, 256), (4, 8)):
+            grid = (groups + 1, triton.cdiv(cols, bc))
+
+            def amax():
+                fq._dual_amax_kernel[grid](x, offsets, row_amax, col_amax, total, cols, groups,
+                                           BR=br, BC=bc, num_warps=warps)
+
+            def cast():
+                fq._dual_cast_kernel[grid](x, offsets, row_amax, col_amax, q_row, s_row, q_col, s_col, total, cols,
+                                           groups, total, 0, BR=br, BC=bc, num_warps=warps)
+            row = {"BR": br, "BC": bc, "warps": warps}
+            try:
+                row["amax_ms"], _ = cuda_time_ms(amax, warmup=2, iters=5)
+                row["cast_ms"], _ = cuda_time_ms(cast, warmup=2, iters=5)
+            except Exception as error:  # a config that does not compile (registers, shared memory)
+                row["error"] = str(error)[:100]
+                rows_out.append(row)
+                continue
+            row["amax_gb_s"] = x.numel() * 2 / row["amax_ms"] / 1e6
+            row["cast_gb_s"] = x.numel() * 4 / row["cast_ms"] / 1e6
+            rows_out.append(row)
+        ok = [r for r in rows_out if "error" not in r]
+        out[name] = {"amax_best": sorted(ok, key=lambda r: r["amax_ms"])[:5],
+                     "cast_best": sorted(ok, key=lambda r: r["cast_ms"])[:5], "all": rows_out}
+        print(name, "amax", [(r["BR"], r["BC"], r["warps"], round(r["amax_gb_s"])) for r in out[name]["amax_best"][:3]],
+              "cast", [(r["BR"], r["BC"], r["warps"], round(r["cast_gb_s"])) for r in out[name]["cast_best"][:3]],
+              flush=True)
+    return out
 
 
 def main() -> None:
+    if "--dual" in sys.argv:
+        write_results("fp8_quant_tune_dual", {"results": tune_dual()})
+        return
     results = {"group_column": {}, "rowwise": {}}
     for name, (groups, rows, cols) in GROUP_COLUMN.items():
         x = torch.randn(groups * rows, cols, device="cuda", dtype=torch.bfloat16)
