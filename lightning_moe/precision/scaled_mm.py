@@ -72,11 +72,18 @@ class _ScaledLinear(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
             fused = _fused_rowwise(recipe, state, x2)
             if fused:
+                from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
+
                 # Both copies of each operand from one quantizer: the forward's, and the
                 # transposed one the backward needs (kept in FP8 instead of the bf16 input).
                 qx, sx, qx_t, sx_t = _fused_both(x2, _whole(x2))
-                qw, sw, qw_t, sw_t = cached(cache, weight_key, weight, "dense_fused",
-                                            lambda: _fused_both(weight, _whole(weight)))
+                if _caching(cache, weight_key):
+                    qw, sw, qw_t, sw_t = cached(cache, weight_key, weight, "dense_fused",
+                                                lambda: _fused_both(weight, _whole(weight)))
+                    weight_saved: tuple[Tensor, ...] = (qw_t, sw_t)
+                else:
+                    qw, sw = rowwise_quantize(weight)
+                    weight_saved = (weight,)  # see _caching: quantized again in the backward
             else:
                 qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
                 qw, sw, _, _ = cached(cache, weight_key, weight, "dense_fprop",
@@ -87,7 +94,7 @@ class _ScaledLinear(torch.autograd.Function):
         tensorwise = recipe.tile("input") == (None, None)
         # Tensorwise quantization does not depend on direction: keep the FP8 copies.
         if fused:
-            ctx.save_for_backward(qx_t, sx_t, qw_t, sw_t)
+            ctx.save_for_backward(qx_t, sx_t, *weight_saved)
         else:
             ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
         ctx.fused = fused
@@ -107,7 +114,11 @@ class _ScaledLinear(torch.autograd.Function):
                 qw_t, sw_t = qw.t().contiguous(), sw
                 qdy_t, sdy_t, qx_t, sx_t = qdy.t().contiguous(), sdy, qx.t().contiguous(), sx
             elif ctx.fused:
-                qx_t, sx_t, qw_t, sw_t = ctx.saved_tensors
+                qx_t, sx_t, *weight_saved = ctx.saved_tensors
+                if len(weight_saved) == 2:
+                    qw_t, sw_t = weight_saved
+                else:
+                    qw_t, sw_t = _fused_columns(weight_saved[0], _whole(weight_saved[0]))
                 qdy, sdy, qdy_t, sdy_t = _fused_both(dy2, _whole(dy2))
             else:
                 x2, weight = ctx.saved_tensors
@@ -137,6 +148,35 @@ def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
     return recipe.name == "rowwise" and e4m3 and state is None and not recipe.power_2_scales and use_triton(t)
 
 
+def _caching(cache: Optional[FP8WeightCache], weight_key: Optional[Hashable]) -> bool:
+    """Whether this weight's FP8 operands come from the weight cache.
+
+    With the cache both layouts are made at once (one fused quantizer, two reads) and kept
+    until the optimizer step anyway. Without it the forward makes only its own layout and the
+    backward the other from the weight: making both in the forward would hold an FP8 copy of
+    every layer's weights (1 byte per parameter) from the forward until the backward.
+    """
+    return cache is not None and weight_key is not None
+
+
+def _transposed_out(t_RC: Tensor) -> Tensor:
+    """Float8 ``[C, R]`` for ``t^T`` with ``R`` padded to 16 by zero columns (the padding is the
+    contraction the dense weight-gradient GEMM reads; the rest is written by a quantizer)."""
+    rows, cols = t_RC.shape
+    q_CR = torch.empty(cols, -(-rows // _ALIGN) * _ALIGN, dtype=torch.float8_e4m3fn, device=t_RC.device)
+    q_CR[:, rows:].zero_()
+    return q_CR
+
+
+def _fused_columns(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor]:
+    """The transposed half of `_fused_both` alone (its own quantizer: two reads of ``t``)."""
+    from lightning_moe.kernels.fp8_quant_triton import group_column_quantize
+
+    q_CR = _transposed_out(t_RC)
+    scale_inv_GC = group_column_quantize(t_RC, offsets_G, q_CR, stride_out_col=q_CR.shape[1], stride_out_group=0)
+    return q_CR, scale_inv_GC.reshape(-1)
+
+
 def _whole(t_RC: Tensor) -> Tensor:
     """One row group spanning every row of ``t`` (dense operands)."""
     return torch.full((1,), t_RC.shape[0], dtype=torch.int32, device=t_RC.device)
@@ -154,12 +194,27 @@ def _fused_both(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor, Tensor
     """
     from lightning_moe.kernels.fp8_quant_triton import dual_quantize
 
-    rows, cols = t_RC.shape
-    padded = -(-rows // _ALIGN) * _ALIGN
-    q_CR = torch.empty(cols, padded, dtype=torch.float8_e4m3fn, device=t_RC.device)
-    q_CR[:, rows:].zero_()  # the contraction padding the dense GEMM reads
-    q_RC, s_R, s_GC = dual_quantize(t_RC, offsets_G, q_CR, stride_out_col=padded, stride_out_group=0)
+    q_CR = _transposed_out(t_RC)
+    q_RC, s_R, s_GC = dual_quantize(t_RC, offsets_G, q_CR, stride_out_col=q_CR.shape[1], stride_out_group=0)
     return q_RC, s_R, q_CR, s_GC.reshape(-1)
+
+
+def _weight_as_groups(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """``w [E, K, N]`` as a group-column quantizer sees it: rows ``[E * K, N]`` grouped by
+    expert, and the float8 ``[E, N, K]`` fprop output with its (column, group) strides."""
+    experts, k, n = w_EKN.shape
+    q_ENK = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn, device=w_EKN.device)
+    ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
+    # Row e*K + k, column n -> q[e, n, k] = e*N*K + n*K + k = (e*K + k) + n*K + e*K*(N-1).
+    return w_EKN.reshape(experts * k, n), ends, q_ENK, k, k * (n - 1)
+
+
+def _fused_weight_fprop(w_EKN: Tensor) -> tuple[Tensor, Tensor]:
+    """The fprop half of `_fused_weight_both` alone: ``[E, N, K]`` per (expert, output column)."""
+    from lightning_moe.kernels.fp8_quant_triton import group_column_quantize
+
+    rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
+    return q_ENK, group_column_quantize(rows, ends, q_ENK, stride_col, stride_group)
 
 
 def _fused_weight_both(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -170,11 +225,8 @@ def _fused_weight_both(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """
     from lightning_moe.kernels.fp8_quant_triton import dual_quantize
 
-    experts, k, n = w_EKN.shape
-    q_ENK = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn, device=w_EKN.device)
-    ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
-    # Row e*K + k, column n -> q[e, n, k] = e*N*K + n*K + k = (e*K + k) + n*K + e*K*(N-1).
-    q_dgrad, s_dgrad, s_EN = dual_quantize(w_EKN.reshape(experts * k, n), ends, q_ENK, k, k * (n - 1))
+    rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
+    q_dgrad, s_dgrad, s_EN = dual_quantize(rows, ends, q_ENK, stride_col, stride_group)
     return q_ENK, s_EN, q_dgrad, s_dgrad
 
 
@@ -267,8 +319,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
                 qx, sx_R, qx_t, sx_t = _fused_both(x, offsets)
-                qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, "grouped_fused",
-                                                        lambda: _fused_weight_both(w))
+                if _caching(cache, weight_key):
+                    qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, "grouped_fused",
+                                                            lambda: _fused_weight_both(w))
+                    weight_saved: tuple[Tensor, ...] = (qw_dgrad, sw_EK)
+                else:
+                    qw_ENK, sw_EN = _fused_weight_fprop(w)
+                    weight_saved = (w,)  # see _caching: quantized again in the backward
             else:
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
 
@@ -282,7 +339,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             ends = _host_group_ends(offsets, experts)
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
         if fused:
-            ctx.save_for_backward(qx_t, sx_t, qw_dgrad, sw_EK, offsets)
+            ctx.save_for_backward(qx_t, sx_t, offsets, *weight_saved)
         else:
             ctx.save_for_backward(x, w, offsets)
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
@@ -293,13 +350,19 @@ class _ScaledGroupedMM(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
         recipe, state, ends = ctx.recipe, ctx.state, ctx.ends
         experts, k, n = ctx.w_shape
-        offsets = ctx.saved_tensors[-1]
+        offsets = ctx.saved_tensors[2]
         torch._assert_async((offsets % _ALIGN == 0).all(),
                             "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
         with no_autocast(dy):
             dy = dy.contiguous()
             if ctx.fused:
-                qx_t, sx_t, qw, sw_EK, _ = ctx.saved_tensors
+                qx_t, sx_t, _, *weight_saved = ctx.saved_tensors
+                if len(weight_saved) == 2:
+                    qw, sw_EK = weight_saved
+                else:
+                    from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
+
+                    qw, sw_EK = rowwise_quantize(weight_saved[0].reshape(experts * k, n))
                 qdy, sdy_R, qdy_t, sdy_t = _fused_both(dy, offsets)
             else:
                 x, w, _ = ctx.saved_tensors
