@@ -124,6 +124,8 @@ class FP8Summary:
     # Under "te": sharded (DTensor) linears converted in place on this backend instead.
     sharded_backend: Optional[str] = None
     sharded: list[str] = field(default_factory=list)
+    # Token-group padding the FP8 expert kernels need, set on every MoE layer's config (or None).
+    expert_alignment: Optional[int] = None
 
 
 def _is_grouped_experts(module: nn.Module) -> bool:
@@ -249,7 +251,28 @@ def configure_fp8(
         else:
             FP8Linear.convert(module, recipe, linear_backend)
         summary.converted.append(name)
+    if summary.te_experts or (summary.experts and summary.experts_backend != "emulated"):
+        summary.expert_alignment = pad_expert_groups(model, recipe.alignment)
     return summary
+
+
+def pad_expert_groups(model: nn.Module, alignment: int) -> int:
+    """Pad every MoE layer's expert token groups to a multiple of ``alignment`` (the FP8 /
+    MXFP8 / NVFP4 kernels' need: cuBLAS, ``torch._scaled_grouped_mm`` and TE's grouped GEMM
+    reject other group sizes). Raises ``MoEConfig.expert_alignment`` in place where it is
+    smaller, on the config object the layer's dispatcher reads (expert-parallel dispatchers are
+    built later from the same object); padding rows are zeros and cost only their GEMM rows.
+    Returns the alignment now in effect (the largest over the layers)."""
+    from lightning_moe.nn.config import MoEConfig
+
+    in_effect = alignment
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if isinstance(cfg, MoEConfig) and _is_grouped_experts(getattr(module, "experts", None) or nn.Module()):
+            # lcm of powers of two (the values MoEConfig accepts) is the larger one
+            cfg.expert_alignment = max(cfg.expert_alignment, alignment)
+            in_effect = max(in_effect, cfg.expert_alignment)
+    return in_effect
 
 
 def _experts_backend(recipe: FP8Recipe, backend: str, linear_backend: str, device: Optional[str]) -> str:

@@ -271,6 +271,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if layers:
             out["expert GEMM"] = layers[0].experts.backend
             out["token dispatch"] = layers[0].dispatcher.describe()
+            if layers[0].config.expert_alignment > 1:
+                out["expert groups"] = f"padded to {layers[0].config.expert_alignment} tokens"
         out["dense params"] = f"{self.sharding} over DP" if self.layout.data_parallel_size > 1 else "replicated (DP=1)"
         out["expert params"] = (
             f"{self.expert_sharding} over EDP" if self.layout.expert_data_parallel_size > 1 else "local (EDP=1)"

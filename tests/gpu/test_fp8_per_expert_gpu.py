@@ -106,3 +106,22 @@ def test_one_host_sync_per_layer_forward(host_syncs):
         y = layer(x)
     y.float().sum().backward()
     assert host_syncs["n"] - baseline == baseline + 1
+
+
+@pytest.mark.parametrize("experts", [4, 64])  # per-expert cuBLAS GEMMs / torch's grouped kernel
+def test_fp8_plugin_pads_the_expert_groups_the_kernels_need(experts):
+    """A layer built without alignment (as the model configs are) trains under the FP8 plugin:
+    cuBLAS rejected a 907-row expert group before the plugin padded the groups to 16."""
+    from lightning_moe import MoEConfig, MoELayer
+    from lightning_moe.precision import FP8Precision
+
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=experts, router_topk=2)).cuda()
+    plugin = FP8Precision(recipe="rowwise", backend="torch")
+    plugin.convert_module(layer)
+    assert layer.config.expert_alignment == 16 and plugin.summary.expert_alignment == 16
+    x = torch.randn(2, 999, 256, device="cuda", requires_grad=True)  # odd token count: odd group sizes
+    with plugin.forward_context():
+        y = layer(x)
+    y.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.experts.parameters())

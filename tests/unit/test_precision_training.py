@@ -288,3 +288,31 @@ def test_configure_twice_is_idempotent():
     second = configure_fp8(model, "tensorwise", "emulated")
     assert second.converted == first.converted and second.kept == first.kept
     assert type(model.in_proj) is FP8Linear  # not wrapped twice
+
+
+def test_fp8_kernels_get_their_expert_groups_padded(monkeypatch):
+    """The FP8 kernels (cuBLAS per expert, torch's grouped kernel, TE) reject token groups that
+    are not multiples of 16: converting an MoE layer for them pads its groups; the emulated
+    backend (no kernel) leaves the layer as it is."""
+    from lightning_moe import MoEConfig, MoELayer
+    from lightning_moe.precision import modules
+
+    def layer(alignment=1):
+        return MoELayer(MoEConfig(hidden_size=64, ffn_hidden_size=32, num_experts=4, router_topk=2,
+                                  expert_alignment=alignment))
+
+    emulated = layer()
+    assert configure_fp8(emulated, "rowwise", "emulated").expert_alignment is None
+    assert emulated.config.expert_alignment == 1
+
+    # what configure_fp8 does when the experts run on a kernel backend ("torch" needs CUDA here)
+    monkeypatch.setattr(modules, "_experts_backend", lambda *args: "torch")
+    native = layer()
+    summary = configure_fp8(native, "rowwise", "emulated")
+    assert summary.experts_backend == "torch" and summary.expert_alignment == 16
+    assert native.config.expert_alignment == 16 and native.dispatcher.cfg.expert_alignment == 16
+    x_TD = torch.randn(21, 64)
+    group_sizes = native.dispatcher.dispatch(x_TD, native.router(x_TD))[1]
+    assert (group_sizes % 16 == 0).all() and group_sizes.sum() >= 21 * 2
+    assert modules.pad_expert_groups(layer(32), 16) == 32  # a larger alignment stays
+    assert modules.pad_expert_groups(nn.Sequential(nn.Linear(4, 4)), 16) == 16  # no MoE layer: nothing to do
