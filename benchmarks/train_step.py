@@ -77,11 +77,13 @@ def bare_loop(args) -> list[float]:
     torch.cuda.synchronize()  # host sync: the first step's start
     last_end = time.perf_counter()
     for _ in range(args.warmup + args.steps):
+        window_loss = 0.0  # the optimizer step's mean loss over its micro-batches
         for _ in range(args.accumulate):
             batch = next(data)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = module.model.loss(batch["input_ids"], batch["labels"])
-            (loss / args.accumulate).backward()
+                loss = module.model.loss(batch["input_ids"], batch["labels"]) / args.accumulate
+            loss.backward()
+            window_loss = window_loss + loss.detach()
         if args.clip:
             torch.nn.utils.clip_grad_norm_(module.model.parameters(), args.clip)
         optimizer.step()
@@ -91,7 +93,7 @@ def bare_loop(args) -> list[float]:
         now = time.perf_counter()
         times.append(now - last_end)
         last_end = now
-        losses.append(loss.detach())  # read once after the loop: no extra sync in the timed steps
+        losses.append(window_loss)  # read once after the loop: no extra sync in the timed steps
     losses_list = torch.stack(losses).tolist()
     if args.profile:
         from benchmarks._profile import print_profile, profile_step
@@ -131,14 +133,20 @@ def lightning_run(args) -> list[float]:
                 torch.cuda.synchronize()  # host sync: the first step's start
                 self.last_end = time.perf_counter()
 
+        window_loss = 0.0
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # Lightning hands back each micro-batch's loss divided by the accumulation count, so
+            # their sum over the window is the optimizer step's mean loss (as the bare loop's).
+            self.window_loss = self.window_loss + outputs["loss"].detach()
             if (batch_idx + 1) % args.accumulate:
                 return
             torch.cuda.synchronize()  # host sync: end of the timed step (same in the bare loop)
             now = time.perf_counter()
             times.append(now - self.last_end)
             self.last_end = now
-            losses.append(outputs["loss"])
+            losses.append(self.window_loss)
+            self.window_loss = 0.0
 
     num_batches = (args.warmup + args.steps) * args.accumulate
     data = list(batches(args, module.model_config.vocab_size, num_batches, "cpu"))
