@@ -12,7 +12,8 @@
 # tetests (the TE tests alone, verbose), te (moe_block with TE experts), fp8native (native FP8:
 # GEMM ceilings, block with per-expert GEMMs / fast accumulation / cached weights), fp8
 # (fp8_gemm + moe_block FP8 recipes on TE experts and native rowwise), curves (300-step FP8 vs
-# BF16 loss curves on the embedded corpus, TE tensorwise at micro-batch 1, native rowwise at 4).
+# BF16 loss curves on the embedded corpus, TE tensorwise at micro-batch 1, native rowwise at 4),
+# noise (after curves: the bf16 micro-batch-4 curve against the same steps as 2 x 2 micro-batches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -76,6 +77,14 @@ curve_pair() {
 if has curves; then
   curve_pair 1 "" tensorwise --precision tensorwise --expert-backend te
   curve_pair 4 "_mb4" rowwise --precision rowwise --fp8-backend torch
+fi
+# noise: the bf16 curve against itself with each step's 4 sequences split into 2 x 2 micro-batches
+# (same sequences per step, another summation order): how far two bf16 runs drift apart
+if has noise; then
+  common="--data corpus --skip-bare --steps 300 --warmup 0 --layers 2"
+  say "curves bf16, 2 x 2"; run python3 benchmarks/train_step.py $common --micro-batch 2 --accumulate 2 --tag curve_bf16_mb2x2
+  run python3 benchmarks/compare_curves.py benchmarks/results/train_step_curve_bf16_mb4.json \
+    benchmarks/results/train_step_curve_bf16_mb2x2.json --tag bf16_mb2x2_vs_bf16_mb4
 fi
 say "done"
 if [ -n "$RETURN_DIR" ]; then

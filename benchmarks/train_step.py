@@ -164,6 +164,10 @@ def lightning_run(args) -> list[float]:
         accumulate_grad_batches=args.accumulate,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=args.clip, callbacks=[Timer()], num_sanity_val_steps=0, limit_val_batches=0,
+        # The micro-batches are already a deterministic stream: keep their order, as the bare
+        # loop does (a distributed strategy would otherwise get Lightning's shuffling sampler,
+        # whose permutation depends on the number of micro-batches).
+        use_distributed_sampler=False,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None, pin_memory=True))
     return times[args.warmup :], [float(x) for x in losses]
