@@ -19,6 +19,12 @@ float8 cast instead of the reference rounding, bit-identical), then:
 
 Accumulation per GEMM follows ``recipe.fast_accumulation`` (default: fast fprop, split dgrad /
 wgrad, as Transformer Engine).
+
+Rowwise operands on CUDA go through the fused Triton quantizers (`_fused_rowwise`): each
+activation is quantized once for both of its GEMMs (rowwise for fprop / dgrad, per expert group
+and transposed for the weight gradient), and the backward keeps that FP8 copy instead of the
+bf16 input. Weights take both layouts from one quantizer when the weight cache holds them;
+otherwise each pass quantizes its own layout (see `_caching`).
 """
 
 from __future__ import annotations
