@@ -26,3 +26,29 @@ def test_compare_rejects_mismatched_runs():
         compare([1.0] * 40, [1.0] * 41, window=10)
     with pytest.raises(ValueError, match="at least"):
         compare([1.0] * 15, [1.0] * 15, window=10)
+
+
+def test_idle_gaps_name_the_launch_behind_each_gap():
+    from benchmarks._profile import idle_gaps
+
+    def kernel(ts, dur, corr, name):
+        return {"cat": "kernel", "ts": ts, "dur": dur, "name": name, "args": {"correlation": corr}}
+
+    events = [
+        kernel(0, 10, 1, "gemm"),
+        kernel(5, 20, 2, "overlapping"),  # on another stream: no gap, the busy interval grows to 25
+        kernel(40, 10, 3, "late"),  # 15 us idle, launched 10 us into the gap: the CPU was late
+        kernel(51, 5, 4, "queued"),  # 1 us idle, launched long before: a dependency, not the CPU
+        {"cat": "cuda_runtime", "ts": 35, "dur": 3, "name": "cudaLaunchKernel", "args": {"correlation": 3}},
+        {"cat": "cuda_runtime", "ts": 1, "dur": 3, "name": "cudaLaunchKernel", "args": {"correlation": 4}},
+        {"cat": "cpu_op", "ts": 30, "dur": 20, "name": "MyBackward"},
+        {"cat": "cpu_op", "ts": 34, "dur": 4, "name": "aten::zeros"},
+        {"cat": "cpu_op", "ts": 60, "dur": 4, "name": "elsewhere"},
+    ]
+    wall_ms, gaps = idle_gaps(events)
+    assert wall_ms == pytest.approx(0.056)
+    assert [g["next_kernel"] for g in gaps] == ["late", "queued"]
+    assert gaps[0]["gap_ms"] == pytest.approx(0.015) and gaps[0]["launched_after_gap_start_ms"] == pytest.approx(0.010)
+    assert gaps[0]["cpu_stack"] == ["MyBackward", "aten::zeros"]
+    assert gaps[1]["launched_after_gap_start_ms"] < 0 and gaps[1]["cpu_stack"] == []
+    assert idle_gaps([]) == (0.0, [])
