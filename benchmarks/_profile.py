@@ -43,8 +43,9 @@ def idle_gaps(events: list[dict], top: int = 8) -> tuple[float, list[dict]]:
                      key=lambda e: e["ts"])
     if not kernels:
         return 0.0, []
+    # runtime launches (cudaLaunchKernel) and driver ones (cuLaunchKernelEx: Triton kernels)
     launches = {e["args"].get("correlation"): e for e in events
-                if e.get("cat") == "cuda_runtime" and "args" in e}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
     gaps = []
     end = kernels[0]["ts"] + kernels[0].get("dur", 0)

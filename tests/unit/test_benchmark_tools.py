@@ -40,7 +40,7 @@ def test_idle_gaps_name_the_launch_behind_each_gap():
         kernel(40, 10, 3, "late"),  # 15 us idle, launched 10 us into the gap: the CPU was late
         kernel(51, 5, 4, "queued"),  # 1 us idle, launched long before: a dependency, not the CPU
         {"cat": "cuda_runtime", "ts": 35, "dur": 3, "name": "cudaLaunchKernel", "args": {"correlation": 3}},
-        {"cat": "cuda_runtime", "ts": 1, "dur": 3, "name": "cudaLaunchKernel", "args": {"correlation": 4}},
+        {"cat": "cuda_driver", "ts": 1, "dur": 3, "name": "cuLaunchKernelEx", "args": {"correlation": 4}},
         {"cat": "cpu_op", "ts": 30, "dur": 20, "name": "MyBackward"},
         {"cat": "cpu_op", "ts": 34, "dur": 4, "name": "aten::zeros"},
         {"cat": "cpu_op", "ts": 60, "dur": 4, "name": "elsewhere"},
