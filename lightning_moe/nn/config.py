@@ -61,7 +61,9 @@ class MoEConfig:
         expert_backend: "auto", "grouped_mm" (``torch._grouped_mm``), "te" (Transformer
             Engine ``GroupedLinear``) or "loop" (per-expert reference).
         expert_alignment: pad each expert's token group to a multiple of this (1, 8, 16, 32,
-            128) for quantized GEMMs (``moe_router_padding_for_quantization``).
+            64, 128) for quantized GEMMs (``moe_router_padding_for_quantization``); under
+            ``pad_expert_input_to_capacity`` the capacity block is rounded up to it. The FP8
+            precision plugin raises it to its recipe's need on kernel backends.
         init_method_std: std of the normal initialisation of expert and router weights.
     """
 

@@ -72,8 +72,9 @@ def plan_permutation(
     """Build the permutation plan for ``experts_TK`` (int64 [T, K]) on its device, sync-free.
 
     ``keep_TK`` (bool [T, K]) marks assignments that survived capacity dropping. With
-    ``pad_to_capacity`` every expert gets exactly ``capacity`` rows; otherwise each expert's
-    group is rounded up to a multiple of ``alignment``.
+    ``pad_to_capacity`` every expert gets exactly ``capacity`` rows rounded up to a multiple of
+    ``alignment`` (at most ``capacity`` of them hold tokens); otherwise each expert's group is
+    rounded up to a multiple of ``alignment``.
 
     ``num_rows`` overrides the static buffer size when the caller already knows on the host how
     many rows the kept assignments need (the expert-parallel dispatchers read it with their
@@ -98,8 +99,9 @@ def plan_permutation(
     if pad_to_capacity:
         if capacity is None:
             raise ValueError("pad_to_capacity needs a capacity.")
-        group_sizes_E = torch.full((num_experts,), capacity, dtype=torch.long, device=device)
-        num_rows = num_experts * capacity
+        rows_per_expert = round_up(capacity, alignment)  # quantized GEMMs need aligned groups
+        group_sizes_E = torch.full((num_experts,), rows_per_expert, dtype=torch.long, device=device)
+        num_rows = num_experts * rows_per_expert
     elif alignment > 1:
         group_sizes_E = round_up(tokens_per_expert_E, alignment)
         # An upper bound, itself rounded up: padding rows join the last group, whose end must

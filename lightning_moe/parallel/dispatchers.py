@@ -393,6 +393,7 @@ class AllToAllDispatcher:
             routing.experts_TK,
             routing.num_experts,
             keep_TK=routing.keep_TK,
+            alignment=cfg.expert_alignment,
             capacity=routing.capacity,
             pad_to_capacity=True,
         )
@@ -402,7 +403,10 @@ class AllToAllDispatcher:
             x_RD = input_side_probs(x_RD, routing.probs_TK, plan)
             combine_probs_TK = torch.ones_like(routing.probs_TK)
 
-        counts_PSE, input_splits, rows_PS = self._static_counts(routing.capacity, x_TD.device)
+        # Each (source, expert) block is the capacity rounded up to the alignment, as in the plan.
+        counts_PSE, input_splits, rows_PS = self._static_counts(
+            round_up(routing.capacity, cfg.expert_alignment), x_TD.device
+        )
         output_splits = rows_PS[self.etp_rank]
         rows_per_peer = [sum(rows) for rows in rows_PS]
         num_received = rows_per_peer[self.etp_rank]
@@ -424,7 +428,7 @@ class AllToAllDispatcher:
         if self.etp_group is not None:
             # Each ETP rank holds partial sums (its FFN slice); sum them, keep this rank's rows.
             received_ND = reduce_scatter_rows(received_ND, self.etp_group)[: state.num_received]
-        # Every one of the E * capacity rows was sent (padding rows are zero), so the returned
+        # Every one of the E x aligned-capacity rows was sent (padding rows are zero), so the returned
         # rows are the whole permuted buffer.
         sent_RD = all_to_all_rows(received_ND, state.input_splits, state.output_splits, self.ep_group)
         return unpermute(sent_RD, state.combine_probs_TK, state.plan)

@@ -260,8 +260,10 @@ def pad_expert_groups(model: nn.Module, alignment: int) -> int:
     """Pad every MoE layer's expert token groups to a multiple of ``alignment`` (the FP8 /
     MXFP8 / NVFP4 kernels' need: cuBLAS, ``torch._scaled_grouped_mm`` and TE's grouped GEMM
     reject other group sizes). Raises ``MoEConfig.expert_alignment`` in place where it is
-    smaller, on the config object the layer's dispatcher reads (expert-parallel dispatchers are
-    built later from the same object); padding rows are zeros and cost only their GEMM rows.
+    smaller: every dispatcher, local or expert-parallel, holds the layer's config object by
+    reference and reads the alignment at each dispatch, so the order of expert-parallel setup and
+    this conversion does not matter. Padding rows are zeros and cost only their GEMM rows (under
+    ``pad_expert_input_to_capacity`` each expert's capacity block is rounded up the same way).
     Returns the alignment now in effect (the largest over the layers)."""
     from lightning_moe.nn.config import MoEConfig
 

@@ -86,10 +86,10 @@ class _ScaledLinear(torch.autograd.Function):
                 if _caching(cache, weight_key):
                     qw, sw, qw_t, sw_t = cached(cache, weight_key, weight, "dense_fused",
                                                 lambda: _fused_both(weight, _whole(weight)))
-                    weight_saved: tuple[Tensor, ...] = (qw_t, sw_t)
+                    cached_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_t, sw_t)
                 else:
                     qw, sw = rowwise_quantize(weight)
-                    weight_saved = (weight,)  # see _caching: quantized again in the backward
+                    cached_dgrad = None  # see _caching: quantized again in the backward
             else:
                 qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
                 qw, sw, _, _ = cached(cache, weight_key, weight, "dense_fprop",
@@ -100,7 +100,11 @@ class _ScaledLinear(torch.autograd.Function):
         tensorwise = recipe.tile("input") == (None, None)
         # Tensorwise quantization does not depend on direction: keep the FP8 copies.
         if fused:
-            ctx.save_for_backward(qx_t, sx_t, *weight_saved)
+            # The same tensors whether or not the cache holds the weight's other layout: an
+            # activation-checkpointing recompute runs outside the cache context and must save
+            # what the first forward saved. The cached layout rides on ctx (the cache keeps it).
+            ctx.save_for_backward(qx_t, sx_t, weight)
+            ctx.cached_dgrad = cached_dgrad
         else:
             ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
         ctx.fused = fused
@@ -120,11 +124,11 @@ class _ScaledLinear(torch.autograd.Function):
                 qw_t, sw_t = qw.t().contiguous(), sw
                 qdy_t, sdy_t, qx_t, sx_t = qdy.t().contiguous(), sdy, qx.t().contiguous(), sx
             elif ctx.fused:
-                qx_t, sx_t, *weight_saved = ctx.saved_tensors
-                if len(weight_saved) == 2:
-                    qw_t, sw_t = weight_saved
+                qx_t, sx_t, weight = ctx.saved_tensors
+                if ctx.cached_dgrad is not None:
+                    qw_t, sw_t = ctx.cached_dgrad
                 else:
-                    qw_t, sw_t = _fused_columns(weight_saved[0], _whole(weight_saved[0]))
+                    qw_t, sw_t = _fused_columns(weight, _whole(weight))
                 qdy, sdy, qdy_t, sdy_t = _fused_both(dy2, _whole(dy2))
             else:
                 x2, weight = ctx.saved_tensors
@@ -328,10 +332,10 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 if _caching(cache, weight_key):
                     qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, "grouped_fused",
                                                             lambda: _fused_weight_both(w))
-                    weight_saved: tuple[Tensor, ...] = (qw_dgrad, sw_EK)
+                    cached_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_dgrad, sw_EK)
                 else:
                     qw_ENK, sw_EN = _fused_weight_fprop(w)
-                    weight_saved = (w,)  # see _caching: quantized again in the backward
+                    cached_dgrad = None  # see _caching: quantized again in the backward
             else:
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
 
@@ -345,7 +349,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
             ends = _host_group_ends(offsets, experts)
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
         if fused:
-            ctx.save_for_backward(qx_t, sx_t, offsets, *weight_saved)
+            # Same tensors with and without the cache (see _ScaledLinear.forward).
+            ctx.save_for_backward(qx_t, sx_t, offsets, w)
+            ctx.cached_dgrad = cached_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
@@ -356,22 +362,24 @@ class _ScaledGroupedMM(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
         recipe, state, ends = ctx.recipe, ctx.state, ctx.ends
         experts, k, n = ctx.w_shape
-        offsets = ctx.saved_tensors[2]
+        # Unpacked once: activation checkpointing refuses a second unpack of a saved tensor.
+        saved = ctx.saved_tensors
+        offsets = saved[2]
         torch._assert_async((offsets % _ALIGN == 0).all(),
                             "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
         with no_autocast(dy):
             dy = dy.contiguous()
             if ctx.fused:
-                qx_t, sx_t, _, *weight_saved = ctx.saved_tensors
-                if len(weight_saved) == 2:
-                    qw, sw_EK = weight_saved
+                qx_t, sx_t, _, w = saved
+                if ctx.cached_dgrad is not None:
+                    qw, sw_EK = ctx.cached_dgrad
                 else:
                     from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
 
-                    qw, sw_EK = rowwise_quantize(weight_saved[0].reshape(experts * k, n))
+                    qw, sw_EK = rowwise_quantize(w.reshape(experts * k, n))
                 qdy, sdy_R, qdy_t, sdy_t = _fused_both(dy, offsets)
             else:
-                x, w, _ = ctx.saved_tensors
+                x, w, _ = saved
                 qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
 
                 def weight_dgrad() -> tuple[Tensor, Tensor]:

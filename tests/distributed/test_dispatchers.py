@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.moe_layer import MoELayer
+from lightning_moe.nn.permutation import round_up
 from lightning_moe.parallel.expert_parallel import expert_parallel_layer, shard_experts_for_etp
 
 BASE = dict(hidden_size=16, ffn_hidden_size=8, num_experts=8, router_topk=2)
@@ -37,6 +38,8 @@ ROUTING_CASES = {
     "capacity_drop": (dict(expert_capacity_factor=0.5), False),
     "capacity_drop_position": (dict(expert_capacity_factor=0.7, token_drop_policy="position"), False),
     "capacity_pad": (dict(expert_capacity_factor=1.0, pad_expert_input_to_capacity=True), False),
+    # capacity 3 padded to 8-row groups (FP8 kernels need aligned groups even at static capacity)
+    "capacity_pad_align8": (dict(expert_capacity_factor=1.0, pad_expert_input_to_capacity=True, expert_alignment=8), False),
     "align8_shared": (dict(expert_alignment=8, shared_expert_intermediate_size=12, shared_expert_gate=True), False),
     "gelu": (dict(activation="gelu"), False),
     "starved_align8": (dict(expert_alignment=8), True),
@@ -55,7 +58,7 @@ CASES_BY_LAYOUT = {
     "ep2": list(ROUTING_CASES),
     "ep4": ["k2_aux", "k4_sigmoid", "capacity_drop", "capacity_pad", "align8_shared", "gelu", "starved_align8",
             "chunks3_aux"],
-    "ep2_etp2": ["k2_aux", "k4_sigmoid", "capacity_drop", "capacity_pad", "align8_shared", "gelu", "starved_align8",
+    "ep2_etp2": ["k2_aux", "k4_sigmoid", "capacity_drop", "capacity_pad_align8", "align8_shared", "gelu", "starved_align8",
                  "chunks2_capacity_align8"],
     "ep1_etp2": ["k2_aux", "capacity_pad", "align8_shared"],
 }
@@ -158,7 +161,10 @@ def _run_parity(rank, world_size, layout, case, dispatcher, device="cpu"):
         assert int(group_sizes.sum()) == 0, "the starved EP rank must receive no rows"
     if overrides.get("pad_expert_input_to_capacity"):
         capacity = cfg.expert_capacity(num_tokens)
-        assert group_sizes.tolist() == [capacity * ep * etp] * (cfg.num_experts // ep)
+        # all-to-all: one aligned block per source; all-gather: one aligned block of all sources
+        rows = (round_up(capacity, align) * ep * etp if dispatcher == "alltoall"
+                else round_up(capacity * ep * etp, align))
+        assert group_sizes.tolist() == [rows] * (cfg.num_experts // ep)
     return int((group_sizes == 0).sum())
 
 

@@ -144,3 +144,28 @@ def test_host_group_ends_follow_in_place_updates():
     offsets.copy_(torch.tensor([8, 32], dtype=torch.int32))
     assert scaled_mm._host_group_ends(offsets, 2) == [8, 32]
     assert scaled_mm._host_group_ends(offsets, scaled_mm.PER_EXPERT_MAX_EXPERTS + 1) is None
+
+
+@needs_cpu_rowwise
+def test_activation_checkpointing_recomputes_outside_the_cache(monkeypatch):
+    """Non-reentrant checkpointing recomputes the forward during backward, outside the cache
+    context: the recompute must save what the first forward saved, and the gradients stay those
+    of a run without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped([]))
+    offsets = torch.tensor([32, 48, 80], dtype=torch.int32)
+    recipe = FP8Recipe("rowwise")
+    w = _weight(0)
+    plain = _step(recipe, offsets, w)
+    torch.manual_seed(1)
+    x = torch.randn(80, 64, dtype=torch.bfloat16, requires_grad=True)
+    w.grad = None
+    cache = FP8WeightCache()
+    with caching_fp8_weights(cache):
+        y = checkpoint(lambda t: scaled_mm.scaled_grouped_mm(t, w, offsets, recipe, None, weight_key=("experts", "fc1")),
+                       x, use_reentrant=False)
+    y.float().square().sum().backward()
+    assert torch.equal(y.detach().float(), plain[0]) and torch.equal(x.grad.float(), plain[1])
+    assert torch.equal(w.grad, plain[2])
+    assert cache.misses == 2  # forward and backward layouts of the first forward; the recompute has no cache

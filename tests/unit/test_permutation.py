@@ -49,6 +49,12 @@ def test_pad_to_capacity_gives_static_rows():
     plan = plan_permutation(experts, E, keep_TK=keep, capacity=C, pad_to_capacity=True)
     assert plan.num_rows == E * C
     assert torch.equal(plan.group_sizes_E, torch.full((E,), C))
+    # Quantized GEMMs need aligned groups: capacity 6 becomes 8 rows per expert, 2 of them zero.
+    aligned = plan_permutation(experts, E, keep_TK=keep, alignment=8, capacity=C, pad_to_capacity=True)
+    assert aligned.num_rows == E * 8 and torch.equal(aligned.group_sizes_E, torch.full((E,), 8))
+    x = torch.randn(T, 3)
+    rows = permute(x, aligned).view(E, 8, 3)
+    assert torch.equal(rows[:, :C], permute(x, plan).view(E, C, 3)) and not rows[:, C:].any()
 
 
 @pytest.mark.parametrize("alignment,drop", [(1, False), (1, True), (8, False), (16, True)])
