@@ -72,7 +72,7 @@ class _ScaledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
-                cache: Optional[FP8WeightCache]) -> Tensor:
+                cache: Optional[FP8WeightCache], needs_backward: bool) -> Tensor:
         out_dtype = compute_dtype(x)
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
@@ -82,7 +82,7 @@ class _ScaledLinear(torch.autograd.Function):
 
                 # Both copies of each operand from one quantizer: the forward's, and the
                 # transposed one the backward needs (kept in FP8 instead of the bf16 input).
-                qx, sx, qx_t, sx_t = _fused_both(x2, _whole(x2))
+                qx, sx, qx_t, sx_t = _fused_input(x2, _whole(x2), needs_backward)
                 if _caching(cache, weight_key):
                     qw, sw, qw_t, sw_t = cached(cache, weight_key, weight, "dense_fused",
                                                 lambda: _fused_both(weight, _whole(weight)))
@@ -140,13 +140,14 @@ class _ScaledLinear(torch.autograd.Function):
             dx = _mm(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=recipe.fast("dgrad"))
             dw = _mm(_pad_fp8(qdy_t), sdy_t, _pad_fp8(qx_t), sx_t, ctx.w_dtype, fast=recipe.fast("wgrad"))
             db = None if ctx.bias_dtype is None else dy2.float().sum(0).to(ctx.bias_dtype)
-        return dx.reshape(ctx.x_shape), dw, db, None, None, None, None
+        return dx.reshape(ctx.x_shape), dw, db, None, None, None, None, None
 
 
 def scaled_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
                   state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
     """FP8 ``x @ weight.T (+ bias)``; ``weight_key`` names the weight for an active `FP8WeightCache`."""
-    return _ScaledLinear.apply(x, weight, bias, recipe, state, weight_key, training_cache(weight))
+    return _ScaledLinear.apply(x, weight, bias, recipe, state, weight_key, training_cache(weight),
+                               _needs_backward(x, weight))
 
 
 def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
@@ -185,6 +186,24 @@ def _fused_columns(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor]:
     q_CR = _transposed_out(t_RC)
     scale_inv_GC = group_column_quantize(t_RC, offsets_G, q_CR, stride_out_col=q_CR.shape[1], stride_out_group=0)
     return q_CR, scale_inv_GC.reshape(-1)
+
+
+def _needs_backward(x: Tensor, weight: Tensor) -> bool:
+    """Whether this call will be differentiated: decided where the GEMM is called (inside an
+    autograd Function's forward grad mode is off and ``needs_input_grad`` ignores it)."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
+def _fused_input(
+    t_RC: Tensor, offsets_G: Tensor, needs_backward: bool
+) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The forward's rowwise copy of an activation, and its transposed copy only when a backward
+    will use it (evaluation and inference make one copy, not two)."""
+    if needs_backward:
+        return _fused_both(t_RC, offsets_G)
+    from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
+
+    return (*rowwise_quantize(t_RC), None, None)
 
 
 def _whole(t_RC: Tensor) -> Tensor:
@@ -320,7 +339,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
-                cache: Optional[FP8WeightCache]) -> Tensor:
+                cache: Optional[FP8WeightCache], needs_backward: bool) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
@@ -328,7 +347,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             if fused:
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
-                qx, sx_R, qx_t, sx_t = _fused_both(x, offsets)
+                qx, sx_R, qx_t, sx_t = _fused_input(x, offsets, needs_backward)
                 if _caching(cache, weight_key):
                     qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, "grouped_fused",
                                                             lambda: _fused_weight_both(w))
@@ -399,10 +418,11 @@ class _ScaledGroupedMM(torch.autograd.Function):
                              fast=recipe.fast("dgrad"))
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
                                         fast=recipe.fast("wgrad"))
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                       state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
     """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`."""
-    return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w))
+    return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w),
+                                  _needs_backward(x, w))

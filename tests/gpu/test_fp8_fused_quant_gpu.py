@@ -112,3 +112,31 @@ def test_gemms_identical_with_fused_and_generic_quantizers(monkeypatch):
             generic = _run(fn, inputs)
         for a, b in zip(fused, generic):
             assert torch.equal(a, b), name
+
+
+def test_evaluation_makes_only_the_forward_copy(monkeypatch):
+    """Without a backward to come (no_grad), activations get their rowwise copy only; the
+    forward's result is the same bits as in training."""
+    from lightning_moe.kernels import fp8_quant_triton
+    from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w_grouped = torch.randn(4, 256, 128, device="cuda", requires_grad=True)
+    w_dense = torch.randn(128, 256, device="cuda", requires_grad=True)
+    offsets = torch.tensor([128, 128, 384, 512], device="cuda", dtype=torch.int32)
+    calls = []
+    dual = fp8_quant_triton.dual_quantize
+    monkeypatch.setattr(fp8_quant_triton, "dual_quantize", lambda *a, **k: calls.append(1) or dual(*a, **k))
+
+    def forward():
+        return (fp8_grouped_mm(x, w_grouped, offsets, "rowwise", backend="torch"),
+                fp8_linear(x, w_dense, "rowwise", backend="torch"))
+
+    training = forward()
+    assert len(calls) == 2  # one dual quantization of x per GEMM
+    with torch.no_grad():
+        evaluation = forward()
+    assert len(calls) == 2
+    for a, b in zip(training, evaluation):
+        assert torch.equal(a, b)
