@@ -80,8 +80,8 @@ class _ScaledLinear(torch.autograd.Function):
             if fused:
                 from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
 
-                # Both copies of each operand from one quantizer: the forward's, and the
-                # transposed one the backward needs (kept in FP8 instead of the bf16 input).
+                # Both copies of the input made now: the forward's, and the transposed one the
+                # backward needs (kept in FP8 instead of the bf16 input).
                 qx, sx, qx_t, sx_t = _fused_input(x2, _whole(x2), needs_backward)
                 if _caching(cache, weight_key):
                     qw, sw, qw_t, sw_t = cached(cache, weight_key, weight, "dense_fused",
