@@ -44,6 +44,20 @@ def _scale_from_amax(amax):
 
 
 @triton.jit
+def _abs_ignoring_nan(x):
+    return tl.where(x == x, tl.abs(x), 0.0)  # x != x: NaN, which no amax counts
+
+
+@triton.jit
+def _group_bounds(offsets_ptr, group, G, R):
+    # Rows [start, end) of `group`; group G (one past the last) is the rows after the last
+    # offset, up to R.
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + group, mask=group < G, other=R).to(tl.int64)
+    return start, end
+
+
+@triton.jit
 def _rowwise_kernel(x_ptr, q_ptr, s_ptr, L, BL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * L
@@ -51,7 +65,7 @@ def _rowwise_kernel(x_ptr, q_ptr, s_ptr, L, BL: tl.constexpr):
     for c0 in range(0, L, BL):
         cols = c0 + tl.arange(0, BL)
         x = tl.load(x_ptr + base + cols, mask=cols < L, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.where(x == x, tl.abs(x), 0.0))  # x != x: NaN, ignored
+        amax = tl.maximum(amax, _abs_ignoring_nan(x))
     scale = _scale_from_amax(tl.max(amax, 0))
     for c0 in range(0, L, BL):
         cols = c0 + tl.arange(0, BL)
@@ -74,7 +88,7 @@ def _group_column_kernel(
         rows = r0 + tl.arange(0, BR)
         m = (rows[:, None] < end) & cmask[None, :]
         x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), 0.0), 0))
+        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
     scale = _scale_from_amax(amax)
     out_base = group.to(tl.int64) * stride_qg
     for r0 in range(start, end, BR):
@@ -95,15 +109,14 @@ def _dual_amax_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, R, C, G,
     group = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < C
-    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
-    end = tl.load(offsets_ptr + group, mask=group < G, other=R).to(tl.int64)
+    start, end = _group_bounds(offsets_ptr, group, G, R)
     amax = tl.zeros([BC], dtype=tl.float32)
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
         rmask = rows < end
         x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                     other=0.0).to(tl.float32)
-        a = tl.where(x == x, tl.abs(x), 0.0)  # x != x: NaN, ignored
+        a = _abs_ignoring_nan(x)
         amax = tl.maximum(amax, tl.max(a, 0))
         tl.atomic_max(row_amax_ptr + rows, tl.max(a, 1), mask=rmask)
     tl.store(col_amax_ptr + group.to(tl.int64) * C + cols, amax, mask=cmask & (group < G))
@@ -116,8 +129,7 @@ def _dual_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr,
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < C
     in_group = group < G
-    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
-    end = tl.load(offsets_ptr + group, mask=in_group, other=R).to(tl.int64)
+    start, end = _group_bounds(offsets_ptr, group, G, R)
     col_scale = _scale_from_amax(tl.load(col_amax_ptr + group.to(tl.int64) * C + cols, mask=cmask & in_group,
                                          other=1.0))
     out_base = group.to(tl.int64) * stride_qg
@@ -185,7 +197,7 @@ def dual_quantize(
     rows, cols = x_RC.shape
     groups = offsets_G.numel()
     q_row = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x_RC.device)
-    s_row = torch.ones(rows, dtype=torch.float32, device=x_RC.device)
+    s_row = torch.empty(rows, dtype=torch.float32, device=x_RC.device)  # every row written below
     s_col = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
     if rows and cols:
         row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
@@ -195,6 +207,7 @@ def dual_quantize(
         _dual_amax_kernel[grid](x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64, num_warps=4)
         _dual_cast_kernel[grid](x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows, cols,
                                 groups, stride_out_col, stride_out_group, BR=128, BC=64, num_warps=4)
-    elif groups:
+    else:  # nothing to scale
+        s_row.fill_(1.0)
         s_col.fill_(1.0)
     return q_row, s_row, s_col

@@ -269,8 +269,8 @@ def pad_expert_groups(model: nn.Module, alignment: int) -> int:
 
     in_effect = alignment
     for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if isinstance(cfg, MoEConfig) and _is_grouped_experts(getattr(module, "experts", None) or nn.Module()):
+        cfg, experts = getattr(module, "config", None), getattr(module, "experts", None)
+        if isinstance(cfg, MoEConfig) and experts is not None and _is_grouped_experts(experts):
             # lcm of powers of two (the values MoEConfig accepts) is the larger one
             cfg.expert_alignment = max(cfg.expert_alignment, alignment)
             in_effect = max(in_effect, cfg.expert_alignment)
