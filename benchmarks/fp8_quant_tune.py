@@ -1,7 +1,7 @@
 """Launch configurations of the fused FP8 quantizers, timed on the MoE block's operand shapes.
 
     python benchmarks/fp8_quant_tune.py           # rowwise and group-column kernels
-    python benchmarks/fp8_quant_tune.py --tiled   # the tiled amax and cast kernels (dual quantizer)
+    python benchmarks/fp8_quant_tune.py --dual    # the dual quantizer's two kernels
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json``; the defaults in
@@ -31,44 +31,34 @@ GROUP_COLUMN = {
     "qwen3_w1_fprop": (128, 2048, 1536),
 }
 ROWWISE = {"mixtral_w1_dgrad": (8 * 4096, 28672), "mixtral_h": (16384, 14336), "qwen3_x": (131072, 2048)}
-# the tiled kernels (dual: rowwise + group columns; columns only: the forward weight layout):
-# name -> groups, rows per group, columns, rowwise copy too
-TILED = {"mixtral_w1_fprop": (8, 4096, 28672, False), "mixtral_w2_fprop": (8, 14336, 4096, False),
-         "qwen3_w1_fprop": (128, 2048, 1536, False), "mixtral_h": (8, 2048, 14336, True),
-         "mixtral_dh1": (8, 2048, 28672, True), "qwen3_x": (128, 1024, 2048, True),
-         "deepseek_x": (32, 512, 7168, True)}
-
-# (rows, columns, warps) per tile: a spread around the square-ish tiles, each compiled once per shape
-TILE_CONFIGS = [(32, 128, 4), (32, 256, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (64, 256, 8), (128, 64, 4),
-                (128, 128, 8)]
+# the dual quantizer (rowwise + group columns): name -> groups, rows per group, columns
+DUAL = {"mixtral_w1": (8, 4096, 28672), "mixtral_dh1": (8, 2048, 28672), "qwen3_x": (128, 1024, 2048)}
 
 
-def tune_tiled() -> dict:
-    """Amax and cast kernels of `dual_quantize` / `tiled_group_column_quantize` timed apart
-    per tile shape: GB/s over one read (amax) and one read plus the float8 writes (cast), beside
-    the one-kernel `group_column_quantize` (two reads and one write) for the column-only shapes."""
+def tune_dual() -> dict:
+    """Amax and cast kernels of `dual_quantize` timed apart: GB/s over one read (amax) and one
+    read plus two float8 writes (cast)."""
     out = {}
-    for name, (groups, rows, cols, rows_too) in TILED.items():
+    for name, (groups, rows, cols) in DUAL.items():
         x = torch.randn(groups * rows, cols, device="cuda", dtype=torch.bfloat16)
         total = groups * rows
         offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
-        row_amax = torch.zeros(total if rows_too else 0, device="cuda")
-        col_amax = torch.zeros(groups, cols, device="cuda")
-        q_row = torch.empty(total if rows_too else 0, cols, dtype=torch.float8_e4m3fn, device="cuda")
+        row_amax = torch.zeros(total, device="cuda")
+        col_amax = torch.empty(groups, cols, device="cuda")
+        q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
         q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
-        s_row, s_col = torch.empty(total if rows_too else 0, device="cuda"), torch.empty(groups, cols, device="cuda")
-        written = x.numel() * (2 if rows_too else 1)
+        s_row, s_col = torch.empty(total, device="cuda"), torch.empty(groups, cols, device="cuda")
         rows_out = []
-        for br, bc, warps in TILE_CONFIGS:
-            grid = (triton.cdiv(total, br), triton.cdiv(cols, bc))
-            meta = dict(ROWS=rows_too, GP=max(triton.next_power_of_2(groups), 2), BR=br, BC=bc, num_warps=warps)
+        for br, bc, warps in itertools.product((64, 128, 256), (32, 64, 128, 256), (4, 8)):
+            grid = (groups + 1, triton.cdiv(cols, bc))
 
             def amax():
-                fq._tiled_amax_kernel[grid](x, offsets, row_amax, col_amax, total, cols, groups, **meta)
+                fq._dual_amax_kernel[grid](x, offsets, row_amax, col_amax, total, cols, groups,
+                                           BR=br, BC=bc, num_warps=warps)
 
             def cast():
-                fq._tiled_cast_kernel[grid](x, offsets, row_amax, col_amax, q_row, s_row, q_col, s_col, total, cols,
-                                            groups, total, 0, **meta)
+                fq._dual_cast_kernel[grid](x, offsets, row_amax, col_amax, q_row, s_row, q_col, s_col, total, cols,
+                                           groups, total, 0, BR=br, BC=bc, num_warps=warps)
             row = {"BR": br, "BC": bc, "warps": warps}
             try:
                 row["amax_ms"], _ = cuda_time_ms(amax, warmup=2, iters=5)
@@ -78,25 +68,20 @@ def tune_tiled() -> dict:
                 rows_out.append(row)
                 continue
             row["amax_gb_s"] = x.numel() * 2 / row["amax_ms"] / 1e6
-            row["cast_gb_s"] = (x.numel() * 2 + written) / row["cast_ms"] / 1e6
-            row["total_ms"] = row["amax_ms"] + row["cast_ms"]
+            row["cast_gb_s"] = x.numel() * 4 / row["cast_ms"] / 1e6
             rows_out.append(row)
-        ok = sorted((r for r in rows_out if "error" not in r), key=lambda r: r["total_ms"])
-        result = {"best": ok[:5], "all": rows_out}
-        if not rows_too:
-            def one_kernel():
-                fq.group_column_quantize(x, offsets, q_col, total, 0)
-            result["group_column_ms"], _ = cuda_time_ms(one_kernel, warmup=2, iters=5)
-        out[name] = result
-        print(name, "best (BR, BC, warps, amax GB/s, cast GB/s, ms)",
-              [(r["BR"], r["BC"], r["warps"], round(r["amax_gb_s"]), round(r["cast_gb_s"]), round(r["total_ms"], 3))
-               for r in ok[:4]], "one-kernel group column ms", result.get("group_column_ms"), flush=True)
+        ok = [r for r in rows_out if "error" not in r]
+        out[name] = {"amax_best": sorted(ok, key=lambda r: r["amax_ms"])[:5],
+                     "cast_best": sorted(ok, key=lambda r: r["cast_ms"])[:5], "all": rows_out}
+        print(name, "amax", [(r["BR"], r["BC"], r["warps"], round(r["amax_gb_s"])) for r in out[name]["amax_best"][:3]],
+              "cast", [(r["BR"], r["BC"], r["warps"], round(r["cast_gb_s"])) for r in out[name]["cast_best"][:3]],
+              flush=True)
     return out
 
 
 def main() -> None:
-    if "--tiled" in sys.argv:
-        write_results("fp8_quant_tune_tiled", {"results": tune_tiled()})
+    if "--dual" in sys.argv:
+        write_results("fp8_quant_tune_dual", {"results": tune_dual()})
         return
     results = {"group_column": {}, "rowwise": {}}
     for name, (groups, rows, cols) in GROUP_COLUMN.items():

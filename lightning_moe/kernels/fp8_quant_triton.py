@@ -90,82 +90,62 @@ def _group_column_kernel(
         x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
     scale = _scale_from_amax(amax)
-    out_base = tl.cast(group, tl.int64) * stride_qg
+    out_base = group.to(tl.int64) * stride_qg
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
         m = (rows[:, None] < end) & cmask[None, :]
         x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
         q = (x * scale[None, :]).to(tl.float8e4nv)
         tl.store(q_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None], q, mask=m)
-    tl.store(s_ptr + tl.cast(group, tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cmask)
+    tl.store(s_ptr + group.to(tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cmask)
 
 
 @triton.jit
-def _tile_groups(offsets_ptr, r0, r_last, G, GP: tl.constexpr):
-    # The groups that rows [r0, r_last] fall in, as [first, last]: a row's group is the count of
-    # group ends <= the row (empty groups between two rows are in the range, and see no rows).
-    # Rows past the last end give G: rowwise only, so ``last`` is capped at G - 1.
-    g = tl.arange(0, GP)
-    ends = tl.load(offsets_ptr + g, mask=g < G, other=0).to(tl.int64)
-    first = tl.sum(((ends <= r0) & (g < G)).to(tl.int32), 0)
-    last = tl.minimum(tl.sum(((ends <= r_last) & (g < G)).to(tl.int32), 0), G - 1)
-    return first, last
-
-
-@triton.jit
-def _tiled_amax_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, R, C, G,
-                       ROWS: tl.constexpr, GP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    # Program (row tile, column tile): each row's amax (ROWS) and each (group, column) amax by
-    # atomic max into zeroed buffers. Abs values are >= 0, so the float max is exact and the
-    # order of the atomics does not matter.
-    r0 = tl.program_id(0).to(tl.int64) * BR
-    rows = r0 + tl.arange(0, BR)
+def _dual_amax_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, R, C, G,
+                      BR: tl.constexpr, BC: tl.constexpr):
+    # Program (group, column block): the group's column amax in registers, each row's amax by
+    # atomic max over the column blocks (abs values are >= 0, so float max is exact). Group G
+    # (one past the last) covers the rows after the last offset: rowwise only.
+    group = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    rmask, cmask = rows < R, cols < C
-    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-    a = _abs_ignoring_nan(x.to(tl.float32))
-    if ROWS:
+    cmask = cols < C
+    start, end = _group_bounds(offsets_ptr, group, G, R)
+    amax = tl.zeros([BC], dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        rmask = rows < end
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        a = _abs_ignoring_nan(x)
+        amax = tl.maximum(amax, tl.max(a, 0))
         tl.atomic_max(row_amax_ptr + rows, tl.max(a, 1), mask=rmask)
-    first, last = _tile_groups(offsets_ptr, r0, tl.minimum(r0 + BR, R) - 1, G, GP)
-    for group in range(first, last + 1):
-        start, end = _group_bounds(offsets_ptr, group, G, R)
-        in_group = (rows >= start) & (rows < end)
-        group_amax = tl.max(tl.where(in_group[:, None], a, 0.0), 0)
-        tl.atomic_max(col_amax_ptr + tl.cast(group, tl.int64) * C + cols, group_amax, mask=cmask)
+    tl.store(col_amax_ptr + group.to(tl.int64) * C + cols, amax, mask=cmask & (group < G))
 
 
 @triton.jit
-def _tiled_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
-                       R, C, G, stride_qc, stride_qg, ROWS: tl.constexpr, GP: tl.constexpr,
-                       BR: tl.constexpr, BC: tl.constexpr):
-    # Program (row tile, column tile): the rowwise copy (ROWS) and, per group in the tile, the
-    # group-column copy written transposed at (group * stride_qg + column * stride_qc + row).
-    r0 = tl.program_id(0).to(tl.int64) * BR
-    rows = r0 + tl.arange(0, BR)
+def _dual_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
+                      R, C, G, stride_qc, stride_qg, BR: tl.constexpr, BC: tl.constexpr):
+    group = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    rmask, cmask = rows < R, cols < C
-    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                other=0.0).to(tl.float32)
-    if ROWS:
+    cmask = cols < C
+    in_group = group < G
+    start, end = _group_bounds(offsets_ptr, group, G, R)
+    col_scale = _scale_from_amax(tl.load(col_amax_ptr + group.to(tl.int64) * C + cols, mask=cmask & in_group,
+                                         other=1.0))
+    out_base = group.to(tl.int64) * stride_qg
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        rmask = rows < end
+        m = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
         row_scale = _scale_from_amax(tl.load(row_amax_ptr + rows, mask=rmask, other=1.0))
-        tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * row_scale[:, None]).to(tl.float8e4nv),
-                 mask=rmask[:, None] & cmask[None, :])
+        tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * row_scale[:, None]).to(tl.float8e4nv), mask=m)
+        tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
+                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
         tl.store(s_row_ptr + rows, tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale),
                  mask=rmask & (tl.program_id(1) == 0))
-    first, last = _tile_groups(offsets_ptr, r0, tl.minimum(r0 + BR, R) - 1, G, GP)
-    for group in range(first, last + 1):
-        start, end = _group_bounds(offsets_ptr, group, G, R)
-        in_group = (rows >= start) & (rows < end)
-        col_scale = _scale_from_amax(tl.load(col_amax_ptr + tl.cast(group, tl.int64) * C + cols, mask=cmask, other=1.0))
-        tl.store(q_col_ptr + tl.cast(group, tl.int64) * stride_qg + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
-                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=in_group[:, None] & cmask[None, :])
-    if tl.program_id(0) == 0:
-        # The first row tile writes every group's column scales, also those of empty groups
-        # (which no tile's rows fall in).
-        for group in range(0, G):
-            col_scale = _scale_from_amax(tl.load(col_amax_ptr + group * C + cols, mask=cmask, other=1.0))
-            tl.store(s_col_ptr + group * C + cols, tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale),
-                     mask=cmask)
+    tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale),
+             mask=cmask & in_group)
 
 
 def rowwise_quantize(x_PL: Tensor) -> tuple[Tensor, Tensor]:
@@ -204,44 +184,6 @@ def group_column_quantize(
     return scale_inv
 
 
-# Tiles of the amax and cast kernels (fp8_quant_tune.py --tiled, H200).
-_TILE_ROWS, _TILE_COLS, _TILE_WARPS = 64, 128, 4
-
-
-def _tiled_quantize(x_RC: Tensor, offsets_G: Tensor, out_col: Tensor, stride_out_col: int, stride_out_group: int,
-                    rows_too: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Both tiled kernels; the rowwise copy and its scales only with ``rows_too`` (else empty)."""
-    x_RC = x_RC.contiguous()
-    rows, cols = x_RC.shape
-    groups = offsets_G.numel()
-    device = x_RC.device
-    q_row = torch.empty(rows if rows_too else 0, cols, dtype=torch.float8_e4m3fn, device=device)
-    s_row = torch.empty(rows if rows_too else 0, dtype=torch.float32, device=device)  # every row written below
-    s_col = torch.empty(groups, cols, dtype=torch.float32, device=device)
-    if rows and cols:
-        # atomic-max targets (amax >= 0, so zero is the identity)
-        row_amax = torch.zeros(rows if rows_too else 0, dtype=torch.float32, device=device)
-        col_amax = torch.zeros(groups, cols, dtype=torch.float32, device=device)
-        offsets_G = offsets_G.contiguous()
-        grid = (triton.cdiv(rows, _TILE_ROWS), triton.cdiv(cols, _TILE_COLS))
-        meta = dict(ROWS=rows_too, GP=max(triton.next_power_of_2(groups), 2), BR=_TILE_ROWS, BC=_TILE_COLS,
-                    num_warps=_TILE_WARPS)
-        _tiled_amax_kernel[grid](x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, **meta)
-        _tiled_cast_kernel[grid](x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows, cols,
-                                 groups, stride_out_col, stride_out_group, **meta)
-    else:  # nothing to scale
-        s_row.fill_(1.0)
-        s_col.fill_(1.0)
-    return q_row, s_row, s_col
-
-
-def tiled_group_column_quantize(
-    x_RC: Tensor, offsets_G: Tensor, out: Tensor, stride_out_col: int, stride_out_group: int
-) -> Tensor:
-    """`group_column_quantize` on the tiled kernels (same arguments, same numbers)."""
-    return _tiled_quantize(x_RC, offsets_G, out, stride_out_col, stride_out_group, rows_too=False)[2]
-
-
 def dual_quantize(
     x_RC: Tensor, offsets_G: Tensor, out_col: Tensor, stride_out_col: int, stride_out_group: int
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -251,4 +193,21 @@ def dual_quantize(
     [G, C]``); the group-column copy goes to ``out_col`` as in `group_column_quantize`. Rows
     past the last offset get their rowwise copy only.
     """
-    return _tiled_quantize(x_RC, offsets_G, out_col, stride_out_col, stride_out_group, rows_too=True)
+    x_RC = x_RC.contiguous()
+    rows, cols = x_RC.shape
+    groups = offsets_G.numel()
+    q_row = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x_RC.device)
+    s_row = torch.empty(rows, dtype=torch.float32, device=x_RC.device)  # every row written below
+    s_col = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
+    if rows and cols:
+        row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
+        col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
+        offsets_G = offsets_G.contiguous()
+        grid = (groups + 1, triton.cdiv(cols, 64))
+        _dual_amax_kernel[grid](x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64, num_warps=4)
+        _dual_cast_kernel[grid](x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows, cols,
+                                groups, stride_out_col, stride_out_group, BR=128, BC=64, num_warps=4)
+    else:  # nothing to scale
+        s_row.fill_(1.0)
+        s_col.fill_(1.0)
+    return q_row, s_row, s_col

@@ -220,9 +220,15 @@ def _fused_both(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor, Tensor
 
     Tokens past the last group get no transposed copy: no GEMM reads them (the grouped kernels
     stop at the last offset, the dense one's single group covers every token).
-    """
-    from lightning_moe.kernels.fp8_quant_triton import dual_quantize
 
+    A single group (dense operands) takes the two single quantizers instead: the dual kernels
+    run one program per (group, 64 columns), which with one group leaves most SMs idle, while
+    the rowwise kernel runs one program per row.
+    """
+    from lightning_moe.kernels.fp8_quant_triton import dual_quantize, rowwise_quantize
+
+    if offsets_G.numel() == 1:
+        return (*rowwise_quantize(t_RC), *_fused_columns(t_RC, offsets_G))
     q_CR = _transposed_out(t_RC)
     q_RC, s_R, s_GC = dual_quantize(t_RC, offsets_G, q_CR, stride_out_col=q_CR.shape[1], stride_out_group=0)
     return q_RC, s_R, q_CR, s_GC.reshape(-1)
