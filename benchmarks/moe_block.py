@@ -3,6 +3,7 @@
     python benchmarks/moe_block.py                       # all three shapes, bf16, native experts
     python benchmarks/moe_block.py --backend te          # Transformer Engine GroupedLinear experts
     python benchmarks/moe_block.py --cases qwen3_30b_a3b --profile
+    python benchmarks/moe_block.py --precision rowwise --cache-weights --accumulate 4  # one optimizer step's window
 
 Checks correctness first (bf16 block vs an fp32 copy of the same weights running the
 per-expert loop backend: relative error of output and input gradient), then times forward +
@@ -10,6 +11,11 @@ backward with CUDA events (median of --iters runs after warm-up, each started on
 on random inputs, and also the mean of --iters runs issued back to back (``pipelined_ms``: the
 CPU runs ahead as in a training loop, so a run's launch latency is hidden unless it syncs), and
 writes ``benchmarks/results/moe_block_<tag>.json``.
+With ``--accumulate N`` the timed unit is the window of one optimizer step under gradient
+accumulation: N forward + backward passes whose weight gradients accumulate, starting from fresh
+gradients and (FP8 with ``--cache-weights``) an empty FP8 weight cache, as right after an optimizer
+step; so the first micro-batch quantizes the weights and the others reuse them. Times and FLOPs
+are per window.
 FLOPs (fwd+bwd = 3 x fwd), T = B*S: ``3 * (2*T*D*E + 3 * 2*T*k*D*F)``.
 """
 
@@ -64,16 +70,16 @@ def expert_alignment(precision: str) -> int:
 def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False,
                     fast_accumulation: Optional[list[str]] = None):
     """bf16: nothing to do. Otherwise ``precision`` is an FP8 recipe name ("tensorwise",
-    "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin and return
-    the plugin's forward context."""
+    "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin. Returns the
+    plugin's forward context and its FP8 weight cache (None without one)."""
     if precision == "bf16":
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(), None
     from lightning_moe.precision import FP8Precision, FP8Recipe  # lazily: optional feature
 
     recipe = FP8Recipe(precision, fast_accumulation=None if fast_accumulation is None else tuple(fast_accumulation))
     plugin = FP8Precision(recipe=recipe, backend="auto", cache_fp8_weights=cache_weights)
     plugin.convert_module(layer)
-    return plugin.forward_context()
+    return plugin.forward_context(), plugin.weight_cache
 
 
 def check_correctness(layer: MoELayer, c: dict, tokens: int) -> dict:
@@ -99,26 +105,31 @@ def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
     layer = build_layer(c, args.backend, torch.bfloat16, expert_alignment(args.precision))
     correctness = check_correctness(layer, c, tokens=min(4096, c["B"] * c["S"]))
-    context = apply_precision(layer, args.precision, args.cache_weights, args.fast_accumulation)
+    context, weight_cache = apply_precision(layer, args.precision, args.cache_weights, args.fast_accumulation)
     layer.zero_grad(set_to_none=True)
     x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
 
     def step():
-        # Fresh gradients each step, as a training step after optimizer.zero_grad(set_to_none=True).
+        # Fresh gradients each window, as after optimizer.zero_grad(set_to_none=True); the FP8
+        # weight cache starts empty, as after the optimizer step that clears it.
         layer.zero_grad(set_to_none=True)
-        x.grad = None
-        y = layer(x)
-        y.backward(dy)
+        if weight_cache is not None and args.accumulate > 1:
+            weight_cache.clear()
+        for _ in range(args.accumulate):
+            x.grad = None
+            y = layer(x)
+            y.backward(dy)
 
     torch.cuda.reset_peak_memory_stats()
     with context:
         median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
         pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
         profile = profile_step(step) if args.profile else None
-    flops = block_flops(c)
+    flops = block_flops(c) * args.accumulate
     result = {
         "shape": c,
+        "accumulate": args.accumulate,
         "backend": layer.experts.backend,
         "precision": args.precision,
         "median_ms": median_ms,
@@ -150,8 +161,12 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-weights", action="store_true",
                         help="FP8Precision(cache_fp8_weights=True): weights are quantized once, so the timed "
                              "steps are the later micro-batches of a gradient-accumulation window")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per timed window (one optimizer step under gradient accumulation)")
     parser.add_argument("--tag", default=None, help="suffix of the results file (default: backend_precision)")
     args = parser.parse_args(argv)
+    if args.accumulate < 1:
+        parser.error(f"--accumulate must be >= 1, got {args.accumulate}")
     if not torch.cuda.is_available():
         raise SystemExit("moe_block.py needs a CUDA GPU")
     results = {}
@@ -159,7 +174,7 @@ def main(argv=None) -> None:
         results[name] = run_case(name, CASES[name], args)
         r = results[name]
         print(
-            f"{name:20s} {r['backend']:10s} {args.precision:6s} {r['median_ms']:8.2f} ms "
+            f"{name:20s} {r['backend']:10s} {args.precision:6s} x{args.accumulate} {r['median_ms']:8.2f} ms "
             f"{r['tflops']:7.1f} TFLOP/s (back to back {r['pipelined_ms']:.2f} ms, {r['pipelined_tflops']:.1f}) peak {r['peak_gib']:6.1f} GiB  err out {r['rel_err_out']:.2e} dx {r['rel_err_dx']:.2e}",
             flush=True,
         )

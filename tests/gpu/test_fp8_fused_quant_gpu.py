@@ -55,6 +55,27 @@ def test_both_copies_of_an_operand_are_bit_exact():
     assert _same(q_t[:, :192], q_ref)
 
 
+def test_both_copies_with_many_uneven_groups():
+    """Many groups of uneven size, some larger than a tile, empty ones (also first and last) and
+    rows past the last group, against the generic quantizer."""
+    from lightning_moe.precision.scaled_mm import _fused_both, _per_group_rows
+
+    torch.manual_seed(0)
+    sizes = torch.randint(0, 150, (40,))
+    sizes[0] = sizes[17] = sizes[-1] = 0
+    sizes[5] = 700
+    offsets = sizes.cumsum(0).to(device="cuda", dtype=torch.int32)
+    used = int(offsets[-1])
+    x = _awkward(used + 21, 272, torch.bfloat16)
+    q, s, q_t, s_t = _fused_both(x, offsets)
+    q_ref, s_ref, _, _ = quantize_operand(x, ROWWISE, "input", native=True, fmt=E4M3)
+    assert torch.equal(s, s_ref[:, 0]) and _same(q, q_ref)
+    q_ref, s_ref, rows, _ = quantize_operand(x[:used].t(), ROWWISE, "input", Layout(col_offsets=offsets), None, True,
+                                             E4M3)
+    assert torch.equal(s_t, _per_group_rows(s_ref, rows, 40))
+    assert _same(q_t[:, :used], q_ref)
+
+
 def test_both_weight_layouts_are_bit_exact():
     from lightning_moe.precision.scaled_mm import _fused_weight_both, _per_row
 
