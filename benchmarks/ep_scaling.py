@@ -8,7 +8,8 @@ experts and routes the block's full token count (B x S of BENCHMARKS.md), so per
 constant and a perfect scaling keeps per-GPU TFLOP/s. The all-to-all dispatcher moves tokens;
 the share of step time spent in NCCL kernels comes from a profiled step. Correctness first:
 at EP > 1 the block's output on every rank equals the EP=1 block (same weights, same tokens)
-within bf16 tolerance. Writes ``benchmarks/results/ep_scaling.json``.
+within bf16 tolerance. Writes ``benchmarks/results/ep_scaling.json`` (``ep_scaling_<tag>.json``
+with ``--tag``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1],
                         help="MoEConfig.dispatch_chunks values to run at EP > 1 (all-to-all pipelining)")
+    parser.add_argument("--tag", default=None, help="results file ep_scaling_<tag>.json (default ep_scaling.json)")
     args = parser.parse_args(argv)
     available = torch.cuda.device_count()
     results = {}
@@ -125,7 +127,7 @@ def main(argv=None) -> None:
         for key, per_case in results.items():
             for name, r in per_case.items():
                 r["vs_ep1"] = r["per_gpu_tflops"] / results["ep1"][name]["per_gpu_tflops"]
-    write_results("ep_scaling", {"results": results})
+    write_results("ep_scaling" if args.tag is None else f"ep_scaling_{args.tag}", {"results": results})
 
 
 if __name__ == "__main__":
