@@ -75,6 +75,26 @@ def _rowwise_kernel(x_ptr, q_ptr, s_ptr, L, BL: tl.constexpr):
 
 
 @triton.jit
+def _aligned_body(start, end):
+    # [start, end) as a head [start, min(lo, end)), a body [lo, hi) whose ends are multiples of
+    # 16 and a tail [hi, end): in the body the compiler can prove 16-row runs unmasked and
+    # 16-byte aligned, so the transposed float8 stores go out 16 bytes at a time instead of one.
+    lo = (start + 15) // 16 * 16
+    hi = tl.maximum(end // 16 * 16, lo)
+    return lo, hi
+
+
+@triton.jit
+def _column_cast_tile(x_ptr, q_ptr, r0, lo, hi, cols, cmask, scale, out_base, C, stride_qc, BR: tl.constexpr):
+    # Rows [max(r0, lo), hi) of the tile at r0 times the columns' scales, stored transposed.
+    rows = r0 + tl.arange(0, BR)
+    m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    q = (x * scale[None, :]).to(tl.float8e4nv)
+    tl.store(q_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None], q, mask=m)
+
+
+@triton.jit
 def _group_column_kernel(
     x_ptr, offsets_ptr, q_ptr, s_ptr, C, stride_qc, stride_qg, BR: tl.constexpr, BC: tl.constexpr
 ):
@@ -91,12 +111,11 @@ def _group_column_kernel(
         amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
     scale = _scale_from_amax(amax)
     out_base = group.to(tl.int64) * stride_qg
-    for r0 in range(start, end, BR):
-        rows = r0 + tl.arange(0, BR)
-        m = (rows[:, None] < end) & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        q = (x * scale[None, :]).to(tl.float8e4nv)
-        tl.store(q_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None], q, mask=m)
+    lo, hi = _aligned_body(start, end)
+    _column_cast_tile(x_ptr, q_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale, out_base, C, stride_qc, 16)
+    for r0 in range(lo, hi, BR):
+        _column_cast_tile(x_ptr, q_ptr, r0, lo, hi, cols, cmask, scale, out_base, C, stride_qc, BR)
+    _column_cast_tile(x_ptr, q_ptr, hi, hi, end, cols, cmask, scale, out_base, C, stride_qc, 16)
     tl.store(s_ptr + group.to(tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale), mask=cmask)
 
 
@@ -123,6 +142,23 @@ def _dual_amax_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, R, C, G,
 
 
 @triton.jit
+def _dual_cast_tile(x_ptr, row_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, col_scale, in_group,
+                    out_base, C, stride_qc, BR: tl.constexpr):
+    # Rows [max(r0, lo), hi) of the tile at r0: the rowwise copy and its scales (written by the
+    # first column block), and the group-column copy stored transposed (groups < G only).
+    rows = r0 + tl.arange(0, BR)
+    rmask = (rows >= lo) & (rows < hi)
+    m = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    row_scale = _scale_from_amax(tl.load(row_amax_ptr + rows, mask=rmask, other=1.0))
+    tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * row_scale[:, None]).to(tl.float8e4nv), mask=m)
+    tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
+             (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
+    tl.store(s_row_ptr + rows, tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale),
+             mask=rmask & (tl.program_id(1) == 0))
+
+
+@triton.jit
 def _dual_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
                       R, C, G, stride_qc, stride_qg, BR: tl.constexpr, BC: tl.constexpr):
     group = tl.program_id(0)
@@ -133,17 +169,14 @@ def _dual_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr,
     col_scale = _scale_from_amax(tl.load(col_amax_ptr + group.to(tl.int64) * C + cols, mask=cmask & in_group,
                                          other=1.0))
     out_base = group.to(tl.int64) * stride_qg
-    for r0 in range(start, end, BR):
-        rows = r0 + tl.arange(0, BR)
-        rmask = rows < end
-        m = rmask[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        row_scale = _scale_from_amax(tl.load(row_amax_ptr + rows, mask=rmask, other=1.0))
-        tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * row_scale[:, None]).to(tl.float8e4nv), mask=m)
-        tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
-                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
-        tl.store(s_row_ptr + rows, tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale),
-                 mask=rmask & (tl.program_id(1) == 0))
+    lo, hi = _aligned_body(start, end)
+    _dual_cast_tile(x_ptr, row_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols,
+                    cmask, col_scale, in_group, out_base, C, stride_qc, 16)
+    for r0 in range(lo, hi, BR):
+        _dual_cast_tile(x_ptr, row_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, col_scale,
+                        in_group, out_base, C, stride_qc, BR)
+    _dual_cast_tile(x_ptr, row_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, col_scale,
+                    in_group, out_base, C, stride_qc, 16)
     tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale),
              mask=cmask & in_group)
 
