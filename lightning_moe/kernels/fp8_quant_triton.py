@@ -237,9 +237,10 @@ def dual_quantize(
         col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
         offsets_G = offsets_G.contiguous()
         grid = (groups + 1, triton.cdiv(cols, 64))
+        # fp8_quant_tune_dual_vec.json (H200): 128-row tiles for the amax, 64-row for the cast
         _dual_amax_kernel[grid](x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64, num_warps=4)
         _dual_cast_kernel[grid](x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows, cols,
-                                groups, stride_out_col, stride_out_group, BR=128, BC=64, num_warps=4)
+                                groups, stride_out_col, stride_out_group, BR=64, BC=64, num_warps=4)
     else:  # nothing to scale
         s_row.fill_(1.0)
         s_col.fill_(1.0)
