@@ -60,6 +60,21 @@ def _combine_bwd_kernel(
         tl.store(grad_w_ptr + t * K + offs_k, dot, mask=kmask)
 
 
+@triton.jit
+def _zero_unowned_rows_kernel(out_ptr, row_token_ptr, num_tokens, R, D, BR: tl.constexpr, BD: tl.constexpr):
+    # Rows whose token is the sentinel T (padding: no assignment writes them) become zero;
+    # every other row is left alone, so only the padding is written, not the whole buffer.
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    unowned = rmask & (tl.load(row_token_ptr + rows, mask=rmask, other=0) == num_tokens)
+    if tl.sum(unowned.to(tl.int32), 0) > 0:
+        for d0 in range(0, D, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            zeros = tl.zeros([BR, BD], dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], zeros,
+                     mask=unowned[:, None] & (offs_d < D)[None, :])
+
+
 def _meta(D: int, K: int) -> tuple[int, int, int]:
     kp = triton.next_power_of_2(K)
     bd = min(triton.next_power_of_2(D), max(128, 4096 // kp))
@@ -83,16 +98,23 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
 
 
 def combine_backward(
-    y_RD: Tensor | None, dest_TK: Tensor, w_TK: Tensor, g_TD: Tensor, num_rows: int, zero_fill: bool, need_grad_w: bool
+    y_RD: Tensor | None, dest_TK: Tensor, w_TK: Tensor, g_TD: Tensor, num_rows: int, row_token_R: Tensor | None,
+    need_grad_w: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """Gradients of :func:`combine`: ``grad_y`` [R, D] (rows no token owns are zero when
-    ``zero_fill``) and ``grad_w`` [T, K] fp32 (when ``need_grad_w``)."""
+    """Gradients of :func:`combine`: ``grad_y`` [R, D] and ``grad_w`` [T, K] fp32 (when
+    ``need_grad_w``). ``row_token_R`` (int64 [R], ``T`` for rows no assignment holds) is needed
+    when some rows are padding: those rows of ``grad_y`` are zeroed; None when every row is held."""
     g_TD = g_TD.contiguous()
     num_tokens, k = dest_TK.shape
     d = g_TD.shape[1]
-    alloc = torch.zeros if zero_fill else torch.empty
-    grad_y = alloc(num_rows, d, dtype=g_TD.dtype, device=g_TD.device)
+    grad_y = torch.empty(num_rows, d, dtype=g_TD.dtype, device=g_TD.device)
     grad_w = torch.empty(num_tokens, k, dtype=torch.float32, device=g_TD.device) if need_grad_w else None
+    if row_token_R is not None and num_rows:
+        block_rows = 64
+        _zero_unowned_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
+            grad_y, row_token_R.contiguous(), num_tokens, num_rows, d, BR=block_rows,
+            BD=min(triton.next_power_of_2(d), 256), num_warps=4,
+        )
     if num_tokens == 0:
         return grad_y, grad_w
     kp, bd, warps = _meta(d, k)

@@ -217,7 +217,7 @@ class _Unpermute(torch.autograd.Function):
             y_RD, probs_TK = ctx.saved_tensors
             grad_y, grad_w = combine_backward(
                 y_RD, plan.dest_TK, probs_TK, grad_TD, plan.num_rows,
-                zero_fill=plan.padding_rows, need_grad_w=ctx.needs_input_grad[1],
+                row_token_R=plan.row_token_R if plan.padding_rows else None, need_grad_w=ctx.needs_input_grad[1],
             )
             return grad_y, (grad_w.to(ctx.probs_dtype) if grad_w is not None else None), None
         y_TKD, weights_T1K = ctx.saved_tensors

@@ -22,12 +22,15 @@ def test_combine_forward_backward(k, d):
     y_ext = torch.cat([y, y.new_zeros(1, d)])
     ref = (w.unsqueeze(-1) * y_ext[dest]).sum(1)
     torch.testing.assert_close(combine(y, dest, w), ref, rtol=1e-5, atol=1e-5)
-    gy, gw = combine_backward(y, dest, w, g, r, zero_fill=True, need_grad_w=True)
+    row_token = torch.full((r + 1,), t, dtype=torch.long, device="cuda")  # rows no assignment holds: T
+    row_token[dest.flatten()] = torch.arange(t * k, device="cuda") // k
+    torch.full((r, d), float("nan"), device="cuda")  # a freed NaN block: what torch.empty hands out next
+    gy, gw = combine_backward(y, dest, w, g, r, row_token[:r], need_grad_w=True)
     ref_gw = (y_ext[dest] * g.unsqueeze(1)).sum(-1)
     ref_gy = torch.zeros(r + 1, d, device="cuda")
     ref_gy[dest.flatten()] = (w.unsqueeze(-1) * g.unsqueeze(1)).reshape(-1, d)
     torch.testing.assert_close(gw, ref_gw, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(gy, ref_gy[:r], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gy, ref_gy[:r], rtol=1e-6, atol=1e-6)  # unowned rows zero, not stale memory
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
