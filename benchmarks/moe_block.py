@@ -78,26 +78,36 @@ def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False
                     fast_accumulation: Optional[list[str]] = None):
     """bf16: nothing to do. Otherwise ``precision`` is an FP8 recipe name ("tensorwise",
     "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin. Returns the
-    plugin's forward context and its FP8 weight cache (None without one)."""
+    plugin's forward context (a factory: each ``with`` needs a fresh one) and its FP8 weight cache
+    (None without one)."""
     if precision == "bf16":
-        return contextlib.nullcontext(), None
+        return contextlib.nullcontext, None
     from lightning_moe.precision import FP8Precision, FP8Recipe  # lazily: optional feature
 
     recipe = FP8Recipe(precision, fast_accumulation=None if fast_accumulation is None else tuple(fast_accumulation))
     plugin = FP8Precision(recipe=recipe, backend="auto", cache_fp8_weights=cache_weights)
     plugin.convert_module(layer)
-    return plugin.forward_context(), plugin.weight_cache
+    return plugin.forward_context, plugin.weight_cache
 
 
-def check_correctness(layer: MoELayer, c: dict, tokens: int) -> dict:
-    """bf16 layer vs fp32 copy (loop backend) on ``tokens`` tokens: output and dx rel. errors."""
+def fp32_reference(layer: MoELayer) -> MoELayer:
+    """An fp32 copy of ``layer`` on the per-expert loop backend, made before any precision
+    plugin converts ``layer``."""
     ref = copy.deepcopy(layer).float()
     ref.experts.backend = "loop"
+    return ref
+
+
+def check_correctness(layer: MoELayer, ref: MoELayer, c: dict, tokens: int, context) -> dict:
+    """``layer`` as benchmarked (bf16, or FP8 inside the plugin's ``context()``) against ``ref``
+    on ``tokens`` tokens: relative errors of the output, the input gradient and fc1's weight
+    gradient."""
     x = torch.randn(tokens, c["D"], device="cuda")
     g = torch.randn(tokens, c["D"], device="cuda")
     x_lp = x.to(torch.bfloat16).requires_grad_(True)
-    y = layer(x_lp)
-    y.backward(g.to(torch.bfloat16))
+    with context():
+        y = layer(x_lp)
+        y.backward(g.to(torch.bfloat16))
     x_ref = x_lp.detach().float().requires_grad_(True)
     y_ref = ref(x_ref)
     y_ref.backward(g)
@@ -111,8 +121,12 @@ def check_correctness(layer: MoELayer, c: dict, tokens: int) -> dict:
 def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
     layer = build_layer(c, args.backend, torch.bfloat16, expert_alignment(args.precision))
-    correctness = check_correctness(layer, c, tokens=min(4096, c["B"] * c["S"]))
+    reference = fp32_reference(layer)
     context, weight_cache = apply_precision(layer, args.precision, args.cache_weights, args.fast_accumulation)
+    correctness = check_correctness(layer, reference, c, min(4096, c["B"] * c["S"]), context)
+    del reference
+    if weight_cache is not None:
+        weight_cache.clear()  # timing starts from an empty cache, as after an optimizer step
     layer.zero_grad(set_to_none=True)
     x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
@@ -129,7 +143,7 @@ def run_case(name: str, c: dict, args) -> dict:
             y.backward(dy)
 
     torch.cuda.reset_peak_memory_stats()
-    with context:
+    with context():
         median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
         pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
         profile = profile_step(step) if args.profile else None
@@ -139,6 +153,8 @@ def run_case(name: str, c: dict, args) -> dict:
         "accumulate": args.accumulate,
         "backend": layer.experts.backend,
         "precision": args.precision,
+        "fast_accumulation": args.fast_accumulation,
+        "cache_weights": args.cache_weights,
         "median_ms": median_ms,
         "min_ms": min(times),
         "tflops": flops / (median_ms * 1e-3) / 1e12,
@@ -168,12 +184,19 @@ def main(argv=None) -> None:
     parser.add_argument("--fast-accumulation", nargs="*", default=None, choices=["fprop", "dgrad", "wgrad"],
                         help="FP8Recipe.fast_accumulation (default: the recipe's, fprop only for rowwise)")
     parser.add_argument("--cache-weights", action="store_true",
-                        help="FP8Precision(cache_fp8_weights=True): weights are quantized once, so the timed "
-                             "steps are the later micro-batches of a gradient-accumulation window")
+                        help="FP8Precision(cache_fp8_weights=True). With --accumulate 1 the cache is never "
+                             "cleared, so every timed step reuses FP8 weights quantized in warm-up (the later "
+                             "micro-batches of a window); with --accumulate N > 1 each window starts empty")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches per timed window (one optimizer step under gradient accumulation)")
-    parser.add_argument("--tag", default=None, help="suffix of the results file (default: backend_precision)")
+    parser.add_argument("--tag", default=None,
+                        help="suffix of the results file (default: backend, precision and the options that change "
+                             "what is timed)")
     args = parser.parse_args(argv)
+    default_tag = "_".join([args.backend, args.precision]
+                           + (["fast-" + "-".join(args.fast_accumulation)] if args.fast_accumulation else [])
+                           + (["cached"] if args.cache_weights else [])
+                           + ([f"x{args.accumulate}"] if args.accumulate > 1 else []))
     if args.precision == "fp8":
         args.precision = FP8_DEFAULT[0]
         if args.fast_accumulation is None:
@@ -193,7 +216,7 @@ def main(argv=None) -> None:
         )
         if "profile" in r:
             print_profile(r["profile"])
-    tag = args.tag or f"{args.backend}_{args.precision}"
+    tag = args.tag or default_tag
     path = write_results(f"moe_block_{tag}", {"cases": results})
     print(f"wrote {path}")
 

@@ -109,7 +109,7 @@ def combine_backward(
     d = g_TD.shape[1]
     grad_y = torch.empty(num_rows, d, dtype=g_TD.dtype, device=g_TD.device)
     grad_w = torch.empty(num_tokens, k, dtype=torch.float32, device=g_TD.device) if need_grad_w else None
-    if row_token_R is not None and num_rows:
+    if row_token_R is not None and num_rows and d:
         block_rows = 64
         _zero_unowned_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
             grad_y, row_token_R.contiguous(), num_tokens, num_rows, d, BR=block_rows,

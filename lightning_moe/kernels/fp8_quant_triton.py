@@ -77,8 +77,9 @@ def _rowwise_kernel(x_ptr, q_ptr, s_ptr, L, BL: tl.constexpr):
 @triton.jit
 def _aligned_body(start, end):
     # [start, end) as a head [start, min(lo, end)), a body [lo, hi) whose ends are multiples of
-    # 16 and a tail [hi, end): in the body the compiler can prove 16-row runs unmasked and
-    # 16-byte aligned, so the transposed float8 stores go out 16 bytes at a time instead of one.
+    # 16 and a tail [hi, end): in the body the compiler can prove 16-row runs unmasked and (with
+    # an output whose pointer and strides are multiples of 16, as the GEMM operands' are) 16-byte
+    # aligned, so the transposed float8 stores go out 16 bytes at a time instead of one.
     lo = (start + 15) // 16 * 16
     hi = tl.maximum(end // 16 * 16, lo)
     return lo, hi
@@ -86,7 +87,7 @@ def _aligned_body(start, end):
 
 @triton.jit
 def _column_cast_tile(x_ptr, q_ptr, r0, lo, hi, cols, cmask, scale, out_base, C, stride_qc, BR: tl.constexpr):
-    # Rows [max(r0, lo), hi) of the tile at r0 times the columns' scales, stored transposed.
+    # Rows [max(r0, lo), min(r0 + BR, hi)) times the columns' scales, stored transposed.
     rows = r0 + tl.arange(0, BR)
     m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -144,8 +145,8 @@ def _dual_amax_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, R, C, G,
 @triton.jit
 def _dual_cast_tile(x_ptr, row_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, col_scale, in_group,
                     out_base, C, stride_qc, BR: tl.constexpr):
-    # Rows [max(r0, lo), hi) of the tile at r0: the rowwise copy and its scales (written by the
-    # first column block), and the group-column copy stored transposed (groups < G only).
+    # Rows [max(r0, lo), min(r0 + BR, hi)): the rowwise copy, its row scales (from the first
+    # column block only) and the group-column copy stored transposed (groups < G only).
     rows = r0 + tl.arange(0, BR)
     rmask = (rows >= lo) & (rows < hi)
     m = rmask[:, None] & cmask[None, :]

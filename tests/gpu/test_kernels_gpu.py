@@ -24,7 +24,7 @@ def test_combine_forward_backward(k, d):
     torch.testing.assert_close(combine(y, dest, w), ref, rtol=1e-5, atol=1e-5)
     row_token = torch.full((r + 1,), t, dtype=torch.long, device="cuda")  # rows no assignment holds: T
     row_token[dest.flatten()] = torch.arange(t * k, device="cuda") // k
-    torch.full((r, d), float("nan"), device="cuda")  # a freed NaN block: what torch.empty hands out next
+    torch.full((r, d), float("nan"), device="cuda")  # a freed NaN block, which the caching allocator likely hands to torch.empty next
     gy, gw = combine_backward(y, dest, w, g, r, row_token[:r], need_grad_w=True)
     ref_gw = (y_ext[dest] * g.unsqueeze(1)).sum(-1)
     ref_gy = torch.zeros(r + 1, d, device="cuda")
