@@ -8,10 +8,11 @@
 
 Checks correctness first (the block as timed, bf16 or FP8, vs an fp32 copy of the same weights
 running the per-expert loop backend: relative errors of output, input and weight gradients; a
-run whose errors exceed `error_bound` stops there), then times forward + backward with CUDA events (median of --iters runs after warm-up, each started on an idle GPU)
-on random inputs, and also the mean of --iters runs issued back to back (``pipelined_ms``: the
-CPU runs ahead as in a training loop, so a run's launch latency is hidden unless it syncs), and
-writes ``benchmarks/results/moe_block_<tag>.json``.
+run whose errors exceed `error_bound` stops there), then times forward + backward with CUDA
+events (median of --iters runs after warm-up, each started on an idle GPU) on random inputs, and
+also the mean of --iters runs issued back to back (``pipelined_ms``: the CPU runs ahead as in a
+training loop, so a run's launch latency is hidden unless it syncs), and writes
+``benchmarks/results/moe_block_<tag>.json``.
 With ``--accumulate N`` the timed unit is the window of one optimizer step under gradient
 accumulation: N forward + backward passes whose weight gradients accumulate, starting from fresh
 gradients and (FP8 with ``--cache-weights``) an empty FP8 weight cache, as right after an optimizer
