@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import ensure_delayed_state, register_delayed_buffers
 from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_linear
+from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
 ModuleFilter = Callable[[str, nn.Module], bool]
@@ -253,6 +254,9 @@ def configure_fp8(
         summary.converted.append(name)
     if summary.te_experts or (summary.experts and summary.experts_backend != "emulated"):
         summary.expert_alignment = pad_expert_groups(model, recipe.alignment)
+    elif summary.experts and recipe.is_fp4 and recipe.nvfp4_rht:
+        # Emulated too: the weight gradient's 16-token Hadamard blocks must not mix two experts.
+        summary.expert_alignment = pad_expert_groups(model, NVFP4_BLOCK)
     return summary
 
 

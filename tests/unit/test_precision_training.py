@@ -293,7 +293,7 @@ def test_configure_twice_is_idempotent():
 def test_fp8_kernels_get_their_expert_groups_padded(monkeypatch):
     """The FP8 kernels (cuBLAS per expert, torch's grouped kernel, TE) reject token groups that
     are not multiples of 16: converting an MoE layer for them pads its groups; the emulated
-    backend (no kernel) leaves the layer as it is."""
+    backend (no kernel) leaves the layer as it is, except for NVFP4's Hadamard blocks."""
     from lightning_moe import MoEConfig, MoELayer
     from lightning_moe.precision import modules
 
@@ -304,6 +304,12 @@ def test_fp8_kernels_get_their_expert_groups_padded(monkeypatch):
     emulated = layer()
     assert configure_fp8(emulated, "rowwise", "emulated").expert_alignment is None
     assert emulated.config.expert_alignment == 1
+    # emulated NVFP4: its weight gradient's 16-token Hadamard blocks need 16-token groups
+    fp4 = layer()
+    assert configure_fp8(fp4, "nvfp4", "emulated").expert_alignment == 16
+    x_TD = torch.randn(21, 64, requires_grad=True)
+    fp4(x_TD).sum().backward()
+    assert fp4.experts.fc1_weight.grad.isfinite().all() and x_TD.grad.isfinite().all()
 
     # what configure_fp8 does when the experts run on a kernel backend ("torch" needs CUDA here)
     monkeypatch.setattr(modules, "_experts_backend", lambda *args: "torch")
