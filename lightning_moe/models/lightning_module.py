@@ -192,9 +192,11 @@ class MoELanguageModel(LightningModule):
         loss = self.model.loss(batch["input_ids"], batch["labels"])
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/ppl", torch.exp(loss.detach()), on_step=True, on_epoch=False)
-        if self.global_step % self.trainer.log_every_n_steps == 0:
-            # Only on logging steps: `self.log` turns a Python float into a device tensor, a
-            # synchronous host-to-device copy on GPU.
+        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+            # Only on the steps whose metrics Lightning writes (it flushes when the count of
+            # optimizer steps taken, this one included, is a multiple of log_every_n_steps), so
+            # the written lr is this step's: `self.log` turns a Python float into a device tensor,
+            # a synchronous host-to-device copy on GPU.
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         for name, value in self._router_losses().items():
             self.log(f"train/{name}", value, on_step=True, on_epoch=False)

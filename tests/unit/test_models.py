@@ -342,8 +342,11 @@ class _RandomTokens(Dataset):
         return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
 
 
-def test_lightning_fit_logs_losses_and_lr():
+def test_lightning_fit_logs_losses_and_lr(tmp_path):
+    import csv
+
     from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
 
     module = MoELanguageModel("tiny", overrides={"num_layers": 2}, learning_rate=1e-3, warmup_steps=2)
     loader = DataLoader(_RandomTokens(8, 32), batch_size=2)
@@ -355,7 +358,7 @@ def test_lightning_fit_logs_losses_and_lr():
         log_every_n_steps=2,
         limit_val_batches=2,
         val_check_interval=4,
-        logger=False,
+        logger=CSVLogger(tmp_path, name="run"),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -367,9 +370,14 @@ def test_lightning_fit_logs_losses_and_lr():
     assert metrics["val/ppl"].item() == pytest.approx(math.exp(metrics["val/loss"].item()), rel=1e-5)
     assert trainer.global_step == 4
     assert all(moe.router.aux_loss_scale == 0.5 for moe in module.model.moe_layers())
-    # The scheduler steps per optimizer step (warmup 2, cosine to step 4); lr is logged at steps 0 and 2.
+    # The scheduler steps per optimizer step (warmup 2, cosine to step 4). Lightning writes the
+    # metrics of steps 1 and 3; each written lr is the one that step used, not an older one.
     schedule = [1e-3 * warmup_cosine_lr_factor(step, 2, 4, 0.1) for step in range(5)]
-    assert metrics["train/lr"].item() == pytest.approx(schedule[2])
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        written = {int(row["step"]): float(row["train/lr"]) for row in csv.DictReader(f) if row.get("train/lr")}
+    assert sorted(written) == [1, 3]
+    assert all(lr == pytest.approx(schedule[step]) for step, lr in written.items())
+    assert metrics["train/lr"].item() == pytest.approx(schedule[3])
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(schedule[4])
     model = module.model
     module.configure_model()
