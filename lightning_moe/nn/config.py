@@ -7,6 +7,7 @@ Megatron user can translate a launch script line by line (README.md carries the 
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional, Union
 
@@ -96,6 +97,7 @@ class MoEConfig:
     init_method_std: float = 0.02
 
     def __post_init__(self) -> None:
+        _check_scalar_types(self)
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "router_topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -233,6 +235,29 @@ class MoEConfig:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Python types a scalar field accepts, by annotation ("float" takes ints too; bools are never
+# numbers here, although Python's bool is an int).
+_SCALAR_TYPES = {int: (int,), float: (int, float), bool: (bool,)}
+
+
+def _check_scalar_types(config: MoEConfig) -> None:
+    """Fields annotated int / float / bool (optionally Optional) hold a value of that type, so a
+    string from a hand-written config fails here, naming the field, not deep in a comparison."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        annotation, optional = hints[f.name], False
+        if typing.get_origin(annotation) is Union and type(None) in typing.get_args(annotation):
+            rest = [a for a in typing.get_args(annotation) if a is not type(None)]
+            annotation, optional = (rest[0] if len(rest) == 1 else None), True
+        accepted = _SCALAR_TYPES.get(annotation)
+        value = getattr(config, f.name)
+        if accepted is None or (optional and value is None):
+            continue
+        if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
+            kind = annotation.__name__ + (" or None" if optional else "")
+            raise ValueError(f"MoEConfig.{f.name} must be {kind}, got {value!r} ({type(value).__name__}).")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

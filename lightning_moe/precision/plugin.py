@@ -67,6 +67,8 @@ class FP8Precision(MixedPrecision):
         cache_fp8_weights: bool = False,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"FP8Precision(device={device!r}): the autocast device is 'cuda' or 'cpu'.")
         super().__init__("bf16-mixed", device)
         if keep_high_precision_layers < 0:
             raise ValueError(f"keep_high_precision_layers must be >= 0, got {keep_high_precision_layers}.")

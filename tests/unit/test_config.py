@@ -26,6 +26,9 @@ BAD = [
     (dict(expert_alignment=12), "expert_alignment"),
     (dict(shared_expert_gate=True), "shared_expert_intermediate_size"),
     (dict(expert_backend="cublas"), "expert_backend"),
+    (dict(expert_capacity_factor="1.0"), "expert_capacity_factor must be float or None, got '1.0'"),
+    (dict(router_pre_softmax=1), "router_pre_softmax must be bool"),
+    (dict(num_experts=8.0), "num_experts must be int"),
 ]
 
 

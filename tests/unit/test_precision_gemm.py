@@ -146,6 +146,10 @@ def test_unknown_recipe_lists_known_ones():
         resolve_backend("tensorwise", "cutlass")
     with pytest.raises(ValueError, match="fmt"):
         FP8Recipe("tensorwise", fmt="e5m2")
+    from lightning_moe.precision import FP8Precision
+
+    with pytest.raises(ValueError, match="'cuda' or 'cpu'"):
+        FP8Precision(device="gpu")
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "blockwise"])
