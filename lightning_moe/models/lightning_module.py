@@ -236,8 +236,10 @@ class MoELanguageModel(LightningModule):
         totals = torch.stack([self._val_loss_sum.float(), self._val_tokens.float()])
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         loss = totals[0] / totals[1].clamp(min=1.0)
-        self.log(f"{prefix}/loss", loss, prog_bar=True)
-        self.log(f"{prefix}/ppl", torch.exp(loss))
+        # Every rank holds the same value already; sync_dist says so to Lightning (which warns
+        # about epoch-level metrics logged without it) at the cost of a scalar all-reduce.
+        self.log(f"{prefix}/loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{prefix}/ppl", torch.exp(loss), sync_dist=True)
 
     def on_test_epoch_start(self) -> None:
         self.on_validation_epoch_start()
