@@ -4,7 +4,8 @@
     python benchmarks/fp8_quant_tune.py --dual    # the dual quantizer's two kernels
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
-writes ``benchmarks/results/fp8_quant_tune.json``; the defaults in
+writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the
+run after the stores were vectorized is kept as ``fp8_quant_tune_dual_vec.json``); the defaults in
 ``lightning_moe/kernels/fp8_quant_triton.py`` come from it.
 """
 

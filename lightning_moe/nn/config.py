@@ -6,6 +6,7 @@ Megatron user can translate a launch script line by line (README.md carries the 
 
 from __future__ import annotations
 
+import functools
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -242,22 +243,32 @@ class MoEConfig:
 _SCALAR_TYPES = {int: (int,), float: (int, float), bool: (bool,)}
 
 
-def _check_scalar_types(config: MoEConfig) -> None:
-    """Fields annotated int / float / bool (optionally Optional) hold a value of that type, so a
-    string from a hand-written config fails here, naming the field, not deep in a comparison."""
-    hints = typing.get_type_hints(type(config))
-    for f in fields(config):
+@functools.cache
+def _scalar_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """(name, annotation, optional) of ``cls``'s int / float / bool fields (annotations are
+    strings under ``from __future__ import annotations``: resolved once per class)."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
         annotation, optional = hints[f.name], False
         if typing.get_origin(annotation) is Union and type(None) in typing.get_args(annotation):
             rest = [a for a in typing.get_args(annotation) if a is not type(None)]
             annotation, optional = (rest[0] if len(rest) == 1 else None), True
-        accepted = _SCALAR_TYPES.get(annotation)
-        value = getattr(config, f.name)
-        if accepted is None or (optional and value is None):
+        if annotation in _SCALAR_TYPES:
+            out.append((f.name, annotation, optional))
+    return tuple(out)
+
+
+def _check_scalar_types(config: MoEConfig) -> None:
+    """Fields annotated int / float / bool (optionally Optional) hold a value of that type, so a
+    string from a hand-written config fails here, naming the field, not deep in a comparison."""
+    for name, annotation, optional in _scalar_fields(type(config)):
+        accepted, value = _SCALAR_TYPES[annotation], getattr(config, name)
+        if optional and value is None:
             continue
         if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
             kind = annotation.__name__ + (" or None" if optional else "")
-            raise ValueError(f"MoEConfig.{f.name} must be {kind}, got {value!r} ({type(value).__name__}).")
+            raise ValueError(f"MoEConfig.{name} must be {kind}, got {value!r} ({type(value).__name__}).")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
