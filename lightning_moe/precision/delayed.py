@@ -76,6 +76,22 @@ def amax_recording_paused() -> Iterator[None]:
         _AMAX_RECORDING.reset(token)
 
 
+def recording_amax() -> bool:
+    """Whether forwards and backwards now record amaxes (False inside `amax_recording_paused`)."""
+    return _AMAX_RECORDING.get()
+
+
+def history_scales(state: DelayedState, role: str, history_fmt_max: float, fmt_max: float) -> torch.Tensor:
+    """``role``'s per-group scales ``[G]`` for a cast to a format whose largest value is
+    ``fmt_max``. The history's scales target the recipe's format for the role
+    (``history_fmt_max``); a kernel that casts to another one (the grouped FP8 kernels take E4M3
+    gradients even under the hybrid recipe) needs them rescaled, else it would saturate
+    everything above ``amax * fmt_max / history_fmt_max``. E4M3 / E5M2 maxima differ by 2^7, so
+    the rescaling is exact."""
+    scale = state.scale[SLOTS[role]]
+    return scale if fmt_max == history_fmt_max else scale * (fmt_max / history_fmt_max)
+
+
 @torch.no_grad()
 def record_amax(state: DelayedState, role: str, amax_G: torch.Tensor) -> None:
     """Fold this micro-batch's per-group amax into the current step's row."""

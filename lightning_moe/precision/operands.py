@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.precision.delayed import SLOTS, DelayedState, record_amax
+from lightning_moe.precision.delayed import DelayedState, history_scales, record_amax
 from lightning_moe.precision.formats import FloatFormat
 from lightning_moe.precision.hadamard import random_hadamard_transform
 from lightning_moe.precision.quantize import (
@@ -65,10 +65,11 @@ def operand_axes(
 
 
 def _delayed_scales(
-    t: torch.Tensor, fmt: FloatFormat, rows: Axis, cols: Axis, state: DelayedState, role: str
+    t: torch.Tensor, fmt: FloatFormat, rows: Axis, cols: Axis, state: DelayedState, role: str, history_fmt: FloatFormat
 ) -> torch.Tensor:
     """Per-group scales from the amax history (current amax where there is none yet);
-    records this operand's per-group amax for the step-end update."""
+    records this operand's per-group amax for the step-end update. ``history_fmt``: the format
+    the history's scales were made for (the recipe's for ``role``; ``fmt`` may override it)."""
     amax = tile_amax(abs_ignoring_nan(t), rows, cols)  # [groups (+tail), 1] or [1, groups (+tail)]
     full_tensor = getattr(amax, "full_tensor", None)
     if full_tensor is not None:
@@ -77,7 +78,7 @@ def _delayed_scales(
     groups = state.scale.shape[1]
     record_amax(state, role, amax.reshape(-1)[:groups])
     current = scale_from_amax(amax, fmt.max).reshape(-1)
-    history = state.scale[SLOTS[role]]
+    history = history_scales(state, role, history_fmt.max, fmt.max)
     head = torch.where(history > 0, history, current[:groups])
     return torch.cat([head, current[groups:]]).view_as(amax)
 
@@ -96,7 +97,8 @@ def quantize_operand(
     ``native``: float8 storage through torch's cast (torch backend) instead of fp32 values
     from the emulated rounding. ``fmt`` overrides the recipe's format for this role.
     """
-    fmt = fmt or recipe.format(role)
+    history_fmt = recipe.format(role)
+    fmt = fmt or history_fmt
     layout = layout or Layout()
     if native:
         t = t.contiguous()  # FP8 GEMM kernels take row-major [other, contraction] operands
@@ -105,7 +107,7 @@ def quantize_operand(
     if recipe.name == "delayed":
         if state is None:
             raise ValueError("The 'delayed' recipe needs amax-history state (FP8Linear / FP8GroupedGemm keep it).")
-        scale = _delayed_scales(t, fmt, rows, cols, state, role)
+        scale = _delayed_scales(t, fmt, rows, cols, state, role, history_fmt)
     q, scale_inv, _ = quantize_tiles(
         t, fmt, rows, cols, power_2=recipe.power_2_scales, e8m0=recipe.name == "mxfp8", scale=scale, native=native
     )

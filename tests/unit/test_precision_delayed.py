@@ -89,6 +89,30 @@ def test_grouped_delayed_has_one_history_per_expert():
     assert torch.allclose(gemm.fp8_scale[1], 448.0 / w.detach().abs().amax(dim=(1, 2)))
 
 
+def test_e4m3_override_rescales_the_hybrid_history_scale():
+    # The grouped native kernels cast gradients to E4M3 even under the hybrid recipe, whose
+    # history scales target E5M2 (max 57344): used as they are, everything above amax / 128
+    # saturated at 448.
+    from lightning_moe.precision.delayed import ensure_delayed_state, register_delayed_buffers
+    from lightning_moe.precision.formats import E4M3
+    from lightning_moe.precision.operands import Layout, quantize_operand
+
+    recipe = FP8Recipe("delayed")  # hybrid
+    holder = torch.nn.Module()
+    register_delayed_buffers(holder)
+    state = ensure_delayed_state(holder, recipe, 2, torch.device("cpu"))
+    dy = torch.randn(32, 16)
+    offsets = torch.tensor([16, 32], dtype=torch.int32)
+    amax = torch.stack([dy[:16].abs().max(), dy[16:].abs().max()])
+    state.scale[2] = 57344.0 / amax  # what update_delayed_scaling makes of this amax for E5M2
+    q, scale_inv, rows, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
+    assert q.dtype == torch.float8_e4m3fn
+    restored = q.float() * scale_inv[rows.ids]
+    assert (q.float().abs().amax(1) < 448).float().mean() > 0.5  # not saturated
+    assert torch.allclose(restored, dy, rtol=0.07, atol=1e-6)
+    assert torch.equal(scale_inv[:2].reshape(-1), amax / 448.0)
+
+
 def _reduce_worker(rank, world, path):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     recipe = FP8Recipe("delayed")
