@@ -17,7 +17,8 @@ With ``--accumulate N`` the timed unit is the window of one optimizer step under
 accumulation: N forward + backward passes whose weight gradients accumulate, starting from fresh
 gradients and (FP8 with ``--cache-weights``) an empty FP8 weight cache, as right after an optimizer
 step; so the first micro-batch quantizes the weights and the others reuse them. Times and FLOPs
-are per window.
+are per window. What FP8Precision runs once per optimizer step (delayed scaling's amax-history
+update) ends every timed window.
 FLOPs (fwd+bwd = 3 x fwd), T = B*S: ``3 * (2*T*D*E + 3 * 2*T*k*D*F)``.
 """
 
@@ -79,16 +80,23 @@ def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False
                     fast_accumulation: Optional[list[str]] = None):
     """bf16: nothing to do. Otherwise ``precision`` is an FP8 recipe name ("tensorwise",
     "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin. Returns the
-    plugin's forward context (a factory: each ``with`` needs a fresh one) and its FP8 weight cache
-    (None without one)."""
+    plugin's forward context (a factory: each ``with`` needs a fresh one), its FP8 weight cache
+    (None without one) and what the plugin runs once per optimizer step besides clearing that
+    cache (delayed scaling's amax-history update; nothing for other recipes)."""
     if precision == "bf16":
-        return contextlib.nullcontext, None
-    from lightning_moe.precision import FP8Precision, FP8Recipe  # lazily: optional feature
+        return contextlib.nullcontext, None, lambda: None
+    from lightning_moe.precision import FP8Precision, FP8Recipe, update_delayed_scaling  # lazily: optional
+    from lightning_moe.precision.modules import fp8_modules
 
     recipe = FP8Recipe(precision, fast_accumulation=None if fast_accumulation is None else tuple(fast_accumulation))
     plugin = FP8Precision(recipe=recipe, backend="auto", cache_fp8_weights=cache_weights)
     plugin.convert_module(layer)
-    return plugin.forward_context, plugin.weight_cache
+    delayed_modules = fp8_modules(layer)
+
+    def optimizer_step_work() -> None:
+        update_delayed_scaling(delayed_modules, recipe)  # as FP8Precision.optimizer_step
+
+    return plugin.forward_context, plugin.weight_cache, optimizer_step_work
 
 
 def fp32_reference(layer: MoELayer) -> MoELayer:
@@ -129,7 +137,8 @@ def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
     layer = build_layer(c, args.backend, torch.bfloat16, expert_alignment(args.precision))
     reference = fp32_reference(layer)
-    context, weight_cache = apply_precision(layer, args.precision, args.cache_weights, args.fast_accumulation)
+    context, weight_cache, optimizer_step_work = apply_precision(layer, args.precision, args.cache_weights,
+                                                                 args.fast_accumulation)
     correctness = check_correctness(layer, reference, c, min(4096, c["B"] * c["S"]), context)
     del reference
     worst = max(correctness.values())
@@ -152,6 +161,7 @@ def run_case(name: str, c: dict, args) -> dict:
             x.grad = None
             y = layer(x)
             y.backward(dy)
+        optimizer_step_work()
 
     torch.cuda.reset_peak_memory_stats()
     with context():

@@ -38,7 +38,7 @@ class FP8Precision(MixedPrecision):
         recipe: "tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4" or an
             `FP8Recipe`.
         backend: "auto" (Transformer Engine when installed and able to run the recipe on
-            this GPU, else ``torch._scaled_mm`` on sm90+ for tensorwise / rowwise, else
+            this GPU, else ``torch._scaled_mm`` on sm90+ for tensorwise / rowwise / delayed, else
             emulated), "te", "torch" or "emulated". An impossible choice raises
             ``ValueError`` at construction, naming the backends that can run the recipe.
         keep_high_precision_layers: keep the first and the last N transformer blocks (the

@@ -213,7 +213,7 @@ def resolve_backend(
             return "emulated"
         if not grouped and recipe.name in _TE_RECIPES and _te.available() and _te.supports(recipe)[0]:
             return "te"
-        if recipe.name in ("tensorwise", "rowwise") and cuda_capability() is not None and cuda_capability() >= (9, 0):
+        if recipe.name in _TORCH_RECIPES and cuda_capability() is not None and cuda_capability() >= (9, 0):
             return "torch"
         return "emulated"
     if backend == "torch":

@@ -159,6 +159,14 @@ def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
     return recipe.name == "rowwise" and e4m3 and state is None and not recipe.power_2_scales and use_triton(t)
 
 
+def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
+    """The delayed recipe's grouped operands can take the one-read delayed casts (same numbers
+    as the generic path; ``kernels.fp8_delayed_triton``)."""
+    from lightning_moe.kernels import use_triton
+
+    return recipe.name == "delayed" and state is not None and use_triton(t)
+
+
 def _caching(cache: Optional[FP8WeightCache], weight_key: Optional[Hashable]) -> bool:
     """Whether this weight's FP8 operands come from the weight cache.
 
@@ -265,6 +273,73 @@ def _fused_weight_both(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return q_ENK, s_EN, q_dgrad, s_dgrad
 
 
+class _FusedGroupedOperands:
+    """The fused Triton quantizers of a grouped GEMM's operands, for the rowwise recipe
+    (current scaling, two reads per operand) or the delayed one (history scales, one read:
+    ``kernels.fp8_delayed_triton``). Either way the same copies come back: the row copy with
+    per-row scales and the per-group transposed copy with per-(group, column) scales."""
+
+    def __init__(self, recipe: FP8Recipe, state: Optional[DelayedState]) -> None:
+        self.recipe, self.state = recipe, state if recipe.name == "delayed" else None
+
+    def _delayed(self, role: str) -> tuple[Tensor, Optional[Tensor]]:
+        """``role``'s E4M3 scales ``[G]`` and the amax row to record into (None when paused)."""
+        from lightning_moe.precision.delayed import SLOTS, history_scales, recording_amax
+
+        assert self.state is not None
+        scale = history_scales(self.state, role, self.recipe.format(role).max, E4M3.max)
+        return scale, self.state.amax_history[0, SLOTS[role]] if recording_amax() else None
+
+    def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str,
+                   transposed: bool) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+        """(row copy, ``[R]`` scales, transposed copy, ``[G * C]`` scales); the transposed pair
+        only when ``transposed`` (a backward will run)."""
+        if self.state is None:
+            return _fused_input(t_RC, offsets_G, transposed)
+        from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+
+        q_CR = _transposed_out(t_RC) if transposed else None
+        q_RC, s_R, s_GC = delayed_cast(t_RC, offsets_G, *self._delayed(role), out_col=q_CR,
+                                       stride_out_col=0 if q_CR is None else q_CR.shape[1])
+        return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
+
+    def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
+        """``[E, N, K]`` with ``[E, N]`` scales."""
+        if self.state is None:
+            return _fused_weight_fprop(w_EKN)
+        from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+
+        rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
+        _, _, s_EN = delayed_cast(rows, ends, *self._delayed("weight"), write_row=False, out_col=q_ENK,
+                                  stride_out_col=stride_col, stride_out_group=stride_group)
+        return q_ENK, s_EN
+
+    def weight_dgrad(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
+        """``[E * K, N]`` with ``[E * K]`` scales (the amax was recorded by the forward's cast)."""
+        experts, k, n = w_EKN.shape
+        rows = w_EKN.reshape(experts * k, n)
+        if self.state is None:
+            from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
+
+            return rowwise_quantize(rows)
+        from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+
+        ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
+        q, s_EK, _ = delayed_cast(rows, ends, self._delayed("weight")[0], None)
+        return q, s_EK
+
+    def weight_both(self, w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """`weight_fprop` and `weight_dgrad` from one kernel (the weight cache keeps both)."""
+        if self.state is None:
+            return _fused_weight_both(w_EKN)
+        from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+
+        rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
+        q_dgrad, s_dgrad, s_EN = delayed_cast(rows, ends, *self._delayed("weight"), out_col=q_ENK,
+                                              stride_out_col=stride_col, stride_out_group=stride_group)
+        return q_ENK, s_EN, q_dgrad, s_dgrad
+
+
 def _per_row(scale_inv: Tensor, rows: Axis) -> Tensor:
     """Per-row scales of an operand quantized with whole-row tiles (rowwise or per group)."""
     return scale_inv[:, 0].index_select(0, rows.ids).contiguous()
@@ -349,17 +424,18 @@ class _ScaledGroupedMM(torch.autograd.Function):
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
-            fused = _fused_rowwise(recipe, state, x)
+            fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x)
             if fused:
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
-                qx, sx_R, qx_t, sx_t = _fused_input(x, offsets, needs_backward)
+                quantizer = _FusedGroupedOperands(recipe, state)
+                qx, sx_R, qx_t, sx_t = quantizer.activation(x, offsets, "input", needs_backward)
                 if _caching(cache, weight_key):
-                    qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, "grouped_fused",
-                                                            lambda: _fused_weight_both(w))
+                    qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, f"grouped_fused_{recipe.name}",
+                                                            lambda: quantizer.weight_both(w))
                     cached_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_dgrad, sw_EK)
                 else:
-                    qw_ENK, sw_EN = _fused_weight_fprop(w)
+                    qw_ENK, sw_EN = quantizer.weight_fprop(w)
                     cached_dgrad = None  # see _caching: quantized again in the backward
             else:
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
@@ -396,13 +472,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dy = dy.contiguous()
             if ctx.fused:
                 qx_t, sx_t, _, w = saved
-                if ctx.cached_dgrad is not None:
-                    qw, sw_EK = ctx.cached_dgrad
-                else:
-                    from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
-
-                    qw, sw_EK = rowwise_quantize(w.reshape(experts * k, n))
-                qdy, sdy_R, qdy_t, sdy_t = _fused_both(dy, offsets)
+                quantizer = _FusedGroupedOperands(recipe, state)
+                qw, sw_EK = ctx.cached_dgrad if ctx.cached_dgrad is not None else quantizer.weight_dgrad(w)
+                qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True)
             else:
                 x, w, _ = saved
                 qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)

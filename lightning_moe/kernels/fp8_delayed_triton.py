@@ -1,0 +1,157 @@
+"""Delayed-scaling E4M3 casts for the native grouped FP8 GEMMs, one read of the operand.
+
+Delayed scaling (TE's ``DelayedScaling``) quantizes each token group (or expert weight) with a
+scale derived from previous steps' amaxes, so unlike rowwise scaling no amax pass has to run
+before the cast: one kernel reads ``x [R, C]`` once and writes every copy the GEMMs need,
+recording this micro-batch's per-group amax on the way for the next scale update. Both copies
+share the group's scale, so the transposed one is the same float8 values transposed:
+
+- the row copy ``[R, C]`` (fprop / dgrad operand, and the data-gradient weight layout) with
+  its per-row ``scale_inv [R]`` (the group's, repeated);
+- the per-group transposed copy at caller-chosen strides (the weight-gradient operand ``x^T``,
+  or the forward weight layout ``[E, N, K]``) with ``scale_inv [G, C]`` (the group's,
+  repeated over columns, as the grouped kernel's 2-D x 2-D form takes them).
+
+Numbers are those of the generic path (``precision.operands``): a group without history
+(scale 0: first step, or an expert never routed to) is scaled from its current amax, found by
+a pre-pass that skips every group that has a scale; rows past the last group are the extra
+tail group of ``groups_axis`` and always take their current amax. Scale, cast and rounding
+follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest even,
+``scale_inv = 1 / scale`` in IEEE division).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_moe.kernels.fp8_quant_triton import _abs_ignoring_nan, _aligned_body, _group_bounds, _scale_from_amax
+
+
+@triton.jit
+def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, BR: tl.constexpr, BC: tl.constexpr):
+    # Program (group, column block): the current amax of groups without a scale (and of the
+    # tail group G), by atomic max over column blocks; groups with a scale return at once.
+    group = tl.program_id(0)
+    have = tl.load(scale_ptr + group, mask=group < G, other=0.0)
+    if have <= 0.0:
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cmask = cols < C
+        start, end = _group_bounds(offsets_ptr, group, G, R)
+        amax = tl.zeros([BC], dtype=tl.float32)
+        for r0 in range(start, end, BR):
+            rows = r0 + tl.arange(0, BR)
+            m = (rows < end)[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
+        tl.atomic_max(amax_ptr + group, tl.max(amax, 0))
+
+
+@triton.jit
+def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
+                       stride_qc, amax, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BR: tl.constexpr):
+    # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
+    # copies; returns the running per-column amax (for the record).
+    rows = r0 + tl.arange(0, BR)
+    m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    q = (x * scale).to(tl.float8e4nv)
+    if WRITE_ROW:
+        tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], q, mask=m)
+    if WRITE_COL:
+        tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None], q, mask=m & in_group)
+    return tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
+
+
+@triton.jit
+def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
+                         record_ptr, R, C, G, stride_qc, stride_qg, WRITE_ROW: tl.constexpr,
+                         WRITE_COL: tl.constexpr, RECORD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cols < C
+    in_group = group < G
+    start, end = _group_bounds(offsets_ptr, group, G, R)
+    history = tl.load(scale_ptr + group, mask=in_group, other=0.0)
+    scale = tl.where(history > 0.0, history, _scale_from_amax(tl.load(cur_amax_ptr + group)))
+    scale_inv = tl.math.div_rn(1.0, scale)
+    out_base = group.to(tl.int64) * stride_qg
+    lo, hi = _aligned_body(start, end)
+    amax = tl.zeros([BC], dtype=tl.float32)
+    amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
+                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, 16)
+    for r0 in range(lo, hi, BR):
+        amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base,
+                                  C, stride_qc, amax, WRITE_ROW, WRITE_COL, BR)
+    amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
+                              stride_qc, amax, WRITE_ROW, WRITE_COL, 16)
+    if WRITE_ROW:
+        if tl.program_id(1) == 0:  # one column block writes the group's row scales
+            for r0 in range(start, end, 1024):
+                rows = r0 + tl.arange(0, 1024)
+                tl.store(s_row_ptr + rows, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=rows < end)
+    if WRITE_COL:
+        tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
+                 mask=cmask & in_group)
+    if RECORD:
+        tl.atomic_max(record_ptr + group, tl.max(amax, 0), mask=in_group)
+
+
+def delayed_cast(
+    x_RC: Tensor,
+    offsets_G: Tensor,
+    scale_G: Tensor,
+    record_G: Optional[Tensor],
+    write_row: bool = True,
+    out_col: Optional[Tensor] = None,
+    stride_out_col: int = 0,
+    stride_out_group: int = 0,
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
+    with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax decides).
+
+    Args:
+        record_G: fp32 ``[G]`` this micro-batch's per-group amax is max-folded into (the amax
+            history's current row), or None to record nothing (evaluation).
+        write_row: write the row copy (float8 ``[R, C]``, every row incl. the tail) and its
+            ``scale_inv [R]``.
+        out_col: preallocated float8 buffer for the transposed copy: row ``r`` of group ``g``,
+            column ``c`` goes to ``out_col.flatten()[g * stride_out_group + c * stride_out_col
+            + r]`` (rows past the last group are not written); None: no transposed copy.
+    Returns:
+        (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
+        not asked for.
+    """
+    x_RC = x_RC.contiguous()
+    rows, cols = x_RC.shape
+    groups = offsets_G.numel()
+    device = x_RC.device
+    q_row = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device) if write_row else None
+    s_row = torch.empty(rows, dtype=torch.float32, device=device) if write_row else None
+    s_col = torch.empty(groups, cols, dtype=torch.float32, device=device) if out_col is not None else None
+    if not (rows and cols):  # nothing to cast; no amax to record
+        for s in (s_row, s_col):
+            if s is not None:
+                s.fill_(1.0)
+        return q_row, s_row, s_col
+    offsets_G = offsets_G.contiguous()
+    scale_G = scale_G.contiguous()
+    cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=device)  # atomic-max target
+    # The tail group only exists for the row copy (no GEMM reads a transposed tail).
+    grid = (groups + 1 if write_row else groups, triton.cdiv(cols, 64))
+    _missing_amax_kernel[grid](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups, BR=128, BC=64, num_warps=4)
+    dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
+    _delayed_cast_kernel[grid](
+        x_RC, offsets_G, scale_G, cur_amax,
+        q_row if write_row else dummy, s_row if write_row else dummy,
+        out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
+        record_G if record_G is not None else dummy,
+        rows, cols, groups, stride_out_col, stride_out_group,
+        WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None,
+        BR=64, BC=64, num_warps=4,
+    )
+    return q_row, s_row, s_col

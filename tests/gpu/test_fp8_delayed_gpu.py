@@ -1,0 +1,100 @@
+"""The one-read delayed-scaling casts equal the generic delayed path bit for bit: the cast
+itself, and whole training steps of the native grouped GEMM (scales, amax histories, outputs
+and gradients), with and without the FP8 weight cache (CUDA, Hopper)."""
+
+import pytest
+import torch
+
+from lightning_moe.precision import FP8GroupedGemm, FP8Recipe, update_delayed_scaling
+from lightning_moe.precision.delayed import DelayedState
+from lightning_moe.precision.formats import E4M3
+from lightning_moe.precision.operands import Layout, quantize_operand
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                       reason="needs a Hopper GPU"),
+]
+
+
+def _same(q, q_ref):
+    """Same float8 bits, NaN positions compared as NaN."""
+    nan, nan_ref = torch.isnan(q.float()), torch.isnan(q_ref.float())
+    return torch.equal(nan, nan_ref) and torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan_ref])
+
+
+def test_delayed_cast_equals_the_generic_delayed_quantizer():
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+
+    torch.manual_seed(0)
+    rows, cols = 300, 96
+    x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]).bfloat16()
+    x[7, 3], x[8, 5] = float("nan"), float("inf")
+    # an empty group, unaligned ends, groups with and without history, 12 tail rows
+    offsets = torch.tensor([40, 40, 173, 250, 288], device="cuda", dtype=torch.int32)
+    scale = torch.tensor([3.0, 0.0, 0.0, 0.5, 20.0], device="cuda")
+    recipe = FP8Recipe("delayed", fmt="e4m3")
+    history = torch.zeros(2, 3, 5, device="cuda")
+    ref_state = DelayedState(history.clone(), torch.zeros(3, 5, device="cuda"))
+    ref_state.scale[0] = scale
+    q_ref, s_ref, row_axis, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), ref_state, True, E4M3)
+
+    padded = -(-rows // 16) * 16
+    q_col = torch.full((cols, padded), 0x55, device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
+    record = torch.zeros(5, device="cuda")
+    q, s_row, s_col = delayed_cast(x, offsets, scale, record, out_col=q_col, stride_out_col=padded)
+    assert _same(q, q_ref)
+    assert torch.equal(s_row, s_ref.reshape(-1)[row_axis.ids])
+    end = 288
+    assert torch.equal(q_col.view(torch.uint8)[:, :end], q.view(torch.uint8)[:end].t())
+    assert (q_col.view(torch.uint8)[:, end:] == 0x55).all()  # past the last group: untouched
+    assert torch.equal(s_col, s_ref[:5, 0][:, None].expand(5, cols))  # the empty group's too
+    assert torch.equal(record, ref_state.amax_history[0, 0])
+
+
+def _train(gemm, x, w, offsets, steps, cache=None):
+    """``steps`` optimizer steps of 2 micro-batches; returns every output and gradient, and the
+    delayed state after each update."""
+    from lightning_moe.precision.weight_cache import caching_fp8_weights
+
+    seen = []
+    for step in range(steps):
+        w.grad = None
+        for micro in range(2):
+            x_mb = (x * (1 + step + micro)).detach().requires_grad_(True)
+            with caching_fp8_weights(cache):
+                y = gemm.grouped_mm(x_mb, w, offsets, projection="fc1")
+            y.float().square().sum().backward()
+            seen += [y, x_mb.grad]
+        seen.append(w.grad.clone())
+        update_delayed_scaling([gemm], gemm.recipe)
+        if cache is not None:
+            cache.clear()
+        with torch.no_grad():
+            w.mul_(1.5)  # a large "optimizer step": the next step's weight amax grows
+        seen += [gemm.fp8_scale.clone(), gemm.fp8_amax_history.clone()]
+    return seen
+
+
+@pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel
+@pytest.mark.parametrize("cache", [False, True])
+def test_delayed_training_identical_with_fused_and_generic_casts(monkeypatch, experts, cache):
+    from lightning_moe.precision import scaled_mm
+    from lightning_moe.precision.weight_cache import FP8WeightCache
+
+    torch.manual_seed(0)
+    ends = torch.linspace(0, 1, experts + 1)[1:] ** 2 * 700 // 16 * 16  # uneven; with 40 the first is empty
+    offsets = ends.to(device="cuda", dtype=torch.int32)
+    x = torch.randn(720, 128, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for fused in (True, False):
+        w = torch.randn(experts, 128, 64, device="cuda", requires_grad=True)
+        gemm = FP8GroupedGemm("delayed", backend="torch")  # hybrid: E4M3 in the grouped kernels
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(scaled_mm, "_fused_delayed", lambda *args: False)
+            results.append(_train(gemm, x, w, offsets, steps=3, cache=FP8WeightCache() if cache else None))
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), i
+    scales = results[0][-2]
+    assert (scales > 0).all() and torch.isfinite(results[0][-3]).all()
