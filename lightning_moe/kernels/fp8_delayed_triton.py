@@ -101,6 +101,37 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
         tl.atomic_max(record_ptr + group, tl.max(amax, 0), mask=in_group)
 
 
+@triton.jit
+def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_ptr, record_ptr, C, G,
+                        SEARCH_STEPS: tl.constexpr, RECORD: tl.constexpr, BL: tl.constexpr):
+    # Program per row: the row copy alone (no transposed store to shape the tiles around), read
+    # as whole rows like the rowwise quantizer. The row's group by binary search of the ends.
+    row = tl.program_id(0).to(tl.int64)
+    lo = 0
+    hi = G
+    for _ in tl.static_range(SEARCH_STEPS):  # first group whose end is past the row (G: the tail)
+        mid = (lo + hi) // 2
+        past = tl.load(offsets_ptr + mid, mask=mid < G, other=0).to(tl.int64) > row
+        go_left = (lo < hi) & past
+        go_right = (lo < hi) & ~past
+        hi = tl.where(go_left, mid, hi)
+        lo = tl.where(go_right, mid + 1, lo)
+    group = lo
+    history = tl.load(scale_ptr + group, mask=group < G, other=0.0)
+    scale = tl.where(history > 0.0, history, _scale_from_amax(tl.load(cur_amax_ptr + group)))
+    base = row * C
+    amax = tl.zeros([BL], dtype=tl.float32)
+    for c0 in range(0, C, BL):
+        cols = c0 + tl.arange(0, BL)
+        x = tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)
+        tl.store(q_ptr + base + cols, (x * scale).to(tl.float8e4nv), mask=cols < C)
+        if RECORD:
+            amax = tl.maximum(amax, _abs_ignoring_nan(x))
+    tl.store(s_ptr + row, tl.math.div_rn(1.0, scale))
+    if RECORD:
+        tl.atomic_max(record_ptr + group, tl.max(amax, 0), mask=group < G)
+
+
 def delayed_cast(
     x_RC: Tensor,
     offsets_G: Tensor,
@@ -145,6 +176,16 @@ def delayed_cast(
     grid = (groups + 1 if write_row else groups, triton.cdiv(cols, 64))
     _missing_amax_kernel[grid](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups, BR=128, BC=64, num_warps=4)
     dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
+    if out_col is None:
+        # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
+        # shape: fp8_quant_tune.json), instead of per-group column tiles.
+        block = min(triton.next_power_of_2(cols), 2048)
+        _delayed_row_kernel[(rows,)](
+            x_RC, offsets_G, scale_G, cur_amax, q_row, s_row, record_G if record_G is not None else dummy,
+            cols, groups, SEARCH_STEPS=max(groups, 1).bit_length(), RECORD=record_G is not None, BL=block,
+            num_warps=2 if cols <= 4096 else 16,
+        )
+        return q_row, s_row, s_col
     _delayed_cast_kernel[grid](
         x_RC, offsets_G, scale_G, cur_amax,
         q_row if write_row else dummy, s_row if write_row else dummy,

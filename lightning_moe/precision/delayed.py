@@ -101,8 +101,11 @@ def record_amax(state: DelayedState, role: str, amax_G: torch.Tensor) -> None:
     torch.maximum(row, amax_G.to(row.dtype), out=row)
 
 
-def _fmt_max(recipe: FP8Recipe, device: torch.device) -> torch.Tensor:
-    return torch.tensor([recipe.format(role).max for role in ROLES], device=device)[:, None]
+def _fmt_max(recipe: FP8Recipe, like: torch.Tensor) -> torch.Tensor:
+    """``[3, 1]`` largest values of the roles' formats, on ``like``'s device. Built by fills, not
+    from a host list: copying a pageable host tensor to the GPU synchronizes the stream, which
+    would stall the host once per optimizer step until the GPU drained its queue."""
+    return torch.stack([like.new_full((1,), recipe.format(role).max) for role in ROLES])
 
 
 @torch.no_grad()
@@ -121,7 +124,7 @@ def update_delayed_scaling(
     current = torch.cat([s.amax_history[0].reshape(-1) for s in states])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(current, op=dist.ReduceOp.MAX, group=group)  # one collective per step
-    fmt_max = _fmt_max(recipe, current.device)
+    fmt_max = _fmt_max(recipe, current)
     for state, amax_now in zip(states, current.split([s.amax_history[0].numel() for s in states])):
         history = state.amax_history
         history[0].copy_(amax_now.view_as(history[0]))

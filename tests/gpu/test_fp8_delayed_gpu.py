@@ -51,6 +51,12 @@ def test_delayed_cast_equals_the_generic_delayed_quantizer():
     assert torch.equal(s_col, s_ref[:5, 0][:, None].expand(5, cols))  # the empty group's too
     assert torch.equal(record, ref_state.amax_history[0, 0])
 
+    # The row copy alone (its own kernel: whole rows, each row's group by binary search).
+    record_rows = torch.zeros(5, device="cuda")
+    q_rows, s_rows, none = delayed_cast(x, offsets, scale, record_rows)
+    assert none is None and _same(q_rows, q_ref) and torch.equal(s_rows, s_row)
+    assert torch.equal(record_rows, record)
+
 
 def _train(gemm, x, w, offsets, steps, cache=None):
     """``steps`` optimizer steps of 2 micro-batches; returns every output and gradient, and the
@@ -67,7 +73,11 @@ def _train(gemm, x, w, offsets, steps, cache=None):
             y.float().square().sum().backward()
             seen += [y, x_mb.grad]
         seen.append(w.grad.clone())
-        update_delayed_scaling([gemm], gemm.recipe)
+        torch.cuda.set_sync_debug_mode("error")  # the per-step update must not stall the host
+        try:
+            update_delayed_scaling([gemm], gemm.recipe)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         if cache is not None:
             cache.clear()
         with torch.no_grad():
@@ -86,9 +96,10 @@ def test_delayed_training_identical_with_fused_and_generic_casts(monkeypatch, ex
     ends = torch.linspace(0, 1, experts + 1)[1:] ** 2 * 700 // 16 * 16  # uneven; with 40 the first is empty
     offsets = ends.to(device="cuda", dtype=torch.int32)
     x = torch.randn(720, 128, device="cuda", dtype=torch.bfloat16)
+    w0 = torch.randn(experts, 128, 64, device="cuda")
     results = []
     for fused in (True, False):
-        w = torch.randn(experts, 128, 64, device="cuda", requires_grad=True)
+        w = w0.clone().requires_grad_(True)
         gemm = FP8GroupedGemm("delayed", backend="torch")  # hybrid: E4M3 in the grouped kernels
         with monkeypatch.context() as m:
             if not fused:
