@@ -2,11 +2,13 @@
 
     python benchmarks/fp8_quant_tune.py           # rowwise and group-column kernels
     python benchmarks/fp8_quant_tune.py --dual    # the dual quantizer's two kernels
+    python benchmarks/fp8_quant_tune.py --delayed # the delayed-scaling cast
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the
-run after the stores were vectorized is kept as ``fp8_quant_tune_dual_vec.json``); the defaults in
-``lightning_moe/kernels/fp8_quant_triton.py`` come from it.
+run after the stores were vectorized is kept as ``fp8_quant_tune_dual_vec.json``; ``--delayed``:
+``fp8_quant_tune_delayed.json``); the defaults in ``lightning_moe/kernels/fp8_quant_triton.py`` and
+``fp8_delayed_triton.py`` come from it.
 """
 
 from __future__ import annotations
@@ -80,9 +82,58 @@ def tune_dual() -> dict:
     return out
 
 
+# the delayed-scaling cast: name -> groups, rows per group, columns, copies written
+DELAYED = {"mixtral_w1_fprop": (8, 4096, 28672, "col"), "mixtral_dh1": (8, 2048, 28672, "both"),
+           "qwen3_x": (128, 1024, 2048, "both"), "qwen3_w1_fprop": (128, 2048, 1536, "col")}
+
+
+def tune_delayed() -> dict:
+    """The delayed cast kernel (one read; the transposed copy, plus the row copy for "both"):
+    GB/s over one read and the float8 writes."""
+    from lightning_moe.kernels import fp8_delayed_triton as fd
+
+    out = {}
+    for name, (groups, rows, cols, copies) in DELAYED.items():
+        total = groups * rows
+        x = torch.randn(total, cols, device="cuda", dtype=torch.bfloat16)
+        offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+        scale = torch.full((groups,), 4.0, device="cuda")
+        cur_amax, record = torch.zeros(groups + 1, device="cuda"), torch.zeros(groups, device="cuda")
+        both = copies == "both"
+        q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
+        s_row = torch.empty(total, device="cuda")
+        q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
+        s_col = torch.empty(groups, cols, device="cuda")
+        nbytes = x.numel() * (4 if both else 3)
+        rows_out = []
+        for br, bc, warps in itertools.product((32, 64, 128), (64, 128, 256), (4, 8)):
+            grid = (groups + 1 if both else groups, triton.cdiv(cols, bc))
+
+            def cast():
+                fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
+                                              cols, groups, total, 0, WRITE_ROW=both, WRITE_COL=True, RECORD=True,
+                                              BR=br, BC=bc, num_warps=warps)
+            row = {"BR": br, "BC": bc, "warps": warps}
+            try:
+                row["ms"], _ = cuda_time_ms(cast, warmup=2, iters=5)
+            except Exception as error:  # a config that does not compile (registers, shared memory)
+                row["error"] = str(error)[:100]
+                rows_out.append(row)
+                continue
+            row["gb_s"] = nbytes / row["ms"] / 1e6
+            rows_out.append(row)
+        rows_out.sort(key=lambda r: -r.get("gb_s", 0))
+        out[name] = rows_out
+        print(name, [(r["BR"], r["BC"], r["warps"], round(r.get("gb_s", 0))) for r in rows_out[:5]], flush=True)
+    return out
+
+
 def main() -> None:
     if "--dual" in sys.argv:
         write_results("fp8_quant_tune_dual", {"results": tune_dual()})
+        return
+    if "--delayed" in sys.argv:
+        write_results("fp8_quant_tune_delayed", {"results": tune_delayed()})
         return
     results = {"group_column": {}, "rowwise": {}}
     for name, (groups, rows, cols) in GROUP_COLUMN.items():

@@ -64,6 +64,7 @@ def _train(gemm, x, w, offsets, steps, cache=None):
     from lightning_moe.precision.weight_cache import caching_fp8_weights
 
     seen = []
+    end = int(offsets[-1])  # the grouped kernel leaves rows past the last group unspecified
     for step in range(steps):
         w.grad = None
         for micro in range(2):
@@ -71,7 +72,7 @@ def _train(gemm, x, w, offsets, steps, cache=None):
             with caching_fp8_weights(cache):
                 y = gemm.grouped_mm(x_mb, w, offsets, projection="fc1")
             y.float().square().sum().backward()
-            seen += [y, x_mb.grad]
+            seen += [y[:end], x_mb.grad[:end]]
         seen.append(w.grad.clone())
         torch.cuda.set_sync_debug_mode("error")  # the per-step update must not stall the host
         try:
