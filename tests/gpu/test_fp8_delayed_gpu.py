@@ -23,12 +23,13 @@ def _same(q, q_ref):
     return torch.equal(nan, nan_ref) and torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan_ref])
 
 
-def test_delayed_cast_equals_the_generic_delayed_quantizer():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_delayed_cast_equals_the_generic_delayed_quantizer(dtype):
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
     torch.manual_seed(0)
     rows, cols = 300, 96
-    x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]).bfloat16()
+    x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]).to(dtype)
     x[7, 3], x[8, 5] = float("nan"), float("inf")
     # an empty group, unaligned ends, groups with and without history, 12 tail rows
     offsets = torch.tensor([40, 40, 173, 250, 288], device="cuda", dtype=torch.int32)
@@ -113,15 +114,16 @@ def test_delayed_training_identical_with_fused_and_generic_casts(monkeypatch, ex
     assert (scales[1] > 0).all() and (scales[[0, 2]][:, routed] > 0).all() and torch.isfinite(results[0][-3]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("experts,k,n", [(4, 128, 64), (8, 256, 512)])
-def test_one_delayed_cast_writing_both_weight_layouts(experts, k, n):
+def test_one_delayed_cast_writing_both_weight_layouts(experts, k, n, dtype):
     """The single cast that writes both weight layouts against the two single-layout casts
     (the weight cache takes the two casts; this records whether the one-pass form is right)."""
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
     from lightning_moe.precision.scaled_mm import _weight_as_groups
 
     torch.manual_seed(0)
-    w = torch.randn(experts, k, n, device="cuda")
+    w = torch.randn(experts, k, n, device="cuda", dtype=dtype)
     scale = torch.zeros(experts, device="cuda")
     rows, ends, q_one, stride_col, stride_group = _weight_as_groups(w)
     q_row, s_row, s_col = delayed_cast(rows, ends, scale, None, out_col=q_one, stride_out_col=stride_col,
