@@ -59,11 +59,15 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
     rows = r0 + tl.arange(0, BR)
     m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    q = (x * scale).to(tl.float8e4nv)
     if WRITE_ROW:
-        tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], q, mask=m)
+        tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
     if WRITE_COL:
-        tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None], q, mask=m & in_group)
+        # The same values, cast again from a per-column copy of the scale rather than storing the
+        # row copy's float8 tile transposed: with fp32 input that transposed float8 store wrote
+        # wrong bytes on the H200 (GPU test with fp32 input; bf16 was right).
+        col_scale = tl.zeros_like(cols).to(tl.float32) + scale
+        tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
+                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
     return tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
 
 
