@@ -329,15 +329,15 @@ class _FusedGroupedOperands:
         return q, s_EK
 
     def weight_both(self, w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """`weight_fprop` and `weight_dgrad` together (the weight cache keeps both).
-
-        Delayed: two casts (two reads), once per optimizer step. A single cast writing both
-        layouts (as for activations) gave wrong forward-layout values on the H200 for weights
-        (GPU test ``test_delayed_training_identical_with_fused_and_generic_casts`` with the
-        cache; not reproduced under Triton's interpreter, not yet understood)."""
+        """`weight_fprop` and `weight_dgrad` from one kernel (the weight cache keeps both)."""
         if self.state is None:
             return _fused_weight_both(w_EKN)
-        return (*self.weight_fprop(w_EKN), *self.weight_dgrad(w_EKN))
+        from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+
+        rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
+        q_dgrad, s_dgrad, s_EN = delayed_cast(rows, ends, *self._delayed("weight"), out_col=q_ENK,
+                                              stride_out_col=stride_col, stride_out_group=stride_group)
+        return q_ENK, s_EN, q_dgrad, s_dgrad
 
 
 def _per_row(scale_inv: Tensor, rows: Axis) -> Tensor:

@@ -117,8 +117,8 @@ def test_delayed_training_identical_with_fused_and_generic_casts(monkeypatch, ex
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("experts,k,n", [(4, 128, 64), (8, 256, 512)])
 def test_one_delayed_cast_writing_both_weight_layouts(experts, k, n, dtype):
-    """The single cast that writes both weight layouts against the two single-layout casts
-    (the weight cache takes the two casts; this records whether the one-pass form is right)."""
+    """The single cast that writes both weight layouts (the weight cache's) against the two
+    single-layout casts; fp32 master weights once got wrong transposed bytes here."""
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
     from lightning_moe.precision.scaled_mm import _weight_as_groups
 
