@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Literal, Optional, Union
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from lightning_moe.nn.config import MoEConfig

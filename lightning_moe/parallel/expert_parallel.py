@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import types
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,6 @@ from lightning_moe.layout import ParallelLayout
 from lightning_moe.parallel import checkpoint as ckpt
 from lightning_moe.parallel.fsdp import (
     expert_params,
-    is_fsdp_managed,
     mixed_precision_policy,
     moe_layers,
     moe_replicated_params,
