@@ -1,4 +1,4 @@
-"""Delayed-scaling E4M3 casts for the native grouped FP8 GEMMs, one read of the operand.
+"""Delayed-scaling float8 casts for the native FP8 GEMMs, one read of the operand.
 
 Delayed scaling (TE's ``DelayedScaling``) quantizes each token group (or expert weight) with a
 scale derived from previous steps' amaxes, so unlike rowwise scaling no amax pass has to run
@@ -11,6 +11,9 @@ share the group's scale, so the transposed one is the same float8 values transpo
 - the per-group transposed copy at caller-chosen strides (the weight-gradient operand ``x^T``,
   or the forward weight layout ``[E, N, K]``) with ``scale_inv [G, C]`` (the group's,
   repeated over columns, as the grouped kernel's 2-D x 2-D form takes them).
+
+Dense linears (one group) take the row copy alone, in E5M2 for the hybrid format's gradients;
+the grouped kernels take E4M3 only.
 
 Numbers are those of the generic path (``precision.operands``): a group without history
 (scale 0: first step, or an expert never routed to) is scaled from its current amax, found by
@@ -106,8 +109,16 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
 
 
 @triton.jit
+def _scale_for_format(amax, FMT_MAX: tl.constexpr):
+    # `_scale_from_amax` for a format whose largest value is FMT_MAX (torch's ``FMT_MAX / amax``).
+    scale = tl.math.div_rn(tl.zeros_like(amax) + 1.0, amax) * FMT_MAX
+    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
+    return tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
+
+
+@triton.jit
 def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_ptr, record_ptr, C, G,
-                        SEARCH_STEPS: tl.constexpr, RECORD: tl.constexpr, BL: tl.constexpr):
+                        SEARCH_STEPS: tl.constexpr, RECORD: tl.constexpr, E5M2: tl.constexpr, BL: tl.constexpr):
     # Program per row: the row copy alone (no transposed store to shape the tiles around), read
     # as whole rows like the rowwise quantizer. The row's group by binary search of the ends.
     row = tl.program_id(0).to(tl.int64)
@@ -122,13 +133,18 @@ def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_pt
         lo = tl.where(go_right, mid + 1, lo)
     group = lo
     history = tl.load(scale_ptr + group, mask=group < G, other=0.0)
-    scale = tl.where(history > 0.0, history, _scale_from_amax(tl.load(cur_amax_ptr + group)))
+    current = _scale_for_format(tl.load(cur_amax_ptr + group), 57344.0 if E5M2 else 448.0)
+    scale = tl.where(history > 0.0, history, current)
     base = row * C
     amax = tl.zeros([BL], dtype=tl.float32)
     for c0 in range(0, C, BL):
         cols = c0 + tl.arange(0, BL)
         x = tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)
-        tl.store(q_ptr + base + cols, (x * scale).to(tl.float8e4nv), mask=cols < C)
+        if E5M2:
+            q = (x * scale).to(tl.float8e5)
+        else:
+            q = (x * scale).to(tl.float8e4nv)
+        tl.store(q_ptr + base + cols, q, mask=cols < C)
         if RECORD:
             amax = tl.maximum(amax, _abs_ignoring_nan(x))
     tl.store(s_ptr + row, tl.math.div_rn(1.0, scale))
@@ -145,6 +161,7 @@ def delayed_cast(
     out_col: Optional[Tensor] = None,
     stride_out_col: int = 0,
     stride_out_group: int = 0,
+    e5m2: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax decides).
@@ -157,15 +174,20 @@ def delayed_cast(
         out_col: preallocated float8 buffer for the transposed copy: row ``r`` of group ``g``,
             column ``c`` goes to ``out_col.flatten()[g * stride_out_group + c * stride_out_col
             + r]`` (rows past the last group are not written); None: no transposed copy.
+        e5m2: cast the row copy to E5M2 instead (hybrid-format gradients of dense GEMMs; the
+            grouped kernels take E4M3 only, so there is no transposed E5M2 copy).
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
     """
+    if e5m2 and (out_col is not None or not write_row):
+        raise ValueError("delayed_cast: E5M2 is supported for the row copy alone")
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape
     groups = offsets_G.numel()
     device = x_RC.device
-    q_row = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device) if write_row else None
+    row_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    q_row = torch.empty(rows, cols, dtype=row_dtype, device=device) if write_row else None
     s_row = torch.empty(rows, dtype=torch.float32, device=device) if write_row else None
     s_col = torch.empty(groups, cols, dtype=torch.float32, device=device) if out_col is not None else None
     if not (rows and cols):  # nothing to cast; no amax to record
@@ -186,7 +208,8 @@ def delayed_cast(
         block = min(triton.next_power_of_2(cols), 2048)
         _delayed_row_kernel[(rows,)](
             x_RC, offsets_G, scale_G, cur_amax, q_row, s_row, record_G if record_G is not None else dummy,
-            cols, groups, SEARCH_STEPS=max(groups, 1).bit_length(), RECORD=record_G is not None, BL=block,
+            cols, groups, SEARCH_STEPS=max(groups, 1).bit_length(), RECORD=record_G is not None, E5M2=e5m2,
+            BL=block,
             num_warps=2 if cols <= 4096 else 16,
         )
         return q_row, s_row, s_col

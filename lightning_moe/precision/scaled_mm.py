@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe.precision.delayed import DelayedState
-from lightning_moe.precision.formats import E4M3
+from lightning_moe.precision.formats import E4M3, E5M2
 from lightning_moe.precision.gemm import compute_dtype, no_autocast
 from lightning_moe.precision.operands import Layout, quantize_operand
 from lightning_moe.precision.quantize import Axis
@@ -91,9 +91,10 @@ class _ScaledLinear(torch.autograd.Function):
                     qw, sw = rowwise_quantize(weight)
                     cached_dgrad = None  # see _caching: quantized again in the backward
             else:
-                qx, sx, _, _ = quantize_operand(x2, recipe, "input", state=state, native=True)
-                qw, sw, _, _ = cached(cache, weight_key, weight, "dense_fprop",
-                                      lambda: quantize_operand(weight, recipe, "weight", state=state, native=True))
+                delayed = _fused_delayed(recipe, state, x2)
+                qx, sx = _dense_operand(x2, recipe, state, "input", delayed)
+                qw, sw = cached(cache, weight_key, weight, "dense_fprop",
+                                lambda: _dense_operand(weight, recipe, state, "weight", delayed))
             y = _mm(qx, sx, qw, sw, out_dtype, fast=recipe.fast("fprop"))
             if bias is not None:
                 y = y + bias.to(out_dtype)
@@ -107,7 +108,7 @@ class _ScaledLinear(torch.autograd.Function):
             ctx.cached_dgrad = cached_dgrad
         else:
             ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
-        ctx.fused = fused
+        ctx.fused, ctx.delayed = fused, not fused and _fused_delayed(recipe, state, x2)
         ctx.tensorwise, ctx.recipe, ctx.state, ctx.cache, ctx.weight_key = tensorwise, recipe, state, cache, weight_key
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -119,7 +120,7 @@ class _ScaledLinear(torch.autograd.Function):
         with no_autocast(dy):
             dy2 = dy.reshape(-1, dy.shape[-1])
             if ctx.tensorwise:
-                qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
+                qdy, sdy = _dense_operand(dy2, recipe, state, "grad", ctx.delayed)
                 qx, sx, qw, sw = ctx.saved_tensors
                 qw_t, sw_t = qw.t().contiguous(), sw
                 qdy_t, sdy_t, qx_t, sx_t = qdy.t().contiguous(), sdy, qx.t().contiguous(), sx
@@ -143,6 +144,24 @@ class _ScaledLinear(torch.autograd.Function):
         return dx.reshape(ctx.x_shape), dw, db, None, None, None, None, None
 
 
+def _dense_operand(t: Tensor, recipe: FP8Recipe, state: Optional[DelayedState], role: str,
+                   delayed: bool) -> tuple[Tensor, Tensor]:
+    """A dense GEMM operand quantized per tensor (tensorwise / delayed): float8 values and the
+    scalar ``scale_inv``. ``delayed``: one read with the history scale (``delayed_cast``, the
+    recipe's format for the role, E5M2 gradients under hybrid), else the generic quantizer."""
+    if not (delayed and t.numel()):
+        q, scale_inv, _, _ = quantize_operand(t, recipe, role, state=state, native=True)
+        return q, scale_inv
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+    from lightning_moe.precision.delayed import SLOTS, recording_amax
+
+    assert state is not None
+    slot = SLOTS[role]
+    record = state.amax_history[0, slot] if recording_amax() else None
+    q, scale_inv_R, _ = delayed_cast(t, _whole(t), state.scale[slot], record, e5m2=recipe.format(role) is E5M2)
+    return q, scale_inv_R[:1]  # every row has the tensor's scale
+
+
 def scaled_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
                   state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
     """FP8 ``x @ weight.T (+ bias)``; ``weight_key`` names the weight for an active `FP8WeightCache`."""
@@ -160,11 +179,14 @@ def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
 
 
 def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
-    """The delayed recipe's grouped operands can take the one-read delayed casts (same numbers
-    as the generic path; ``kernels.fp8_delayed_triton``)."""
+    """The delayed recipe's operands can take the one-read delayed casts (same numbers as the
+    generic path; ``kernels.fp8_delayed_triton``). Not for DTensors: a tensor-parallel shard's
+    amax is reduced over its shards by the generic path."""
+    from torch.distributed.tensor import DTensor
+
     from lightning_moe.kernels import use_triton
 
-    return recipe.name == "delayed" and state is not None and use_triton(t)
+    return recipe.name == "delayed" and state is not None and not isinstance(t, DTensor) and use_triton(t)
 
 
 def _caching(cache: Optional[FP8WeightCache], weight_key: Optional[Hashable]) -> bool:

@@ -136,3 +136,39 @@ def test_one_delayed_cast_writing_both_weight_layouts(experts, k, n, dtype):
     assert _same(q_row, q_row_two)
     bad = (q_one.view(torch.uint8) != q_two.view(torch.uint8)).nonzero()
     assert bad.numel() == 0, f"{bad.shape[0]} forward-layout bytes differ, first at {bad[:4].tolist()}"
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])  # hybrid: E5M2 gradients from the row kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_delayed_training_identical_with_fused_and_generic_casts(monkeypatch, fmt, dtype):
+    from lightning_moe.precision import FP8Linear, scaled_mm
+
+    torch.manual_seed(0)
+    x = torch.randn(200, 128, device="cuda", dtype=dtype)
+    x[3, 7] = float("nan")  # ignored by the amax, NaN in the output either way
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(1)
+        layer = FP8Linear(128, 64, recipe=FP8Recipe("delayed", fmt=fmt), backend="torch", device="cuda")
+        seen = []
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(scaled_mm, "_fused_delayed", lambda *args: False)
+            for step in range(3):
+                layer.zero_grad(set_to_none=True)
+                for micro in range(2):
+                    x_mb = (x[4:] * (1 + step + micro)).requires_grad_(True)
+                    y = layer(x_mb)
+                    y.float().square().sum().backward()
+                    seen += [y, x_mb.grad]
+                seen += [layer.weight.grad.clone(), layer.bias.grad.clone()]
+                update_delayed_scaling([layer], layer.recipe)
+                with torch.no_grad():
+                    layer.weight.mul_(1.5)
+                seen += [layer.fp8_scale.clone(), layer.fp8_amax_history.clone()]
+            y_nan = layer(x)  # the NaN row: the amax ignores it
+            seen.append(torch.nan_to_num(y_nan, nan=7.0))
+        results.append(seen)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), i
+    assert (results[0][-2] > 0).all()  # every role has a scale after the first update
