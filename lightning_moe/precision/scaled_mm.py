@@ -24,7 +24,10 @@ Rowwise operands on CUDA go through the fused Triton quantizers (`_fused_rowwise
 activation is quantized once for both of its GEMMs (rowwise for fprop / dgrad, per expert group
 and transposed for the weight gradient), and the backward keeps that FP8 copy instead of the
 bf16 input. Weights take both layouts from one quantizer when the weight cache holds them;
-otherwise each pass quantizes its own layout (see `_caching`).
+otherwise each pass quantizes its own layout (see `_caching`). Delayed-scaling operands on CUDA
+(`_fused_delayed`) take the same copies from one read each with their history scales
+(``kernels.fp8_delayed_triton``): grouped operands through `_FusedGroupedOperands`, dense ones
+through `_dense_operand`. Both fused paths give the generic quantizers' bits.
 """
 
 from __future__ import annotations
@@ -171,11 +174,15 @@ def scaled_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8
 
 def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
     """The rowwise recipe's operands can take the fused Triton quantizers (same numbers, one
-    kernel per operand; see ``kernels.fp8_quant_triton``)."""
+    kernel per operand; see ``kernels.fp8_quant_triton``). Not for DTensors (tensor-parallel
+    shards): a Triton kernel sees only a local tensor's memory."""
+    from torch.distributed.tensor import DTensor
+
     from lightning_moe.kernels import use_triton
 
     e4m3 = all(recipe.format(role) is E4M3 for role in ("input", "weight", "grad"))
-    return recipe.name == "rowwise" and e4m3 and state is None and not recipe.power_2_scales and use_triton(t)
+    return (recipe.name == "rowwise" and e4m3 and state is None and not recipe.power_2_scales
+            and not isinstance(t, DTensor) and use_triton(t))
 
 
 def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
