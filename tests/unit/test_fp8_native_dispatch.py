@@ -169,3 +169,31 @@ def test_activation_checkpointing_recomputes_outside_the_cache(monkeypatch):
     assert torch.equal(y.detach().float(), plain[0]) and torch.equal(x.grad.float(), plain[1])
     assert torch.equal(w.grad, plain[2])
     assert cache.misses == 2  # forward and backward layouts of the first forward; the recompute has no cache
+
+
+def test_fused_quantizers_leave_dtensor_operands_to_the_generic_path(monkeypatch, tmp_path):
+    """A Triton kernel sees only a tensor's local memory (a DTensor reports no usable pointer),
+    so tensor-parallel shards must take the generic quantizers, whose amax is reduced over the
+    shards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import lightning_moe.kernels as kernels
+    from lightning_moe.precision.delayed import DelayedState
+
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)  # as on a GPU
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        local = torch.randn(8, 16)
+        sharded = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Shard(0)])
+        state = DelayedState(torch.zeros(2, 3, 1), torch.zeros(3, 1))
+        rowwise, delayed = FP8Recipe("rowwise"), FP8Recipe("delayed")
+        assert scaled_mm._fused_rowwise(rowwise, None, local) and scaled_mm._fused_delayed(delayed, state, local)
+        assert not scaled_mm._fused_rowwise(rowwise, None, sharded)
+        assert not scaled_mm._fused_delayed(delayed, state, sharded)
+    finally:
+        if created:
+            dist.destroy_process_group()
