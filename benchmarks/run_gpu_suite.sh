@@ -52,7 +52,10 @@ if has fp8native; then  # without Transformer Engine: our FP8 GEMMs beside bf16
   run python3 benchmarks/moe_block.py --precision rowwise --fast-accumulation fprop dgrad wgrad --iters 20 \
     --tag grouped_mm_rowwise_fast
   run python3 benchmarks/moe_block.py --precision rowwise --fast-accumulation fprop dgrad wgrad --cache-weights \
-    --iters 20 --tag grouped_mm_rowwise_fast_cached  say "moe_block over an optimizer step of 4 micro-batches (gradient accumulation), bf16 and FP8"
+    --iters 20 --tag grouped_mm_rowwise_fast_cached
+  say "moe_block --precision fp8 (native delayed scaling, fast accumulation)"
+  run python3 benchmarks/moe_block.py --precision fp8 --iters 20 --tag fp8_delayed_fast
+  say "moe_block over an optimizer step of 4 micro-batches (gradient accumulation), bf16 and FP8"
   run python3 benchmarks/moe_block.py --accumulate 4 --iters 10 --tag window_bf16_x4
   run python3 benchmarks/moe_block.py --precision fp8 --cache-weights --accumulate 4 --iters 10 --tag window_fp8_cached_x4
 fi
