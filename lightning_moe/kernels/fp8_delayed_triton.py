@@ -32,7 +32,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.fp8_quant_triton import _abs_ignoring_nan, _aligned_body, _group_bounds, _scale_from_amax
+from lightning_moe.kernels.fp8_quant_triton import (
+    _abs_ignoring_nan,
+    _aligned_body,
+    _column_amax,
+    _group_bounds,
+    _scale_from_amax,
+)
 
 
 @triton.jit
@@ -45,13 +51,7 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, BR: t
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cols < C
         start, end = _group_bounds(offsets_ptr, group, G, R)
-        amax = tl.zeros([BC], dtype=tl.float32)
-        for r0 in range(start, end, BR):
-            rows = r0 + tl.arange(0, BR)
-            m = (rows < end)[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
-        tl.atomic_max(amax_ptr + group, tl.max(amax, 0))
+        tl.atomic_max(amax_ptr + group, tl.max(_column_amax(x_ptr, start, end, cols, cmask, C, BR), 0))
 
 
 @triton.jit

@@ -58,6 +58,18 @@ def _group_bounds(offsets_ptr, group, G, R):
 
 
 @triton.jit
+def _column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr):
+    # Per-column amax ``[BC]`` of rows [start, end) of a row-major ``[R, C]`` operand.
+    amax = tl.zeros(cols.shape, dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        m = (rows < end)[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
+    return amax
+
+
+@triton.jit
 def _rowwise_kernel(x_ptr, q_ptr, s_ptr, L, BL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * L
@@ -104,13 +116,7 @@ def _group_column_kernel(
     cmask = cols < C
     end = tl.load(offsets_ptr + group).to(tl.int64)
     start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int64)
-    amax = tl.zeros([BC], dtype=tl.float32)
-    for r0 in range(start, end, BR):
-        rows = r0 + tl.arange(0, BR)
-        m = (rows[:, None] < end) & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
-    scale = _scale_from_amax(amax)
+    scale = _scale_from_amax(_column_amax(x_ptr, start, end, cols, cmask, C, BR))
     out_base = group.to(tl.int64) * stride_qg
     lo, hi = _aligned_body(start, end)
     _column_cast_tile(x_ptr, q_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale, out_base, C, stride_qc, 16)
