@@ -1,4 +1,5 @@
-"""Delayed-scaling float8 casts for the native FP8 GEMMs, one read of the operand.
+"""Delayed-scaling float8 casts for the native FP8 GEMMs, one read of the operand (two for
+token groups without history, see below).
 
 Delayed scaling (TE's ``DelayedScaling``) quantizes each token group (or expert weight) with a
 scale derived from previous steps' amaxes, so unlike rowwise scaling no amax pass has to run
@@ -47,7 +48,7 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, BR: t
     # tail group G), by atomic max over column blocks; groups with a scale return at once.
     group = tl.program_id(0)
     have = tl.load(scale_ptr + group, mask=group < G, other=0.0)
-    if have <= 0.0:
+    if (have > 0.0) == 0:  # also a NaN scale, which the casts replace by the current one too
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cols < C
         start, end = _group_bounds(offsets_ptr, group, G, R)
@@ -164,7 +165,8 @@ def delayed_cast(
     e5m2: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
-    with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax decides).
+    (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
+    decides).
 
     Args:
         record_G: fp32 ``[G]`` this micro-batch's per-group amax is max-folded into (the amax
@@ -180,7 +182,9 @@ def delayed_cast(
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
     """
-    if e5m2 and (out_col is not None or not write_row):
+    if not write_row and out_col is None:
+        raise ValueError("delayed_cast: nothing to write; ask for the row copy, the transposed one or both")
+    if e5m2 and out_col is not None:
         raise ValueError("delayed_cast: E5M2 is supported for the row copy alone")
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape
@@ -191,9 +195,14 @@ def delayed_cast(
     s_row = torch.empty(rows, dtype=torch.float32, device=device) if write_row else None
     s_col = torch.empty(groups, cols, dtype=torch.float32, device=device) if out_col is not None else None
     if not (rows and cols):  # nothing to cast; no amax to record
-        for s in (s_row, s_col):
-            if s is not None:
-                s.fill_(1.0)
+        # The generic path's scales: the history's where there is one, else 1 (an empty
+        # group's amax is 0); the tail group has no history.
+        inv_G = torch.where(scale_G > 0, 1.0 / scale_G, torch.ones_like(scale_G)).to(torch.float32)
+        if s_col is not None:
+            s_col.copy_(inv_G[:, None].expand(groups, cols))
+        if s_row is not None and rows:
+            row_group = torch.searchsorted(offsets_G.long(), torch.arange(rows, device=device), right=True)
+            s_row.copy_(torch.cat([inv_G, inv_G.new_ones(1)])[row_group])
         return q_row, s_row, s_col
     offsets_G = offsets_G.contiguous()
     scale_G = scale_G.contiguous()

@@ -1,4 +1,5 @@
-"""Fused E4M3 quantizers for the native FP8 GEMMs (rowwise recipe), one Triton kernel each.
+"""Fused E4M3 quantizers for the native FP8 GEMMs (rowwise recipe), one Triton kernel each;
+their scale, amax and tiling helpers also serve the delayed casts (``fp8_delayed_triton``).
 
 The generic tile quantizer (``precision.quantize``) takes 6-10 memory passes per operand (fp32
 copies, ``nan_to_num``, scatter-reduce amax for token groups, index-select of the scales, a

@@ -87,7 +87,7 @@ def history_scales(state: DelayedState, role: str, history_fmt_max: float, fmt_m
     (``history_fmt_max``); a kernel that casts to another one (the grouped FP8 kernels take E4M3
     gradients even under the hybrid recipe) needs them rescaled, else it would saturate
     everything above ``amax * fmt_max / history_fmt_max``. E4M3 / E5M2 maxima differ by 2^7, so
-    the rescaling is exact."""
+    the rescaling is exact (except for scales the update clamped to FLT_MAX, amax < ~1.7e-34)."""
     scale = state.scale[SLOTS[role]]
     return scale if fmt_max == history_fmt_max else scale * (fmt_max / history_fmt_max)
 

@@ -94,7 +94,7 @@ class _ScaledLinear(torch.autograd.Function):
                     qw, sw = rowwise_quantize(weight)
                     cached_dgrad = None  # see _caching: quantized again in the backward
             else:
-                delayed = _fused_delayed(recipe, state, x2)
+                delayed = _fused_delayed(recipe, state, x2, weight)
                 qx, sx = _dense_operand(x2, recipe, state, "input", delayed)
                 qw, sw = cached(cache, weight_key, weight, "dense_fprop",
                                 lambda: _dense_operand(weight, recipe, state, "weight", delayed))
@@ -111,7 +111,7 @@ class _ScaledLinear(torch.autograd.Function):
             ctx.cached_dgrad = cached_dgrad
         else:
             ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
-        ctx.fused, ctx.delayed = fused, not fused and _fused_delayed(recipe, state, x2)
+        ctx.fused, ctx.delayed = fused, not fused and _fused_delayed(recipe, state, x2, weight)
         ctx.tensorwise, ctx.recipe, ctx.state, ctx.cache, ctx.weight_key = tensorwise, recipe, state, cache, weight_key
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -185,7 +185,7 @@ def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
             and not isinstance(t, DTensor) and use_triton(t))
 
 
-def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
+def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], *operands: Tensor) -> bool:
     """The delayed recipe's operands can take the one-read delayed casts (same numbers as the
     generic path; ``kernels.fp8_delayed_triton``). Not for DTensors: a tensor-parallel shard's
     amax is reduced over its shards by the generic path."""
@@ -193,7 +193,8 @@ def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
 
     from lightning_moe.kernels import use_triton
 
-    return recipe.name == "delayed" and state is not None and not isinstance(t, DTensor) and use_triton(t)
+    return (recipe.name == "delayed" and state is not None
+            and all(not isinstance(t, DTensor) and use_triton(t) for t in operands))
 
 
 def _caching(cache: Optional[FP8WeightCache], weight_key: Optional[Hashable]) -> bool:
@@ -306,7 +307,12 @@ class _FusedGroupedOperands:
     """The fused Triton quantizers of a grouped GEMM's operands, for the rowwise recipe
     (current scaling, two reads per operand) or the delayed one (history scales, one read:
     ``kernels.fp8_delayed_triton``). Either way the same copies come back: the row copy with
-    per-row scales and the per-group transposed copy with per-(group, column) scales."""
+    per-row scales and the per-group transposed copy with per-(group, column) scales.
+
+    Delayed: the input's and the weight's amaxes are recorded by the forward's casts only (the
+    generic path records them again in the backward, from the same values). The two differ only
+    if a forward ran with recording paused and its backward did not, which `FP8Precision`
+    never does (it pauses recording for evaluation, which has no backward)."""
 
     def __init__(self, recipe: FP8Recipe, state: Optional[DelayedState]) -> None:
         self.recipe, self.state = recipe, state if recipe.name == "delayed" else None

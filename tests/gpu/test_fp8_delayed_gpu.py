@@ -60,9 +60,16 @@ def test_delayed_cast_equals_the_generic_delayed_quantizer(dtype):
 
 
 def _train(gemm, x, w, offsets, steps, cache=None):
-    """``steps`` optimizer steps of 2 micro-batches; returns every output and gradient, and the
-    delayed state after each update."""
+    """``steps`` optimizer steps of 2 micro-batches (the second under non-reentrant activation
+    checkpointing), then an evaluation forward (no grad, amax recording paused); returns every
+    output and gradient, and the delayed state after each update."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_moe.precision.delayed import amax_recording_paused
     from lightning_moe.precision.weight_cache import caching_fp8_weights
+
+    def forward(x_mb):
+        return gemm.grouped_mm(x_mb, w, offsets, projection="fc1")
 
     seen = []
     end = int(offsets[-1])  # the grouped kernel leaves rows past the last group unspecified
@@ -71,10 +78,12 @@ def _train(gemm, x, w, offsets, steps, cache=None):
         for micro in range(2):
             x_mb = (x * (1 + step + micro)).detach().requires_grad_(True)
             with caching_fp8_weights(cache):
-                y = gemm.grouped_mm(x_mb, w, offsets, projection="fc1")
+                y = forward(x_mb) if micro == 0 else checkpoint(forward, x_mb, use_reentrant=False)
             y.float().square().sum().backward()
             seen += [y[:end], x_mb.grad[:end]]
         seen.append(w.grad.clone())
+        with torch.no_grad(), amax_recording_paused():
+            seen.append(forward(x * 3)[:end])
         torch.cuda.set_sync_debug_mode("error")  # the per-step update must not stall the host
         try:
             update_delayed_scaling([gemm], gemm.recipe)

@@ -190,6 +190,20 @@ def test_te_unsupported_gpu_carries_te_reason(monkeypatch):
     assert resolve_backend("nvfp4", "auto", device="cuda") == "emulated"
 
 
+def test_auto_on_hopper_without_te_picks_the_native_kernels(monkeypatch):
+    from lightning_moe.precision import recipes
+
+    monkeypatch.setattr(_te, "available", lambda: False)
+    monkeypatch.setattr(recipes, "cuda_capability", lambda device=None: (9, 0))
+    for name in ("tensorwise", "rowwise", "delayed"):
+        assert resolve_backend(name, "auto", device="cuda") == "torch"
+        assert resolve_backend(name, "auto", device="cuda", grouped=True) == "torch"
+    for name in ("blockwise", "mxfp8", "nvfp4"):  # no native kernels
+        assert resolve_backend(name, "auto", device="cuda") == "emulated"
+    monkeypatch.setattr(recipes, "cuda_capability", lambda device=None: (8, 9))  # Ada: no grouped FP8
+    assert resolve_backend("delayed", "auto", device="cuda", grouped=True) == "emulated"
+
+
 def test_auto_on_cpu_is_emulated():
     for name in ("tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4"):
         assert resolve_backend(name, "auto", device="cpu") == "emulated"
