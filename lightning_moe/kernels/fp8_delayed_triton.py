@@ -38,6 +38,7 @@ from lightning_moe.kernels.fp8_quant_triton import (
     _aligned_body,
     _column_amax,
     _group_bounds,
+    _scale_for_format,
     _scale_from_amax,
 )
 
@@ -107,14 +108,6 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
                  mask=cmask & in_group)
     if RECORD:
         tl.atomic_max(record_ptr + group, tl.max(amax, 0), mask=in_group)
-
-
-@triton.jit
-def _scale_for_format(amax, FMT_MAX: tl.constexpr):
-    # `_scale_from_amax` for a format whose largest value is FMT_MAX (torch's ``FMT_MAX / amax``).
-    scale = tl.math.div_rn(tl.zeros_like(amax) + 1.0, amax) * FMT_MAX
-    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
-    return tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
 
 
 @triton.jit

@@ -36,12 +36,17 @@ _FLT_MAX = 3.4028234663852886e38
 
 
 @triton.jit
-def _scale_from_amax(amax):
-    # torch's ``448 / amax`` is ``reciprocal(amax) * 448`` (two roundings); the same here, so
-    # both quantizers give the same bits.
-    scale = tl.math.div_rn(tl.zeros_like(amax) + 1.0, amax) * 448.0
+def _scale_for_format(amax, FMT_MAX: tl.constexpr):
+    # torch's ``FMT_MAX / amax`` is ``reciprocal(amax) * FMT_MAX`` (two roundings); the same
+    # here, so both quantizers give the same bits.
+    scale = tl.math.div_rn(tl.zeros_like(amax) + 1.0, amax) * FMT_MAX
     scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
     return tl.where((amax == 0.0) | (amax == float("inf")), 1.0, scale)
+
+
+@triton.jit
+def _scale_from_amax(amax):
+    return _scale_for_format(amax, 448.0)  # E4M3
 
 
 @triton.jit

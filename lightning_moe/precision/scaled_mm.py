@@ -459,7 +459,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
-            fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x)
+            fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x, w)
             if fused:
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
