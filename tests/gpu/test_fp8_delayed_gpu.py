@@ -1,6 +1,7 @@
 """The one-read delayed-scaling casts equal the generic delayed path bit for bit: the cast
-itself, and whole training steps of the native grouped GEMM (scales, amax histories, outputs
-and gradients), with and without the FP8 weight cache (CUDA, Hopper)."""
+itself (bf16 and fp32 inputs), and whole training steps of the native grouped GEMM (with and
+without the FP8 weight cache, a checkpointed micro-batch, an evaluation forward) and of the dense
+linear (hybrid and E4M3 formats): scales, amax histories, outputs and gradients (CUDA, Hopper)."""
 
 import pytest
 import torch
