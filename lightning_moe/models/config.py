@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-from lightning_moe.nn.config import MoEConfig
+from lightning_moe.nn.config import MoEConfig, check_field_names
 
 
 @dataclass
@@ -92,6 +92,7 @@ class ModelConfig:
 
     def _resolve_moe(self) -> None:
         if isinstance(self.moe, dict):
+            check_field_names("MoEConfig", self.moe, (f.name for f in fields(MoEConfig) if f.init))
             kwargs = {"hidden_size": self.hidden_size, "init_method_std": self.init_method_std, **self.moe}
             self.moe = MoEConfig(**kwargs)
         if self.moe is None:

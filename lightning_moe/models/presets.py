@@ -25,6 +25,7 @@ import copy
 from typing import Any, Callable
 
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.nn.config import check_field_names
 
 
 def _tiny() -> dict[str, Any]:
@@ -193,10 +194,7 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
 def apply_overrides(fields: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """``fields`` (ModelConfig keyword arguments) updated by ``overrides``; a dict ``moe`` override
     is merged into a dict ``moe`` field, any other ``moe`` value (MoEConfig, None) replaces it."""
-    valid = set(ModelConfig.__dataclass_fields__)
-    unknown = set(overrides) - valid
-    if unknown:
-        raise ValueError(f"unknown ModelConfig field(s) {sorted(unknown)} in overrides; valid fields: {sorted(valid)}.")
+    check_field_names("ModelConfig", overrides, ModelConfig.__dataclass_fields__)
     merged = copy.deepcopy(fields)
     for key, value in copy.deepcopy(overrides).items():
         if key == "moe" and isinstance(value, dict) and isinstance(merged.get("moe"), dict):

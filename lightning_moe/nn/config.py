@@ -6,6 +6,7 @@ Megatron user can translate a launch script line by line (README.md carries the 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import typing
@@ -274,3 +275,18 @@ def _check_scalar_types(config: MoEConfig) -> None:
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"MoEConfig.{name}={value!r} is not one of {choices}.")
+
+
+def check_field_names(owner: str, names: typing.Iterable[str], valid: typing.Iterable[str]) -> None:
+    """Raise ``ValueError`` naming every unknown field among ``names``, each with the closest
+    valid one ("router_top_k: did you mean 'router_topk'?"), before a dataclass refuses them with
+    a bare ``TypeError``."""
+    valid = sorted(valid)
+    unknown = sorted(set(names) - set(valid))
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(f"unknown {owner} field(s): {', '.join(parts)}. Valid fields: {', '.join(valid)}.")
