@@ -36,7 +36,10 @@ class FP8Precision(MixedPrecision):
 
     Args:
         recipe: "tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4" or an
-            `FP8Recipe`.
+            `FP8Recipe`. Default "delayed", as Megatron-Core's ``--fp8-recipe`` and Transformer
+            Engine's default recipe; on the native backend its operands are cast in one read
+            (per-expert / per-tensor scales from the amax history, updated once per optimizer
+            step), the fastest native FP8 path measured (benchmarks/NOTES.md).
         backend: "auto" (Transformer Engine when installed and able to run the recipe on
             this GPU, else ``torch._scaled_mm`` on sm90+ for tensorwise / rowwise / delayed, else
             emulated), "te", "torch" or "emulated". An impossible choice raises
@@ -58,7 +61,7 @@ class FP8Precision(MixedPrecision):
 
     def __init__(
         self,
-        recipe: Union[str, FP8Recipe] = "tensorwise",
+        recipe: Union[str, FP8Recipe] = "delayed",
         backend: str = "auto",
         keep_high_precision_layers: int = 0,
         module_filter: Optional[ModuleFilter] = None,

@@ -204,6 +204,18 @@ def test_auto_on_hopper_without_te_picks_the_native_kernels(monkeypatch):
     assert resolve_backend("delayed", "auto", device="cuda", grouped=True) == "emulated"
 
 
+def test_plugin_defaults_to_delayed_scaling_on_the_native_kernels(monkeypatch):
+    """`FP8Precision()` is Megatron-Core's default recipe, and on a Hopper GPU without
+    Transformer Engine it runs the native kernels (the delayed casts), not the emulation."""
+    from lightning_moe.precision import FP8Precision, recipes
+
+    monkeypatch.setattr(_te, "available", lambda: False)
+    monkeypatch.setattr(recipes, "cuda_capability", lambda device=None: (9, 0))
+    plugin = FP8Precision(device="cuda")
+    assert plugin.recipe.name == "delayed" and plugin.backend == "torch"
+    assert FP8Precision(device="cpu").backend == "emulated"
+
+
 def test_auto_on_cpu_is_emulated():
     for name in ("tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4"):
         assert resolve_backend(name, "auto", device="cpu") == "emulated"
