@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -113,6 +114,40 @@ def test_e4m3_override_rescales_the_hybrid_history_scale():
     # E4M3 keeps 3 mantissa bits (relative error <= 2^-4); its subnormals an absolute 2^-10 * scale_inv
     assert torch.allclose(restored, dy, rtol=0.07, atol=2**-8 * float(amax.max()) / 448)
     assert torch.equal(scale_inv[:2].reshape(-1), 1.0 / (state.scale[2] * 2.0**-7))  # E4M3 max / E5M2 max
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_batched_update_equals_the_per_module_rule(algo):
+    """One update over modules of different group counts (linears: 1, experts: E) equals TE's
+    rule applied module by module: row 0 holds this step's amax; scale = fmt_max / amax /
+    2^margin where the amax is positive and finite (else the old scale); the history rolls."""
+    from lightning_moe.precision.delayed import ensure_delayed_state, register_delayed_buffers
+
+    recipe = FP8Recipe("delayed", amax_history_len=5, margin=1, amax_compute_algo=algo)
+    torch.manual_seed(0)
+    modules = []
+    for groups in (1, 4, 1, 7):
+        module = torch.nn.Module()
+        register_delayed_buffers(module)
+        state = ensure_delayed_state(module, recipe, groups, torch.device("cpu"))
+        state.amax_history.copy_(torch.rand(5, 3, groups) * 10)
+        state.amax_history[:, :, 0] = 0.0  # a group never seen: keeps its old scale
+        state.amax_history[2, 1, -1] = float("inf")  # an overflowing step in the history
+        state.scale.copy_(torch.rand(3, groups) + 0.5)
+        modules.append(module)
+    expected = []
+    fmt_max = torch.tensor([448.0, 448.0, 57344.0])[:, None]
+    for module in modules:
+        history, scale = module.fp8_amax_history.clone(), module.fp8_scale.clone()
+        amax = history.amax(0) if algo == "max" else history[0]
+        new = (fmt_max / amax).clamp(max=3.4028234663852886e38) / 2.0
+        scale = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
+        history = torch.roll(history, 1, 0)
+        history[0] = 0
+        expected.append((history, scale))
+    update_delayed_scaling(modules, recipe)
+    for module, (history, scale) in zip(modules, expected):
+        assert torch.equal(module.fp8_amax_history, history) and torch.equal(module.fp8_scale, scale)
 
 
 def _reduce_worker(rank, world, path):
