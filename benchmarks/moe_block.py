@@ -83,15 +83,17 @@ def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False
     "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin. Returns the
     plugin's forward context (a factory: each ``with`` needs a fresh one), its FP8 weight cache
     (None without one) and what the plugin runs once per optimizer step besides clearing that
-    cache (delayed scaling's amax-history update; nothing for other recipes)."""
+    cache (delayed scaling's amax-history update; None for other recipes)."""
     if precision == "bf16":
-        return contextlib.nullcontext, None, lambda: None
+        return contextlib.nullcontext, None, None
     from lightning_moe.precision import FP8Precision, FP8Recipe, update_delayed_scaling  # lazily: optional
     from lightning_moe.precision.modules import fp8_modules
 
     recipe = FP8Recipe(precision, fast_accumulation=None if fast_accumulation is None else tuple(fast_accumulation))
     plugin = FP8Precision(recipe=recipe, backend="auto", cache_fp8_weights=cache_weights)
     plugin.convert_module(layer)
+    if recipe.name != "delayed":
+        return plugin.forward_context, plugin.weight_cache, None
     delayed_modules = fp8_modules(layer)
 
     def optimizer_step_work() -> None:
@@ -142,13 +144,14 @@ def run_case(name: str, c: dict, args) -> dict:
                                                                  args.fast_accumulation)
     tokens = min(4096, c["B"] * c["S"])
     correctness = check_correctness(layer, reference, c, tokens, context)
-    # Delayed scaling's first step takes current amaxes; what is timed runs on history scales,
-    # so update them as an optimizer step does and check again (the worse of the two is kept).
-    optimizer_step_work()
-    layer.zero_grad(set_to_none=True)
-    reference.zero_grad(set_to_none=True)
-    again = check_correctness(layer, reference, c, tokens, context)
-    correctness = {key: max(value, again[key]) for key, value in correctness.items()}
+    if optimizer_step_work is not None:
+        # Delayed scaling's first step takes current amaxes; what is timed runs on history
+        # scales, so update them as an optimizer step does and check again (the worse is kept).
+        optimizer_step_work()
+        layer.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        again = check_correctness(layer, reference, c, tokens, context)
+        correctness = {key: max(value, again[key]) for key, value in correctness.items()}
     del reference
     worst = max(correctness.values())
     if not worst <= error_bound(args.precision):  # also catches NaN
@@ -170,7 +173,8 @@ def run_case(name: str, c: dict, args) -> dict:
             x.grad = None
             y = layer(x)
             y.backward(dy)
-        optimizer_step_work()
+        if optimizer_step_work is not None:
+            optimizer_step_work()
 
     torch.cuda.reset_peak_memory_stats()
     with context():

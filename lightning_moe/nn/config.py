@@ -99,13 +99,15 @@ class MoEConfig:
     init_method_std: float = 0.02
 
     def __post_init__(self) -> None:
-        _check_scalar_types(self)
+        _check_scalar_types(self)  # from here on, int fields hold ints (not bools)
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "router_topk"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if value <= 0:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}.")
-        if not isinstance(self.dispatch_chunks, int) or isinstance(self.dispatch_chunks, bool) or self.dispatch_chunks < 1:
-            raise ValueError(f"MoEConfig.dispatch_chunks must be an int >= 1 (1 = no pipelining), got {self.dispatch_chunks!r}.")
+        if self.dispatch_chunks < 1:
+            raise ValueError(
+                f"MoEConfig.dispatch_chunks must be an int >= 1 (1 = no pipelining), got {self.dispatch_chunks!r}."
+            )
         if self.router_topk > self.num_experts:
             raise ValueError(
                 f"router_topk={self.router_topk} exceeds num_experts={self.num_experts}: "

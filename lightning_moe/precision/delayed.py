@@ -81,6 +81,12 @@ def recording_amax() -> bool:
     return _AMAX_RECORDING.get()
 
 
+def amax_record_row(state: DelayedState, role: str) -> Optional[torch.Tensor]:
+    """The ``[G]`` row that ``role``'s amax of this step is max-folded into (by a kernel, in
+    place), or None while recording is paused."""
+    return state.amax_history[0, SLOTS[role]] if recording_amax() else None
+
+
 def history_scales(state: DelayedState, role: str, history_fmt_max: float, fmt_max: float) -> torch.Tensor:
     """``role``'s per-group scales ``[G]`` for a cast to a format whose largest value is
     ``fmt_max``. The history's scales target the recipe's format for the role
@@ -95,10 +101,9 @@ def history_scales(state: DelayedState, role: str, history_fmt_max: float, fmt_m
 @torch.no_grad()
 def record_amax(state: DelayedState, role: str, amax_G: torch.Tensor) -> None:
     """Fold this micro-batch's per-group amax into the current step's row."""
-    if not _AMAX_RECORDING.get():
-        return
-    row = state.amax_history[0, SLOTS[role]]
-    torch.maximum(row, amax_G.to(row.dtype), out=row)
+    row = amax_record_row(state, role)
+    if row is not None:
+        torch.maximum(row, amax_G.to(row.dtype), out=row)
 
 
 def _fmt_max(recipe: FP8Recipe, like: torch.Tensor) -> torch.Tensor:

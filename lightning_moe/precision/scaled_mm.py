@@ -156,12 +156,11 @@ def _dense_operand(t: Tensor, recipe: FP8Recipe, state: Optional[DelayedState], 
         q, scale_inv, _, _ = quantize_operand(t, recipe, role, state=state, native=True)
         return q, scale_inv
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
-    from lightning_moe.precision.delayed import SLOTS, recording_amax
+    from lightning_moe.precision.delayed import SLOTS, amax_record_row
 
     assert state is not None
-    slot = SLOTS[role]
-    record = state.amax_history[0, slot] if recording_amax() else None
-    q, scale_inv_R, _ = delayed_cast(t, _whole(t), state.scale[slot], record, e5m2=recipe.format(role) is E5M2)
+    q, scale_inv_R, _ = delayed_cast(t, _whole(t), state.scale[SLOTS[role]], amax_record_row(state, role),
+                                     e5m2=recipe.format(role) is E5M2)
     return q, scale_inv_R[:1]  # every row has the tensor's scale
 
 
@@ -272,12 +271,18 @@ def _fused_both(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor, Tensor
     return q_RC, s_R, q_CR, s_GC.reshape(-1)
 
 
+def _expert_row_ends(w_EKN: Tensor) -> Tensor:
+    """int32 ``[E]`` cumulative row ends of ``w [E, K, N]`` viewed as ``[E * K, N]`` rows."""
+    experts, k, _ = w_EKN.shape
+    return torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
+
+
 def _weight_as_groups(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, int, int]:
     """``w [E, K, N]`` as a group-column quantizer sees it: rows ``[E * K, N]`` grouped by
     expert, and the float8 ``[E, N, K]`` fprop output with its (column, group) strides."""
     experts, k, n = w_EKN.shape
     q_ENK = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn, device=w_EKN.device)
-    ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
+    ends = _expert_row_ends(w_EKN)
     # Row e*K + k, column n -> q[e, n, k] = e*N*K + n*K + k = (e*K + k) + n*K + e*K*(N-1).
     return w_EKN.reshape(experts * k, n), ends, q_ENK, k, k * (n - 1)
 
@@ -319,11 +324,11 @@ class _FusedGroupedOperands:
 
     def _delayed(self, role: str) -> tuple[Tensor, Optional[Tensor]]:
         """``role``'s E4M3 scales ``[G]`` and the amax row to record into (None when paused)."""
-        from lightning_moe.precision.delayed import SLOTS, history_scales, recording_amax
+        from lightning_moe.precision.delayed import amax_record_row, history_scales
 
         assert self.state is not None
         scale = history_scales(self.state, role, self.recipe.format(role).max, E4M3.max)
-        return scale, self.state.amax_history[0, SLOTS[role]] if recording_amax() else None
+        return scale, amax_record_row(self.state, role)
 
     def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str,
                    transposed: bool) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
@@ -359,8 +364,7 @@ class _FusedGroupedOperands:
             return rowwise_quantize(rows)
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
-        ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
-        q, s_EK, _ = delayed_cast(rows, ends, self._delayed("weight")[0], None)
+        q, s_EK, _ = delayed_cast(rows, _expert_row_ends(w_EKN), self._delayed("weight")[0], None)
         return q, s_EK
 
     def weight_both(self, w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
