@@ -83,6 +83,7 @@ def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
                      key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in kernels) or 1.0
     nccl = sum(e.device_time_total for e in kernels if "nccl" in e.key.lower())
+    peer_copies = sum(e.device_time_total for e in kernels if "PtoP" in e.key)  # copy-engine transfers
     syncs = [e for e in averages if "Synchronize" in e.key or e.key in _SYNC_OPS]
     cpu_top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     wall_ms, gaps = idle_gaps(_trace_events(prof))
@@ -90,6 +91,7 @@ def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
         "kernel_ms": total / 1e3,
         "wall_ms": wall_ms,
         "nccl_share": nccl / total,
+        "peer_copy_ms": peer_copies / 1e3,
         "kernels": [{"name": e.key[:120], "cuda_ms": e.device_time_total / 1e3, "share": e.device_time_total / total,
                      "calls": e.count} for e in kernels[:top_kernels]],
         "idle_gaps": gaps,

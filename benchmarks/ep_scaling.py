@@ -34,7 +34,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
-def worker(rank: int, world: int, port: int, cases: list[str], iters: int, chunks: int, queue) -> None:
+def worker(rank: int, world: int, port: int, cases: list[str], iters: int, variant: dict, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
@@ -47,7 +47,9 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, chunk
         c = CASES[name]
         torch.manual_seed(0)
         layer = build_layer(c, "grouped_mm", torch.bfloat16)
-        layer.config = dataclasses.replace(layer.config, dispatch_chunks=chunks)
+        layer.config = dataclasses.replace(
+            layer.config, dispatch_chunks=variant["chunks"], dispatch_transport=variant["transport"]
+        )
         reference = None
         g = torch.Generator(device="cuda").manual_seed(100 + rank)
         x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, generator=g)
@@ -55,7 +57,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, chunk
             with torch.no_grad():
                 reference = layer(x[:1, :1024]).float()  # full layer (all experts) on this rank's tokens
             mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
-            expert_parallel_layer(layer, mesh, "alltoall")
+            expert_parallel_layer(layer, mesh, variant["dispatcher"])
         err = None
         if reference is not None:
             with torch.no_grad():
@@ -76,7 +78,9 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, chunk
         slowest = max(float(t) for t in times)  # the step ends when the slowest rank ends
         out[name] = {
             "ep": world,
-            "dispatch_chunks": chunks,
+            "dispatcher": variant["dispatcher"] if world > 1 else "local",
+            "dispatch_transport": variant["transport"],
+            "dispatch_chunks": variant["chunks"],
             "median_ms_slowest_rank": slowest,
             "per_gpu_tflops": block_flops(c) / (slowest * 1e-3) / 1e12,
             "nccl_share": prof["nccl_share"],
@@ -102,23 +106,38 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1],
                         help="MoEConfig.dispatch_chunks values to run at EP > 1 (all-to-all pipelining)")
+    parser.add_argument("--dispatchers", nargs="+", default=["alltoall"], choices=["alltoall", "allgather"],
+                        help="token dispatchers to run at EP > 1")
+    parser.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy_engine"],
+                        help="MoEConfig.dispatch_transport values for the all-gather dispatcher")
     parser.add_argument("--tag", default=None, help="results file ep_scaling_<tag>.json (default ep_scaling.json)")
     args = parser.parse_args(argv)
     available = torch.cuda.device_count()
     results = {}
     ctx = mp.get_context("spawn")
-    runs = [(ep, chunks) for ep in args.ep for chunks in (args.chunks if ep > 1 else [1])]
-    for i, (ep, chunks) in enumerate(runs):
+    runs = []
+    for ep in args.ep:
+        if ep == 1:
+            runs.append((1, dict(dispatcher="alltoall", transport="nccl", chunks=1), "ep1"))
+            continue
+        for dispatcher in args.dispatchers:
+            # all-to-all: NCCL only, optionally pipelined; all-gather: never chunked, any transport
+            for transport in (["nccl"] if dispatcher == "alltoall" else args.transports):
+                for chunks in (args.chunks if dispatcher == "alltoall" else [1]):
+                    key = f"ep{ep}" + ("" if dispatcher == "alltoall" else f"_{dispatcher}")
+                    key += "" if transport == "nccl" else f"_{transport}"
+                    key += "" if chunks == 1 else f"_chunks{chunks}"
+                    runs.append((ep, dict(dispatcher=dispatcher, transport=transport, chunks=chunks), key))
+    for i, (ep, variant, key) in enumerate(runs):
         if ep > available:
             print(f"EP={ep}: skipped, {available} GPU(s) here")
             continue
-        key = f"ep{ep}" if chunks == 1 else f"ep{ep}_chunks{chunks}"
         queue = ctx.Queue()
-        mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, chunks, queue), nprocs=ep, join=True)
+        mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, variant, queue), nprocs=ep, join=True)
         results[key] = queue.get()
         for name, r in results[key].items():
             err = "" if r["rel_err_vs_ep1"] is None else f" err vs EP1 {r['rel_err_vs_ep1']:.2e}"
-            print(f"EP={ep} chunks={chunks} {name:18s} {r['median_ms_slowest_rank']:8.2f} ms "
+            print(f"{key:28s} {name:18s} {r['median_ms_slowest_rank']:8.2f} ms "
                   f"{r['per_gpu_tflops']:7.1f} TFLOP/s/GPU all-to-all share {r['nccl_share']*100:5.1f}% "
                   f"kernels {r['kernel_ms_rank0']:.2f} ms{err}", flush=True)
             for row in r["top_kernels_rank0"]:

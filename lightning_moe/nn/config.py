@@ -19,6 +19,7 @@ DROP_POLICIES = ("probs", "position")
 ACTIVATIONS = ("swiglu", "gelu", "relu", "squared_relu")
 EXPERT_BACKENDS = ("auto", "grouped_mm", "te", "loop")
 DISPATCHER_TYPES = ("alltoall", "allgather", "deepep")
+DISPATCH_TRANSPORTS = ("nccl", "copy_engine")
 
 
 @dataclass
@@ -58,6 +59,10 @@ class MoEConfig:
             stream per chunk, forward and backward); 1 = no pipelining. Measured slower than 1
             on 2 x H200 with ``torch._grouped_mm`` experts, whose kernels hold every SM (see
             ``benchmarks/NOTES.md``), hence off by default.
+        dispatch_transport: how the all-gather dispatcher moves rows: "nccl" (the process
+            group's all-gather / reduce-scatter) or "copy_engine" (peer copies through
+            symmetric memory, ``torch.ops.symm_mem``'s low-contention collectives: no NCCL
+            kernel, no SMs for the transfer; CUDA GPUs of one host with peer access).
         apply_probs_on_input: multiply routing probabilities into the expert input instead of
             the expert output (``moe_apply_probs_on_input``; needs ``router_topk == 1``).
         activation: expert activation; "swiglu" fuses gate and up projections.
@@ -92,6 +97,7 @@ class MoEConfig:
     shared_expert_gate: bool = False
     token_dispatcher_type: Literal["alltoall", "allgather", "deepep"] = "alltoall"
     dispatch_chunks: int = 1
+    dispatch_transport: Literal["nccl", "copy_engine"] = "nccl"
     apply_probs_on_input: bool = False
     activation: Literal["swiglu", "gelu", "relu", "squared_relu"] = "swiglu"
     expert_backend: Literal["auto", "grouped_mm", "te", "loop"] = "auto"
@@ -118,6 +124,7 @@ class MoEConfig:
         _check_choice("activation", self.activation, ACTIVATIONS)
         _check_choice("expert_backend", self.expert_backend, EXPERT_BACKENDS)
         _check_choice("token_dispatcher_type", self.token_dispatcher_type, DISPATCHER_TYPES)
+        _check_choice("dispatch_transport", self.dispatch_transport, DISPATCH_TRANSPORTS)
         self._validate_groups()
         self._validate_balancing()
         self._validate_capacity()

@@ -108,26 +108,52 @@ def _reduce_scatter(x: Tensor, group) -> Tensor:
     return out
 
 
+def _symm_mem_ops():
+    """``torch.ops.symm_mem`` (importing the module registers the ops; CUDA builds only)."""
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    return torch.ops.symm_mem
+
+
+def _gather_copy_engine(x: Tensor, group) -> Tensor:
+    """All-gather by peer copies through the group's symmetric-memory workspace (copy engines,
+    no NCCL kernel). The op runs on its own stream; waiting here, while ``x`` is still
+    referenced, orders every later use (and any reuse of ``x``'s memory) after it."""
+    out = _symm_mem_ops()._low_contention_all_gather(x.contiguous(), group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def _reduce_scatter_copy_engine(x: Tensor, group) -> Tensor:
+    """Reduce-scatter by peer copies into the workspace, then a local sum over the group's
+    blocks (fp32 accumulation for bf16/fp16, rounded once: equal to an fp32 reduction cast back)."""
+    out = _symm_mem_ops()._low_contention_reduce_scatter(x.contiguous(), "sum", group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+_GATHER = {"nccl": _gather_into, "copy_engine": _gather_copy_engine}
+_SCATTER = {"nccl": _reduce_scatter, "copy_engine": _reduce_scatter_copy_engine}
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND: Tensor, group) -> Tensor:
-        ctx.group = group
-        return _gather_into(x_ND, group)
+    def forward(ctx, x_ND: Tensor, group, transport: str) -> Tensor:
+        ctx.group, ctx.transport = group, transport
+        return _GATHER[transport](x_ND, group)
 
     @staticmethod
     def backward(ctx, grad_MD: Tensor):
-        return _reduce_scatter(grad_MD, ctx.group), None
+        return _SCATTER[ctx.transport](grad_MD, ctx.group), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND: Tensor, group) -> Tensor:
-        ctx.group = group
-        return _reduce_scatter(x_ND, group)
+    def forward(ctx, x_ND: Tensor, group, transport: str) -> Tensor:
+        ctx.group, ctx.transport = group, transport
+        return _SCATTER[transport](x_ND, group)
 
     @staticmethod
     def backward(ctx, grad_MD: Tensor):
-        return _gather_into(grad_MD, ctx.group), None
+        return _GATHER[ctx.transport](grad_MD, ctx.group), None, None
 
 
 def all_to_all_rows(
@@ -137,18 +163,28 @@ def all_to_all_rows(
     return _AllToAll.apply(x_ND, output_splits, input_splits, group)
 
 
-def all_gather_rows(x_ND: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Concatenate every rank's equal-sized rows in group-rank order; backward: reduce-scatter (sum)."""
-    return _AllGather.apply(x_ND, group)
+def all_gather_rows(x_ND: Tensor, group: dist.ProcessGroup, transport: str = "nccl") -> Tensor:
+    """Concatenate every rank's equal-sized rows in group-rank order; backward: reduce-scatter (sum).
+
+    transport: "nccl" (the process group's collectives) or "copy_engine" (peer copies through
+    symmetric memory; CUDA GPUs of one host).
+    """
+    return _AllGather.apply(x_ND, group, transport)
 
 
-def reduce_scatter_rows(x_ND: Tensor, group: dist.ProcessGroup) -> Tensor:
+def reduce_scatter_rows(x_ND: Tensor, group: dist.ProcessGroup, transport: str = "nccl") -> Tensor:
     """Sum over the group, keep this rank's block of rows; backward: all-gather.
 
-    Low-precision inputs are reduced in fp32 (as Megatron does for expert outputs) and cast back.
+    Low-precision inputs are summed in fp32 and rounded once, as Megatron does for expert
+    outputs. Where that holds for the transport's own arithmetic, the rows travel in their own
+    dtype: the copy engine path sums locally with fp32 accumulation, and NCCL's sum over two
+    ranks is one rounded addition, ``round(a + b)``, which equals the fp32 sum cast back.
+    Otherwise (NCCL over more ranks, whose ring rounds at every hop) they travel as fp32.
     """
     dtype = x_ND.dtype
-    return _ReduceScatter.apply(x_ND.to(torch.promote_types(dtype, torch.float32)), group).to(dtype)
+    if transport == "nccl" and group_size(group) > 2:
+        return _ReduceScatter.apply(x_ND.to(torch.promote_types(dtype, torch.float32)), group, transport).to(dtype)
+    return _ReduceScatter.apply(x_ND, group, transport)
 
 
 def all_gather_plain(x: Tensor, group: dist.ProcessGroup) -> Tensor:

@@ -64,8 +64,20 @@ def _check_experts_divide(cfg: MoEConfig, ep_size: int) -> None:
         )
 
 
-def _describe(kind: str, ep_size: int, etp_size: int) -> str:
-    return f"{kind} (EP={ep_size})" if etp_size == 1 else f"{kind} (EP={ep_size}, ETP={etp_size})"
+def _describe(kind: str, ep_size: int, etp_size: int, transport: str = "nccl") -> str:
+    sizes = f"EP={ep_size}" if etp_size == 1 else f"EP={ep_size}, ETP={etp_size}"
+    return f"{kind} ({sizes})" if transport == "nccl" else f"{kind} ({sizes}, {transport.replace('_', ' ')})"
+
+
+def _check_copy_engine_groups(groups: list) -> None:
+    """The copy-engine transport needs NCCL groups of CUDA GPUs (symmetric memory is CUDA-only)."""
+    for group in groups:
+        backend = dist.get_backend(group)
+        if backend != "nccl" or not torch.cuda.is_available():
+            raise ValueError(
+                f"MoEConfig.dispatch_transport='copy_engine' needs CUDA GPUs of one host on an NCCL "
+                f"process group (this group's backend is {backend!r}): use dispatch_transport='nccl'."
+            )
 
 
 @dataclass
@@ -218,6 +230,12 @@ class AllToAllDispatcher:
     def __init__(
         self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup] = None
     ) -> None:
+        if cfg.dispatch_transport != "nccl":
+            raise ValueError(
+                f"MoEConfig.dispatch_transport={cfg.dispatch_transport!r} is implemented by the all-gather "
+                "dispatcher only: set token_dispatcher_type='allgather' (or the strategy's "
+                "token_dispatcher='allgather'), or dispatch_transport='nccl'."
+            )
         _init_groups(self, cfg, ep_group, etp_group)
         self.etp_rank = group_rank(self.etp_group)
 
@@ -503,13 +521,16 @@ class AllGatherDispatcher:
         # Gather within the ETP group first, then across EP: the gathered rows are ordered
         # (EP rank, ETP rank, token); the reduce-scatter undoes it in reverse.
         self._gather_groups = [g for g in (self.etp_group, ep_group) if group_size(g) > 1]
+        self.transport = cfg.dispatch_transport
+        if self.transport == "copy_engine":
+            _check_copy_engine_groups(self._gather_groups)
 
     def describe(self) -> str:
-        return _describe("all-gather", self.ep_size, self.etp_size)
+        return _describe("all-gather", self.ep_size, self.etp_size, self.transport)
 
     def _gather(self, x: Tensor) -> Tensor:
         for group in self._gather_groups:
-            x = all_gather_rows(x, group)
+            x = all_gather_rows(x, group, self.transport)
         return x
 
     def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, AllGatherDispatchState]:
@@ -543,5 +564,5 @@ class AllGatherDispatcher:
     def combine(self, expert_output_RD: Tensor, state: AllGatherDispatchState) -> Tensor:
         y_all = unpermute(expert_output_RD, state.combine_probs_TK, state.plan)
         for group in reversed(self._gather_groups):
-            y_all = reduce_scatter_rows(y_all, group)
+            y_all = reduce_scatter_rows(y_all, group, self.transport)
         return y_all
