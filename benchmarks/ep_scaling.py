@@ -2,11 +2,13 @@
 
     python benchmarks/ep_scaling.py --ep 1 2                      # needs 2 GPUs for EP=2
     python benchmarks/ep_scaling.py --ep 1 2 4 8 --cases qwen3_30b_a3b
+    python benchmarks/ep_scaling.py --ep 1 2 --dispatchers alltoall allgather --transports nccl copy_engine
 
 Each EP size runs in its own set of processes (one per GPU, NCCL): every GPU holds E/EP
 experts and routes the block's full token count (B x S of BENCHMARKS.md), so per-GPU work is
-constant and a perfect scaling keeps per-GPU TFLOP/s. The all-to-all dispatcher moves tokens;
-the share of step time spent in NCCL kernels comes from a profiled step. Correctness first:
+constant and a perfect scaling keeps per-GPU TFLOP/s. The dispatcher (all-to-all by default;
+all-gather with the NCCL or copy-engine transport) moves tokens; the share of step time spent
+in NCCL kernels and the time of peer copies come from a profiled step. Correctness first:
 at EP > 1 the block's output on every rank equals the EP=1 block (same weights, same tokens)
 within bf16 tolerance. Writes ``benchmarks/results/ep_scaling.json`` (``ep_scaling_<tag>.json``
 with ``--tag``).

@@ -6,7 +6,9 @@ runs:
 - ``x_RK``: [R, K] rows grouped by expert (contiguous groups, in expert order);
 - ``w_EKN``: [E, K, N] one matrix per expert;
 - ``group_sizes_E``: int64 [E] rows per group on the device; the groups cover rows
-  ``0 .. sum-1`` and any rows after them (zero padding) are assigned to the last group.
+  ``0 .. sum-1``; any rows after them are zero padding (a sync-free buffer sized for the worst
+  case) and their outputs are zero. "grouped_mm" leaves them out of the GEMMs (a buffer of the
+  all-gather dispatcher is about half padding); the others let them join the last group.
 
 Backends: "grouped_mm" (``torch._grouped_mm``; one kernel on CUDA and on CPU, no host sync),
 "loop" (one matmul per expert; the readable reference) and "te" (Transformer Engine's
@@ -21,6 +23,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_moe.kernels import use_triton
+
 
 def group_offsets(group_sizes_E: Tensor, num_rows: int) -> Tensor:
     """Cumulative int32 group ends for ``torch._grouped_mm``; the last one is ``num_rows``.
@@ -33,15 +37,55 @@ def group_offsets(group_sizes_E: Tensor, num_rows: int) -> Tensor:
     return ends.to(torch.int32)
 
 
+def zero_rows_from(y_RC: Tensor, end: Tensor) -> None:
+    """In place ``y_RC[end:] = 0`` for a 0-dim device index ``end``; no host sync."""
+    if use_triton(y_RC) and y_RC.stride(1) == 1:
+        from lightning_moe.kernels.tail_triton import zero_rows_from_triton
+
+        zero_rows_from_triton(y_RC, end)
+    else:
+        from lightning_moe.kernels.tail_triton import zero_rows_from_torch
+
+        zero_rows_from_torch(y_RC, end)
+
+
+class _GroupedMMCoveredRows(torch.autograd.Function):
+    """``torch._grouped_mm`` over the rows the groups cover (ends ``offsets_E``, the last one
+    ``sum(group_sizes)``), with zeros in every later row of the output and of the input
+    gradient: the padding rows cost neither GEMM nor gradient work."""
+
+    @staticmethod
+    def forward(ctx, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+        ctx.save_for_backward(x_RK, w_EKN, offsets_E)
+        y_RN = torch._grouped_mm(x_RK, w_EKN, offs=offsets_E)
+        zero_rows_from(y_RN, offsets_E[-1])
+        return y_RN
+
+    @staticmethod
+    def backward(ctx, grad_RN: Tensor):
+        x_RK, w_EKN, offsets_E = ctx.saved_tensors
+        grad_RN = grad_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offs=offsets_E)
+            zero_rows_from(grad_x, offsets_E[-1])
+        if ctx.needs_input_grad[1]:
+            # Groups along the reduction dim: rows after the last end take no part.
+            grad_w = torch._grouped_mm(x_RK.transpose(-2, -1), grad_RN, offs=offsets_E)
+        return grad_x, grad_w, None
+
+
 def grouped_mm(x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:
     """``torch._grouped_mm`` with sizes turned into offsets; no host sync.
 
-    ``torch._grouped_mm`` takes fp32/bf16/fp16; float64 (numerical checks) runs the loop.
+    Rows after ``sum(group_sizes_E)`` are left out of the GEMMs and come out zero (see
+    `_GroupedMMCoveredRows`). ``torch._grouped_mm`` takes fp32/bf16/fp16; float64 (numerical
+    checks) runs the loop.
     """
     if x_RK.dtype == torch.float64:
         return loop_mm(x_RK, w_EKN, group_sizes_E)
-    offsets = group_offsets(group_sizes_E, x_RK.shape[0])
-    return torch._grouped_mm(x_RK, w_EKN.to(x_RK.dtype), offs=offsets)
+    offsets_E = torch.cumsum(group_sizes_E, 0).to(torch.int32)
+    return _GroupedMMCoveredRows.apply(x_RK, w_EKN.to(x_RK.dtype), offsets_E)
 
 
 def loop_mm(x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:

@@ -536,13 +536,13 @@ class AllGatherDispatcher:
     def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, AllGatherDispatchState]:
         cfg = self.cfg
         x_all = self._gather(x_TD)
-        probs_all = self._gather(routing.probs_TK)
-        # One metadata gather: dropped assignments are marked with expert -1.
-        experts_TK = routing.experts_TK
-        if routing.keep_TK is not None:
-            experts_TK = torch.where(routing.keep_TK, experts_TK, -1)
-        for group in self._gather_groups:
-            experts_TK = all_gather_plain(experts_TK, group)
+        # One metadata gather: the routing weights with the expert ids beside them as exact
+        # floats (dropped assignments marked -1); only the weights carry a gradient back.
+        probs_TK = routing.probs_TK
+        topk, meta_dtype = probs_TK.shape[1], torch.promote_types(probs_TK.dtype, torch.float32)
+        meta_all = self._gather(torch.cat([probs_TK.to(meta_dtype), _kept_experts(routing).to(meta_dtype)], 1))
+        probs_all = meta_all[:, :topk].to(probs_TK.dtype)
+        experts_TK = meta_all[:, topk:].detach().long()
         local_TK = experts_TK - self.first_local_expert
         mine_TK = (local_TK >= 0) & (local_TK < self.num_local_experts)
         pad_to_capacity = _pads_to_capacity(cfg, routing)

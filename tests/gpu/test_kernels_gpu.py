@@ -68,3 +68,47 @@ def test_permutation_cuda_equals_cpu(alignment, drop):
         results.append((out.cpu(), xx.grad.cpu(), pp.grad.cpu()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("end", [0, 1, 31, 32, 700, 1023, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_rows_from_touches_only_the_tail(end, dtype):
+    from lightning_moe.kernels.tail_triton import zero_rows_from_torch, zero_rows_from_triton
+
+    y = torch.randn(1024, 300, device="cuda", dtype=dtype)
+    want = y.clone()
+    zero_rows_from_torch(want, torch.tensor(end, device="cuda"))
+    strided = torch.randn(1024, 320, device="cuda", dtype=dtype)[:, :300]  # row stride 320
+    strided.copy_(y)
+    end_t = torch.tensor([5, end], device="cuda", dtype=torch.int32)[1]
+    zero_rows_from_triton(y, end_t)
+    zero_rows_from_triton(strided, end_t)
+    assert torch.equal(y, want) and torch.equal(strided, want)
+
+
+@pytest.mark.parametrize("sizes", [[96, 0, 160], [0, 0, 0], [256, 128, 128], [0, 32, 0]])
+def test_grouped_mm_leaves_padding_rows_out_and_zero(sizes):
+    """The covered-rows grouped GEMM equals one matmul per group on the covered rows, gives
+    zero padding rows in the output and the input gradient (whatever the allocator hands out),
+    and its weight gradient ignores the padding."""
+    from lightning_moe.nn.grouped_gemm import grouped_mm
+
+    torch.manual_seed(len(sizes) + sum(sizes))
+    rows, used = 512, sum(sizes)
+    x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    x[used:] = 0
+    w = torch.randn(3, 256, 128, device="cuda", dtype=torch.bfloat16) / 16
+    g = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
+    torch.full((rows, 256), float("nan"), device="cuda")  # freed NaN blocks for torch.empty to reuse
+    torch.full((rows, 128), float("nan"), device="cuda")
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = grouped_mm(xa, wa, torch.tensor(sizes, device="cuda"))
+    y.backward(g)
+    assert torch.equal(y[used:], torch.zeros_like(y[used:]))
+    assert torch.equal(xa.grad[used:], torch.zeros_like(xa.grad[used:]))
+    starts = [sum(sizes[:e]) for e in range(3)]
+    for e, (start, size) in enumerate(zip(starts, sizes)):
+        xs, gs = x[start:start + size].float(), g[start:start + size].float()
+        torch.testing.assert_close(y[start:start + size].float(), xs @ w[e].float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(xa.grad[start:start + size].float(), gs @ w[e].float().t(), rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(wa.grad[e].float(), xs.t() @ gs, rtol=2e-2, atol=1e-1)
