@@ -2,7 +2,6 @@
 transport (NCCL, copy engine) and under the all-to-all dispatcher, and prints what the test
 compares as JSON. A fresh process: CUDA must not be initialised before the workers spawn."""
 
-import dataclasses
 import json
 import os
 import sys

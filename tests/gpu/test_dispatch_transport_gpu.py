@@ -23,7 +23,7 @@ def test_copy_engine_transport_is_bit_identical_to_nccl():
     runner = Path(__file__).with_name("_dispatch_transport_runner.py")
     proc = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("RESULT "))
     reports = json.loads(line[len("RESULT "):])
     for rank, report in reports.items():
         print(rank, report)
