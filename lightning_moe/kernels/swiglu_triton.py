@@ -14,26 +14,38 @@ from torch import Tensor
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, out_ptr, R, F, BR: tl.constexpr, BF: tl.constexpr):
+def _live_rows(rows, R, end_ptr, HAS_END: tl.constexpr):
+    """Rows below ``R`` and, with ``HAS_END``, below the device index ``*end_ptr``."""
+    live = rows < R
+    if HAS_END:
+        live = live & (rows < tl.load(end_ptr))
+    return live
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, out_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BF + tl.arange(0, BF)
     mask = (rows[:, None] < R) & (cols[None, :] < F)
+    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & mask  # rows past the end: zeros, unread
     base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-    gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, R, F, BR: tl.constexpr, BF: tl.constexpr):
+def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr,
+                       BF: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BF + tl.arange(0, BF)
     mask = (rows[:, None] < R) & (cols[None, :] < F)
+    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & mask
     base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-    gate = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=live, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig
     d_gate = g * up * (sig + silu * (1.0 - sig))
@@ -51,25 +63,35 @@ def _grid(r: int, f: int):
 
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_RF2: Tensor) -> Tensor:
+    def forward(ctx, h_RF2: Tensor, rows_end: Tensor | None) -> Tensor:
         h_RF2 = h_RF2.contiguous()
         r, f2 = h_RF2.shape
         f = f2 // 2
         out = torch.empty(r, f, dtype=h_RF2.dtype, device=h_RF2.device)
+        end = h_RF2 if rows_end is None else rows_end  # any pointer when unused
         if r:
-            _swiglu_fwd_kernel[_grid(r, f)](h_RF2, out, r, f, BR=_BR, BF=_BF, num_warps=4)
-        ctx.save_for_backward(h_RF2)
+            _swiglu_fwd_kernel[_grid(r, f)](h_RF2, out, end, r, f, HAS_END=rows_end is not None, BR=_BR, BF=_BF,
+                                            num_warps=4)
+        ctx.save_for_backward(h_RF2, end)
+        ctx.has_end = rows_end is not None
         return out
 
     @staticmethod
     def backward(ctx, g_RF: Tensor):
-        (h_RF2,) = ctx.saved_tensors
+        h_RF2, end = ctx.saved_tensors
         r, f2 = h_RF2.shape
         grad_h = torch.empty_like(h_RF2)
         if r:
-            _swiglu_bwd_kernel[_grid(r, f2 // 2)](h_RF2, g_RF.contiguous(), grad_h, r, f2 // 2, BR=_BR, BF=_BF, num_warps=4)
-        return grad_h
+            _swiglu_bwd_kernel[_grid(r, f2 // 2)](h_RF2, g_RF.contiguous(), grad_h, end, r, f2 // 2,
+                                                  HAS_END=ctx.has_end, BR=_BR, BF=_BF, num_warps=4)
+        return grad_h, None
 
 
-def swiglu(h_RF2: Tensor) -> Tensor:
-    return SwiGLUFunction.apply(h_RF2)
+def swiglu(h_RF2: Tensor, rows_end: Tensor | None = None) -> Tensor:
+    """``silu(gate) * up`` of ``h = [gate | up]``.
+
+    rows_end: optional 0-dim integer device tensor; rows from it on are neither read nor
+    computed: their outputs and gradients are zero whatever ``h`` and the incoming gradient
+    hold there (the padding rows of a grouped GEMM's output, which it leaves unwritten).
+    """
+    return SwiGLUFunction.apply(h_RF2, rows_end)

@@ -131,8 +131,24 @@ class GroupedExperts(nn.Module):
             # One offsets tensor for both projections: a quantized GEMM that needs the group
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0])
+        if self.quantization is None and self.backend == "grouped_mm" and self.activation == "swiglu" \
+                and use_triton(x_RD) and x_RD.dtype != torch.float64:
+            return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E)
         h_RF = activate(self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E), self.activation)
         return self._mm(h_RF, fc2, group_sizes_E, "fc2", offsets_E)
+
+    @staticmethod
+    def _swiglu_covered_rows(x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor) -> Tensor:
+        """The bf16/fp32 grouped path on CUDA: the fused SwiGLU neither reads nor computes the
+        padding rows after the last group, so the GEMM output it consumes (and the gradient it
+        receives) need no zeroed tail; the block's own output and input gradient still get one."""
+        from lightning_moe.kernels.swiglu_triton import swiglu
+        from lightning_moe.nn.grouped_gemm import grouped_mm
+
+        rows_end = group_sizes_E.sum()
+        h_RF2 = grouped_mm(x_RD, fc1, group_sizes_E, zero_output=False)
+        a_RF = swiglu(h_RF2, rows_end)
+        return grouped_mm(a_RF, fc2, group_sizes_E, zero_grad_input=False)
 
     def extra_repr(self) -> str:
         return (

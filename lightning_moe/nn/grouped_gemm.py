@@ -55,10 +55,12 @@ class _GroupedMMCoveredRows(torch.autograd.Function):
     gradient: the padding rows cost neither GEMM nor gradient work."""
 
     @staticmethod
-    def forward(ctx, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+    def forward(ctx, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, zero_output: bool, zero_grad_input: bool):
         ctx.save_for_backward(x_RK, w_EKN, offsets_E)
+        ctx.zero_grad_input = zero_grad_input
         y_RN = torch._grouped_mm(x_RK, w_EKN, offs=offsets_E)
-        zero_rows_from(y_RN, offsets_E[-1])
+        if zero_output:
+            zero_rows_from(y_RN, offsets_E[-1])
         return y_RN
 
     @staticmethod
@@ -68,24 +70,29 @@ class _GroupedMMCoveredRows(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offs=offsets_E)
-            zero_rows_from(grad_x, offsets_E[-1])
+            if ctx.zero_grad_input:
+                zero_rows_from(grad_x, offsets_E[-1])
         if ctx.needs_input_grad[1]:
             # Groups along the reduction dim: rows after the last end take no part.
             grad_w = torch._grouped_mm(x_RK.transpose(-2, -1), grad_RN, offs=offsets_E)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None, None
 
 
-def grouped_mm(x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:
+def grouped_mm(
+    x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, zero_output: bool = True, zero_grad_input: bool = True
+) -> Tensor:
     """``torch._grouped_mm`` with sizes turned into offsets; no host sync.
 
     Rows after ``sum(group_sizes_E)`` are left out of the GEMMs and come out zero (see
-    `_GroupedMMCoveredRows`). ``torch._grouped_mm`` takes fp32/bf16/fp16; float64 (numerical
-    checks) runs the loop.
+    `_GroupedMMCoveredRows`). A caller whose next operation never reads those rows may skip
+    zeroing them in the output (``zero_output=False``) or in the input gradient
+    (``zero_grad_input=False``): they then hold whatever the allocator handed out.
+    ``torch._grouped_mm`` takes fp32/bf16/fp16; float64 (numerical checks) runs the loop.
     """
     if x_RK.dtype == torch.float64:
         return loop_mm(x_RK, w_EKN, group_sizes_E)
     offsets_E = torch.cumsum(group_sizes_E, 0).to(torch.int32)
-    return _GroupedMMCoveredRows.apply(x_RK, w_EKN.to(x_RK.dtype), offsets_E)
+    return _GroupedMMCoveredRows.apply(x_RK, w_EKN.to(x_RK.dtype), offsets_E, zero_output, zero_grad_input)
 
 
 def loop_mm(x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:

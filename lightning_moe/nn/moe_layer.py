@@ -81,12 +81,17 @@ class MoELayer(nn.Module):
         if x.shape[-1] != hidden:
             raise ValueError(f"MoELayer expects inputs [..., {hidden}], got {tuple(x.shape)}")
         x_TD = x.reshape(-1, hidden)
+        # Dispatchers that can move the tokens before they are routed start here, so the
+        # transfer overlaps the router (the all-gather dispatcher).
+        prefetch = getattr(self.dispatcher, "prefetch", None)
+        prefetched = prefetch(x_TD) if prefetch is not None else None
         routing: RoutingResult = self.router(x if x.dim() == 3 else x_TD)
         run = getattr(self.dispatcher, "run", None)
         if run is not None:  # dispatchers that pipeline dispatch, experts and combine themselves
             y_TD = run(x_TD, routing, self.experts)
         else:
-            expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing)
+            extra = {} if prefetched is None else {"prefetched": prefetched}
+            expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra)
             y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E), state)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)

@@ -158,17 +158,18 @@ def _routing_rows(routing: RoutingResult, start: int, end: int) -> RoutingResult
     )
 
 
-_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[int, str, int], torch.cuda.Stream] = {}
 
 
-def _side_streams(device: torch.device, count: int) -> list:
-    """``count`` CUDA side streams of ``device`` (created once, reused by every layer); none on CPU."""
+def _side_streams(device: torch.device, count: int, purpose: str = "chunks") -> list:
+    """``count`` CUDA side streams of ``device`` for ``purpose`` (created once, reused by every
+    layer); none on CPU."""
     if device.type != "cuda":
         return []
     index = device.index if device.index is not None else torch.cuda.current_device()
     streams = []
     for i in range(count):
-        key = (index, i)
+        key = (index, purpose, i)
         if key not in _STREAMS:
             _STREAMS[key] = torch.cuda.Stream(device=index)
         streams.append(_STREAMS[key])
@@ -490,6 +491,25 @@ class AllToAllDispatcher:
 
 
 @dataclass
+class PrefetchedTokens:
+    """Tokens of the whole EP x ETP block gathered ahead of routing (see `AllGatherDispatcher.prefetch`).
+
+    x_all: ``[G*T, D]``, made on ``stream`` (None on CPU).
+    """
+
+    x_all: Tensor
+    stream: Optional[Any]
+
+    def wait(self) -> Tensor:
+        """``x_all``, safe to use on the current stream."""
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.x_all.device)
+            current.wait_stream(self.stream)
+            self.x_all.record_stream(current)  # made on the side stream, consumed (and freed) here
+        return self.x_all
+
+
+@dataclass
 class AllGatherDispatchState:
     """plan: permutation of the gathered assignments onto this rank's local experts.
     combine_probs_TK: gathered combine weights ``[G*T, K]`` (ones under ``apply_probs_on_input``).
@@ -533,9 +553,27 @@ class AllGatherDispatcher:
             x = all_gather_rows(x, group, self.transport)
         return x
 
-    def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, AllGatherDispatchState]:
+    def prefetch(self, x_TD: Tensor) -> "PrefetchedTokens":
+        """Start gathering the tokens before the router runs: they do not depend on the routing.
+
+        On CUDA the gather runs on a side stream, so the transfer overlaps the router's kernels;
+        autograd runs its backward (the reduce-scatter of the token gradient) on that stream
+        too, beside the router's backward. Pass the result to :meth:`dispatch` as ``prefetched``.
+        On CPU the gather simply runs here.
+        """
+        streams = _side_streams(x_TD.device, 1, purpose="prefetch")
+        if not streams:
+            return PrefetchedTokens(self._gather(x_TD), None)
+        (side,) = streams
+        with _on_stream(streams, 0, torch.cuda.current_stream(x_TD.device), inputs=(x_TD,)):
+            x_all = self._gather(x_TD)
+        return PrefetchedTokens(x_all, side)
+
+    def dispatch(
+        self, x_TD: Tensor, routing: RoutingResult, prefetched: Optional["PrefetchedTokens"] = None
+    ) -> tuple[Tensor, Tensor, AllGatherDispatchState]:
         cfg = self.cfg
-        x_all = self._gather(x_TD)
+        x_all = self._gather(x_TD) if prefetched is None else prefetched.wait()
         # One metadata gather: the routing weights with the expert ids beside them as exact
         # floats (dropped assignments marked -1); only the weights carry a gradient back.
         probs_TK = routing.probs_TK

@@ -112,3 +112,53 @@ def test_grouped_mm_leaves_padding_rows_out_and_zero(sizes):
         torch.testing.assert_close(y[start:start + size].float(), xs @ w[e].float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(xa.grad[start:start + size].float(), gs @ w[e].float().t(), rtol=2e-2, atol=5e-2)
         torch.testing.assert_close(wa.grad[e].float(), xs.t() @ gs, rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("end", [0, 5, 16, 300, 513])
+def test_swiglu_rows_end_neither_reads_nor_computes_the_tail(end):
+    from lightning_moe.kernels.swiglu_triton import swiglu
+
+    torch.manual_seed(end)
+    h = torch.randn(513, 2 * 200, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(513, 200, device="cuda", dtype=torch.bfloat16)
+    h_tail, g_tail = h.clone(), g.clone()
+    h_tail[end:], g_tail[end:] = float("nan"), float("nan")  # what an unwritten tail may hold
+    a = h.clone().requires_grad_(True)
+    b = h_tail.clone().requires_grad_(True)
+    out_full = swiglu(a)
+    out_full.backward(g)
+    out_end = swiglu(b, torch.tensor(end, device="cuda"))
+    out_end.backward(g_tail)
+    assert torch.equal(out_end[:end], out_full[:end]) and torch.equal(b.grad[:end], a.grad[:end])
+    assert torch.equal(out_end[end:], torch.zeros_like(out_end[end:]))
+    assert torch.equal(b.grad[end:], torch.zeros_like(b.grad[end:]))
+
+
+def test_grouped_experts_with_padding_rows_match_the_loop_backend():
+    """The CUDA bf16 SwiGLU path (covered-row GEMMs, unzeroed intermediate tails) against the
+    per-expert loop on the same weights: equal on the covered rows, zero on the padding rows of
+    the output and of the input gradient."""
+    from lightning_moe.nn.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    sizes = torch.tensor([40, 0, 88, 25], device="cuda")
+    rows, used = 300, int(sizes.sum())
+    fast = GroupedExperts(4, 128, 96, backend="grouped_mm").cuda().to(torch.bfloat16)
+    loop = GroupedExperts(4, 128, 96, backend="loop").cuda().to(torch.bfloat16)
+    loop.load_state_dict(fast.state_dict())
+    x = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
+    x[used:] = 0
+    g = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for module in (fast, loop):
+        xx = x.clone().requires_grad_(True)
+        y = module(xx, sizes)
+        y.backward(g)
+        outs.append((y, xx.grad, module.fc1_weight.grad, module.fc2_weight.grad))
+    (y, gx, g1, g2), (y_ref, gx_ref, g1_ref, g2_ref) = outs
+    assert torch.equal(y[used:], torch.zeros_like(y[used:]))
+    assert torch.equal(gx[used:], torch.zeros_like(gx[used:]))
+    torch.testing.assert_close(y[:used], y_ref[:used], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gx[:used], gx_ref[:used], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(g1, g1_ref, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(g2, g2_ref, rtol=2e-2, atol=5e-2)
