@@ -28,13 +28,18 @@ def test_ep2_bf16_matches_one_gpu():
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     out = json.loads(line[len("RESULT "):])
-    ep2_losses = torch.tensor(out["ep2"]["losses"]).mean(0)
-    ref_losses = torch.tensor(out["ref"]["losses"])[0]
-    print("EP2 losses", ep2_losses.tolist(), "1-GPU losses", ref_losses.tolist())
+    for run in ("ep2", "ep2_allgather_copy_engine"):  # the strategy's default, and the copy-engine all-gather
+        _check_against_one_gpu(out[run], out["ref"], run)
+
+
+def _check_against_one_gpu(run, ref, label):
+    ep2_losses = torch.tensor(run["losses"]).mean(0)
+    ref_losses = torch.tensor(ref["losses"])[0]
+    print(label, "losses", ep2_losses.tolist(), "1-GPU losses", ref_losses.tolist())
     torch.testing.assert_close(ep2_losses, ref_losses, rtol=0, atol=2e-2)
     rate, steps = 1e-2, 5  # tiny_config's router_bias_update_rate, steps trained
-    for name, value in out["ref"]["state"].items():
-        got, want = torch.tensor(out["ep2"]["state"][name]), torch.tensor(value)
+    for name, value in ref["state"].items():
+        got, want = torch.tensor(run["state"][name]), torch.tensor(value)
         if name.endswith("expert_bias"):
             assert (got - want).abs().max() <= 2 * rate * steps + 1e-6, name
             assert got.abs().max() > 0, f"{name} never moved under EP=2"

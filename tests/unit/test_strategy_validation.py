@@ -54,3 +54,5 @@ def test_bad_sharding_modes():
         MegatronMoEStrategy(sharding="zero3")
     with pytest.raises(ValueError, match="alltoall"):
         MegatronMoEStrategy(token_dispatcher="deepep")
+    with pytest.raises(ValueError, match="copy_engine"):
+        MegatronMoEStrategy(dispatch_transport="nvlink")
