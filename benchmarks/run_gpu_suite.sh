@@ -34,7 +34,7 @@ if has tests; then
   run python3 -m pytest -q -p no:cacheprovider -m gpu tests/distributed
 fi
 if has block; then say "moe_block bf16"; run python3 benchmarks/moe_block.py --iters 20; fi
-if has ep && [ "$num_gpus" -ge 2 ]; then say "ep_scaling"; run python3 benchmarks/ep_scaling.py --ep 1 2 --chunks 1 2 4; fi
+if has ep && [ "$num_gpus" -ge 2 ]; then say "ep_scaling"; run python3 benchmarks/ep_scaling.py --ep 1 2 --chunks 1 2 --dispatchers alltoall allgather --transports nccl copy_engine; fi
 if has train; then
   say "train_step micro-batch 2"
   run python3 benchmarks/train_step.py --steps 15
