@@ -7,24 +7,16 @@ workspace. Against the all-to-all dispatcher the token layout differs, so only b
 is expected (2% of each tensor's largest magnitude).
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _runner_result import runner_result
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_copy_engine_transport_is_bit_identical_to_nccl():
-    runner = Path(__file__).with_name("_dispatch_transport_runner.py")
-    proc = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(s for s in proc.stdout.splitlines() if s.startswith("RESULT "))
-    reports = json.loads(line[len("RESULT "):])
+    reports = runner_result("_dispatch_transport_runner.py", timeout=600)
     for rank, report in reports.items():
         print(rank, report)
         assert "copy engine" in report["describe"]["allgather_copy_engine"]

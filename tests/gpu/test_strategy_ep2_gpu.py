@@ -10,24 +10,16 @@ entries one step apart after 5 steps). Exact expert-bias parity is asserted in f
 CPU parity tests; here the bias must have moved, on a multiple of the rate, within that bound.
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _runner_result import runner_result
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ep2_bf16_matches_one_gpu():
-    runner = Path(__file__).with_name("_ep2_runner.py")
-    proc = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    out = json.loads(line[len("RESULT "):])
+    out = runner_result("_ep2_runner.py", timeout=900)
     for run in ("ep2", "ep2_allgather_copy_engine"):  # the strategy's default, and the copy-engine all-gather
         _check_against_one_gpu(out[run], out["ref"], run)
 
