@@ -72,13 +72,15 @@ class SwiGLUFunction(torch.autograd.Function):
         if r:
             _swiglu_fwd_kernel[_grid(r, f)](h_RF2, out, end, r, f, HAS_END=rows_end is not None, BR=_BR, BF=_BF,
                                             num_warps=4)
-        ctx.save_for_backward(h_RF2, end)
+        ctx.save_for_backward(h_RF2, *(() if rows_end is None else (rows_end,)))
         ctx.has_end = rows_end is not None
         return out
 
     @staticmethod
     def backward(ctx, g_RF: Tensor):
-        h_RF2, end = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        h_RF2 = saved[0]
+        end = saved[1] if ctx.has_end else h_RF2
         r, f2 = h_RF2.shape
         grad_h = torch.empty_like(h_RF2)
         if r:

@@ -7,8 +7,9 @@ runs:
 - ``w_EKN``: [E, K, N] one matrix per expert;
 - ``group_sizes_E``: int64 [E] rows per group on the device; the groups cover rows
   ``0 .. sum-1``; any rows after them are zero padding (a sync-free buffer sized for the worst
-  case) and their outputs are zero. "grouped_mm" leaves them out of the GEMMs (a buffer of the
-  all-gather dispatcher is about half padding); the others let them join the last group.
+  case) and their outputs are zero. "grouped_mm" and "te" leave them out of the GEMMs (a
+  buffer of the all-gather dispatcher is about half padding); "loop" lets them join the last
+  group.
 
 Backends: "grouped_mm" (``torch._grouped_mm``; one kernel on CUDA and on CPU, no host sync),
 "loop" (one matmul per expert; the readable reference) and "te" (Transformer Engine's
@@ -49,7 +50,7 @@ def zero_rows_from(y_RC: Tensor, end: Tensor) -> None:
         zero_rows_from_torch(y_RC, end)
 
 
-class _GroupedMMCoveredRows(torch.autograd.Function):
+class _GroupedMMCoveredRows(torch.autograd.Function):  # first-order only (in-place zeroing in backward)
     """``torch._grouped_mm`` over the rows the groups cover (ends ``offsets_E``, the last one
     ``sum(group_sizes)``), with zeros in every later row of the output and of the input
     gradient: the padding rows cost neither GEMM nor gradient work."""
@@ -64,6 +65,7 @@ class _GroupedMMCoveredRows(torch.autograd.Function):
         return y_RN
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_RN: Tensor):
         x_RK, w_EKN, offsets_E = ctx.saved_tensors
         grad_RN = grad_RN.contiguous()
@@ -91,7 +93,9 @@ def grouped_mm(
     """
     if x_RK.dtype == torch.float64:
         return loop_mm(x_RK, w_EKN, group_sizes_E)
-    offsets_E = torch.cumsum(group_sizes_E, 0).to(torch.int32)
+    # Clamped to the buffer, as the old last offset was: groups summing past it (a caller's
+    # bug) must not send the kernel past the end of x.
+    offsets_E = torch.cumsum(group_sizes_E, 0).clamp_(max=x_RK.shape[0]).to(torch.int32)
     return _GroupedMMCoveredRows.apply(x_RK, w_EKN.to(x_RK.dtype), offsets_E, zero_output, zero_grad_input)
 
 

@@ -82,9 +82,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects inputs [..., {hidden}], got {tuple(x.shape)}")
         x_TD = x.reshape(-1, hidden)
         # Dispatchers that can move the tokens before they are routed start here, so the
-        # transfer overlaps the router (the all-gather dispatcher).
+        # transfer overlaps the router (the all-gather dispatcher). Not when the router has
+        # collectives of its own: the two would run NCCL kernels of different communicators
+        # side by side, which NCCL does not promise to be free of deadlock.
         prefetch = getattr(self.dispatcher, "prefetch", None)
-        prefetched = prefetch(x_TD) if prefetch is not None else None
+        prefetched = prefetch(x_TD) if prefetch is not None and not self.router.communicates() else None
         routing: RoutingResult = self.router(x if x.dim() == 3 else x_TD)
         run = getattr(self.dispatcher, "run", None)
         if run is not None:  # dispatchers that pipeline dispatch, experts and combine themselves

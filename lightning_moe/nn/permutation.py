@@ -10,9 +10,10 @@ a static number of rows ``R`` known from shapes alone, so shapes never depend on
   ``alignment`` (an upper bound; unused rows are zero);
 - padded to capacity: ``R = E*C``.
 
-Rows that hold no token are zero. Experts see those rows as part of the last group (zero
-input gives zero output through a bias-free MLP), so no row of the buffer is ever left
-unwritten.
+Rows that hold no token are zero. Rows after the last group (the slack of a buffer sized for
+the worst case) are left out of the expert GEMMs by the "grouped_mm" backend and join the last
+group elsewhere (zero input gives zero output through a bias-free MLP); either way every row
+of the experts' output is written.
 
 Both directions are gathers (no scatter-add, no atomics) in forward and backward:
 ``permute`` gathers token rows, its backward gathers each token's ``K`` row gradients and sums
@@ -79,7 +80,8 @@ def plan_permutation(
     ``num_rows`` overrides the static buffer size when the caller already knows on the host how
     many rows the kept assignments need (the expert-parallel dispatchers read it with their
     split sizes): it must be at least the sum of the (aligned) group sizes. Without it, a buffer
-    sized for ``T*K`` would hand every unused row to the last expert's GEMM. With ``alignment``
+    sized for ``T*K`` carries every unused row after the last group (the "grouped_mm" backend
+    leaves them out of its GEMMs; the others hand them to the last expert). With ``alignment``
     1 and no capacity padding it must equal the number of kept assignments exactly.
     """
     num_rows_override = num_rows

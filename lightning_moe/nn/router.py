@@ -295,6 +295,15 @@ class TopKRouter(nn.Module):
         self.expert_bias.add_(torch.sign(mean_count - counts_E) * self.cfg.router_bias_update_rate)
         self.local_tokens_per_expert.zero_()
 
+    def communicates(self) -> bool:
+        """Whether a training forward issues collectives: a load-balancing loss whose token
+        counts are summed over a group of more than one rank."""
+        for name in self.cfg.active_aux_losses:
+            group = self.global_aux_loss_group if name == "global_aux_loss" else self.sequence_parallel_group
+            if group_size(group) > 1:
+                return True
+        return False
+
     def reset_step_state(self) -> None:
         """Zero the per-step accumulators (bias counts, global aux-loss counts and micro-batches)."""
         for buf in (self.local_tokens_per_expert, self.global_tokens_per_expert, self.global_aux_num_microbatches):

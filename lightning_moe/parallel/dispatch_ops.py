@@ -2,8 +2,9 @@
 
 Everything here is sync-free: index arithmetic runs on the device from sizes the caller
 already holds on the host, and the collectives take Python split sizes. The collectives are
-small autograd functions over the c10d ops (no functional-collective wrapper tensors), so their
-outputs are plain tensors that custom kernels can read directly.
+small autograd functions over the c10d ops, or over ``torch.ops.symm_mem``'s copy-engine
+collectives (waited for at once), so their outputs are plain tensors that custom kernels can
+read directly.
 """
 
 from __future__ import annotations
@@ -115,23 +116,47 @@ def _symm_mem_ops():
     return torch.ops.symm_mem
 
 
+def _on_current_stream(out: Tensor) -> Tensor:
+    """Wait for a symmetric-memory op's result on the current stream. The op runs on a private
+    stream: waiting here, while its input is still referenced, orders every later use (and any
+    reuse of the input's memory) after it; the result may have been allocated on that private
+    stream, so its use here is recorded, or the allocator could hand its memory to the next op
+    there while this stream still reads it."""
+    out = torch.ops._c10d_functional.wait_tensor(out)
+    out.record_stream(torch.cuda.current_stream(out.device))
+    return out
+
+
 def _gather_copy_engine(x: Tensor, group) -> Tensor:
     """All-gather by peer copies through the group's symmetric-memory workspace (copy engines,
-    no NCCL kernel). The op runs on its own stream; waiting here, while ``x`` is still
-    referenced, orders every later use (and any reuse of ``x``'s memory) after it."""
-    out = _symm_mem_ops()._low_contention_all_gather(x.contiguous(), group.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    no NCCL kernel)."""
+    return _on_current_stream(_symm_mem_ops()._low_contention_all_gather(x.contiguous(), group.group_name))
 
 
 def _reduce_scatter_copy_engine(x: Tensor, group) -> Tensor:
     """Reduce-scatter by peer copies into the workspace, then a local sum over the group's
     blocks (fp32 accumulation for bf16/fp16, rounded once: equal to an fp32 reduction cast back)."""
-    out = _symm_mem_ops()._low_contention_reduce_scatter(x.contiguous(), "sum", group.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return _on_current_stream(
+        _symm_mem_ops()._low_contention_reduce_scatter(x.contiguous(), "sum", group.group_name)
+    )
 
 
 _GATHER = {"nccl": _gather_into, "copy_engine": _gather_copy_engine}
 _SCATTER = {"nccl": _reduce_scatter, "copy_engine": _reduce_scatter_copy_engine}
+
+
+def _sum_scatter(x: Tensor, group, transport: str) -> Tensor:
+    """Reduce-scatter (sum) with low-precision rows summed in fp32 and rounded once.
+
+    Where the transport's own arithmetic already does that, the rows travel in their own dtype:
+    the copy-engine path sums locally with fp32 accumulation, and NCCL's sum over two ranks is
+    one rounded addition, ``round(a + b)``, which equals the fp32 sum cast back. Otherwise (NCCL
+    over more ranks, whose ring rounds at every hop) they travel as fp32.
+    """
+    wide = torch.promote_types(x.dtype, torch.float32)
+    if transport == "nccl" and group_size(group) > 2 and wide != x.dtype:
+        return _SCATTER[transport](x.to(wide), group).to(x.dtype)
+    return _SCATTER[transport](x, group)
 
 
 class _AllGather(torch.autograd.Function):
@@ -142,14 +167,14 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_MD: Tensor):
-        return _SCATTER[ctx.transport](grad_MD, ctx.group), None, None
+        return _sum_scatter(grad_MD, ctx.group, ctx.transport), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND: Tensor, group, transport: str) -> Tensor:
         ctx.group, ctx.transport = group, transport
-        return _SCATTER[transport](x_ND, group)
+        return _sum_scatter(x_ND, group, transport)
 
     @staticmethod
     def backward(ctx, grad_MD: Tensor):
@@ -164,7 +189,8 @@ def all_to_all_rows(
 
 
 def all_gather_rows(x_ND: Tensor, group: dist.ProcessGroup, transport: str = "nccl") -> Tensor:
-    """Concatenate every rank's equal-sized rows in group-rank order; backward: reduce-scatter (sum).
+    """Concatenate every rank's equal-sized rows in group-rank order; backward: reduce-scatter
+    (sum, low-precision gradients summed as in `reduce_scatter_rows`).
 
     transport: "nccl" (the process group's collectives) or "copy_engine" (peer copies through
     symmetric memory; CUDA GPUs of one host).
@@ -176,14 +202,8 @@ def reduce_scatter_rows(x_ND: Tensor, group: dist.ProcessGroup, transport: str =
     """Sum over the group, keep this rank's block of rows; backward: all-gather.
 
     Low-precision inputs are summed in fp32 and rounded once, as Megatron does for expert
-    outputs. Where that holds for the transport's own arithmetic, the rows travel in their own
-    dtype: the copy engine path sums locally with fp32 accumulation, and NCCL's sum over two
-    ranks is one rounded addition, ``round(a + b)``, which equals the fp32 sum cast back.
-    Otherwise (NCCL over more ranks, whose ring rounds at every hop) they travel as fp32.
+    outputs (see `_sum_scatter` for when the rows travel in their own dtype).
     """
-    dtype = x_ND.dtype
-    if transport == "nccl" and group_size(group) > 2:
-        return _ReduceScatter.apply(x_ND.to(torch.promote_types(dtype, torch.float32)), group, transport).to(dtype)
     return _ReduceScatter.apply(x_ND, group, transport)
 
 

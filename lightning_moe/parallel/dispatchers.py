@@ -70,10 +70,12 @@ def _describe(kind: str, ep_size: int, etp_size: int, transport: str = "nccl") -
 
 
 def _check_copy_engine_groups(groups: list) -> None:
-    """The copy-engine transport needs NCCL groups of CUDA GPUs (symmetric memory is CUDA-only)."""
+    """The copy-engine transport needs groups with an NCCL backend for CUDA (symmetric memory is
+    CUDA-only; a mapping such as "cpu:gloo,cuda:nccl" qualifies). That the ranks share one host
+    is left to the symmetric-memory rendezvous, which fails on its own otherwise."""
     for group in groups:
-        backend = dist.get_backend(group)
-        if backend != "nccl" or not torch.cuda.is_available():
+        backend = str(dist.get_backend(group))
+        if "nccl" not in backend or not torch.cuda.is_available():
             raise ValueError(
                 f"MoEConfig.dispatch_transport='copy_engine' needs CUDA GPUs of one host on an NCCL "
                 f"process group (this group's backend is {backend!r}): use dispatch_transport='nccl'."

@@ -86,6 +86,14 @@ def test_zero_rows_from_touches_only_the_tail(end, dtype):
     assert torch.equal(y, want) and torch.equal(strided, want)
 
 
+def _free_nan_blocks(*shapes):
+    """Allocate and free NaN-filled bf16 blocks of these shapes, so the caching allocator is
+    likely to hand them to the next ``torch.empty`` calls of the same sizes: a row the code
+    forgets to write then shows up as NaN instead of as fresh (often zero) memory."""
+    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16) for shape in shapes]
+    del blocks
+
+
 @pytest.mark.parametrize("sizes", [[96, 0, 160], [0, 0, 0], [256, 128, 128], [0, 32, 0]])
 def test_grouped_mm_leaves_padding_rows_out_and_zero(sizes):
     """The covered-rows grouped GEMM equals one matmul per group on the covered rows, gives
@@ -99,10 +107,11 @@ def test_grouped_mm_leaves_padding_rows_out_and_zero(sizes):
     x[used:] = 0
     w = torch.randn(3, 256, 128, device="cuda", dtype=torch.bfloat16) / 16
     g = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
-    torch.full((rows, 256), float("nan"), device="cuda")  # freed NaN blocks for torch.empty to reuse
-    torch.full((rows, 128), float("nan"), device="cuda")
     xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = grouped_mm(xa, wa, torch.tensor(sizes, device="cuda"))
+    sizes_t = torch.tensor(sizes, device="cuda")
+    _free_nan_blocks((rows, 128))  # the output's size: torch.empty inside likely gets this block
+    y = grouped_mm(xa, wa, sizes_t)
+    _free_nan_blocks((rows, 256))  # the input gradient's
     y.backward(g)
     assert torch.equal(y[used:], torch.zeros_like(y[used:]))
     assert torch.equal(xa.grad[used:], torch.zeros_like(xa.grad[used:]))
@@ -152,7 +161,9 @@ def test_grouped_experts_with_padding_rows_match_the_loop_backend():
     outs = []
     for module in (fast, loop):
         xx = x.clone().requires_grad_(True)
+        _free_nan_blocks((rows, 192), (rows, 96), (rows, 128))  # h, SwiGLU out, y: stale NaN tails
         y = module(xx, sizes)
+        _free_nan_blocks((rows, 96), (rows, 192), (rows, 128))  # their gradients
         y.backward(g)
         outs.append((y, xx.grad, module.fc1_weight.grad, module.fc2_weight.grad))
     (y, gx, g1, g2), (y_ref, gx_ref, g1_ref, g2_ref) = outs

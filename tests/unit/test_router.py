@@ -543,3 +543,24 @@ def test_topk_router_matches_megatron_router(mcore_router_env, case: dict, scale
         assert torch.equal(ours.expert_bias, expected)
         # Megatron's padded map gives every expert the same count: the bias cannot move.
         assert torch.equal(ours.expert_bias, bias) == cfg.pad_expert_input_to_capacity
+
+
+@pytest.mark.parametrize(
+    ("balancing", "group_attr", "expected"),
+    [("aux_loss", None, False), ("aux_loss", "sequence_parallel_group", True),
+     ("seq_aux_loss", "global_aux_loss_group", False), ("global_aux_loss", "global_aux_loss_group", True),
+     ("none", "sequence_parallel_group", False)],
+)
+def test_router_reports_whether_its_forward_communicates(monkeypatch, balancing, group_attr, expected) -> None:
+    """The MoE layer only gathers tokens ahead of routing when the router has no collectives of
+    its own (two communicators' NCCL kernels side by side could deadlock)."""
+    import lightning_moe.nn.router as router_module
+
+    coeff = 0.0 if balancing == "none" else 1e-2
+    router = TopKRouter(_cfg(8, 2, router_load_balancing_type=balancing, aux_loss_coeff=coeff))
+    assert not router.communicates()  # no groups at all
+    marker = object()
+    monkeypatch.setattr(router_module, "group_size", lambda group: 2 if group is marker else 1)
+    if group_attr is not None:
+        setattr(router, group_attr, marker)
+    assert router.communicates() is expected
