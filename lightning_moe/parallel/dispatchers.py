@@ -532,6 +532,12 @@ class AllGatherDispatcher:
     All ranks must pass the same number of tokens. Under ``pad_expert_input_to_capacity`` each
     local expert gets exactly ``capacity * G`` rows, as with Megatron's padded routing map.
 
+    The token gather does not depend on the routing, so `MoELayer` starts it before the router
+    (:meth:`prefetch`, on a side stream). The expert buffer is sized for the worst case, ``G*T*K``
+    rows, about ``(G-1)/G`` of it padding after the last group; the "grouped_mm" expert backend
+    leaves that padding out of its GEMMs. Rows move over NCCL or, with
+    ``cfg.dispatch_transport="copy_engine"``, as peer copies through symmetric memory.
+
     Args: as `AllToAllDispatcher`.
     """
 
