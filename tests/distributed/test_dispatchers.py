@@ -371,3 +371,39 @@ def test_copy_engine_transport_errors_name_the_fix():
         assert "token_dispatcher_type='allgather'" in a2a_msg
     with pytest.raises(ValueError, match="dispatch_transport"):
         MoEConfig(**BASE, dispatch_transport="nvlink")
+
+
+
+def _spread_bf16(rows, seed):
+    """bf16 rows over many binades, so that a sum rounded at two steps would show."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** torch.randint(-20, 20, (rows, 1), generator=g)
+    return (torch.randn(rows, 48, generator=g) * scale).to(torch.bfloat16)
+
+
+def _fp32_sum_cast(x, group, world_size, rank, rows):
+    exact = x.float()
+    dist.all_reduce(exact, group=group)  # the fp32 sum of the bf16 inputs
+    return exact.view(world_size, rows, -1)[rank].to(torch.bfloat16)
+
+
+def _bf16_reduce_scatters(rank, world_size):
+    from lightning_moe.parallel.dispatch_ops import all_gather_rows, reduce_scatter_rows
+
+    group = _make_mesh(world_size, 1).get_group(0)
+    rows = 64
+    x = _spread_bf16(world_size * rows, rank)
+    forward_ok = torch.equal(reduce_scatter_rows(x, group), _fp32_sum_cast(x, group, world_size, rank, rows))
+    leaf = _spread_bf16(rows, 100 + rank).requires_grad_(True)
+    upstream = _spread_bf16(world_size * rows, 200 + rank)
+    all_gather_rows(leaf, group).backward(upstream)  # backward: the reduce-scatter of the upstream
+    backward_ok = torch.equal(leaf.grad, _fp32_sum_cast(upstream, group, world_size, rank, rows))
+    return forward_ok, backward_ok
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_reduce_scatters_equal_the_fp32_sum_cast_back(world_size):
+    """Expert outputs (forward) and token gradients (the all-gather's backward) are summed in
+    bf16 only where that equals the fp32 sum rounded once: over two ranks; over three they
+    travel as fp32."""
+    assert run_distributed(_bf16_reduce_scatters, world_size) == [(True, True)] * world_size
