@@ -10,8 +10,9 @@ A dispatcher is a small protocol with explicit state passed from ``dispatch`` to
 ``group_sizes_E`` (int64, device) are the row counts of this rank's local experts in
 ``expert_input_RD``. A dispatcher may also offer ``prefetch(x_TD)``, which starts moving the
 tokens before the router runs; the layer then passes its result to
-``dispatch(x_TD, routing, prefetched=...)``. The local dispatcher below serves one rank; expert-parallel dispatchers
-(all-to-all, all-gather) live in ``lightning_moe.parallel`` and are installed by the strategy.
+``dispatch(x_TD, routing, prefetched=...)``. The local dispatcher below serves one rank;
+expert-parallel dispatchers (all-to-all, all-gather) live in ``lightning_moe.parallel`` and
+are installed by the strategy.
 """
 
 from __future__ import annotations

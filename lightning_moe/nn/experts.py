@@ -143,12 +143,12 @@ class GroupedExperts(nn.Module):
         padding rows after the last group, so the GEMM output it consumes (and the gradient it
         receives) need no zeroed tail; the block's own output and input gradient still get one."""
         from lightning_moe.kernels.swiglu_triton import swiglu
-        from lightning_moe.nn.grouped_gemm import grouped_mm
+        from lightning_moe.nn.grouped_gemm import covered_offsets, grouped_mm_covered
 
-        rows_end = group_sizes_E.sum()
-        h_RF2 = grouped_mm(x_RD, fc1, group_sizes_E, zero_output=False)
-        a_RF = swiglu(h_RF2, rows_end)
-        return grouped_mm(a_RF, fc2, group_sizes_E, zero_grad_input=False)
+        offsets_E = covered_offsets(group_sizes_E, x_RD.shape[0])  # one set for both GEMMs and the SwiGLU
+        h_RF2 = grouped_mm_covered(x_RD, fc1, offsets_E, zero_output=False)
+        a_RF = swiglu(h_RF2, offsets_E[-1])
+        return grouped_mm_covered(a_RF, fc2, offsets_E, zero_grad_input=False)
 
     def extra_repr(self) -> str:
         return (

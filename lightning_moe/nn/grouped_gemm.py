@@ -93,9 +93,22 @@ def grouped_mm(
     """
     if x_RK.dtype == torch.float64:
         return loop_mm(x_RK, w_EKN, group_sizes_E)
-    # Clamped to the buffer, as the old last offset was: groups summing past it (a caller's
-    # bug) must not send the kernel past the end of x.
-    offsets_E = torch.cumsum(group_sizes_E, 0).clamp_(max=x_RK.shape[0]).to(torch.int32)
+    offsets_E = covered_offsets(group_sizes_E, x_RK.shape[0])
+    return grouped_mm_covered(x_RK, w_EKN, offsets_E, zero_output, zero_grad_input)
+
+
+def covered_offsets(group_sizes_E: Tensor, num_rows: int) -> Tensor:
+    """Cumulative int32 group ends, the last one the covered row count (rows after it are
+    padding). Clamped to the buffer: groups summing past it (a caller's bug) must not send the
+    kernel past the end of the operand."""
+    return torch.cumsum(group_sizes_E, 0).clamp_(max=num_rows).to(torch.int32)
+
+
+def grouped_mm_covered(
+    x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, zero_output: bool = True, zero_grad_input: bool = True
+) -> Tensor:
+    """`grouped_mm` from offsets already made by `covered_offsets` (callers running several
+    GEMMs over the same groups make them once)."""
     return _GroupedMMCoveredRows.apply(x_RK, w_EKN.to(x_RK.dtype), offsets_E, zero_output, zero_grad_input)
 
 
