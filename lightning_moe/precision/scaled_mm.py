@@ -23,8 +23,9 @@ wgrad, as Transformer Engine).
 Rowwise operands on CUDA go through the fused Triton quantizers (`_fused_rowwise`): each
 activation is quantized once for both of its GEMMs (rowwise for fprop / dgrad, per expert group
 and transposed for the weight gradient), and the backward keeps that FP8 copy instead of the
-bf16 input. Weights take both layouts from one quantizer when the weight cache holds them;
-otherwise each pass quantizes its own layout (see `_caching`). Delayed-scaling operands on CUDA
+bf16 input. A training forward quantizes each weight for both of its GEMMs with one
+quantizer (``FP8Recipe.quantize_weights_once``; see `_both_weight_layouts_now`), or takes both
+from the weight cache. Delayed-scaling operands on CUDA
 (`_fused_delayed`) take the same copies from one read each with their history scales
 (``kernels.fp8_delayed_triton``): grouped operands through `_FusedGroupedOperands`, dense ones
 through `_dense_operand`. Both fused paths give the generic quantizers' bits.
@@ -89,10 +90,13 @@ class _ScaledLinear(torch.autograd.Function):
                 if _caching(cache, weight_key):
                     qw, sw, qw_t, sw_t = cached(cache, weight_key, weight, "dense_fused",
                                                 lambda: _fused_both(weight, _whole(weight)))
-                    cached_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_t, sw_t)
+                    weight_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_t, sw_t)
+                elif _both_weight_layouts_now(recipe, needs_backward):
+                    qw, sw, qw_t, sw_t = _fused_both(weight, _whole(weight))
+                    weight_dgrad = (qw_t, sw_t)
                 else:
                     qw, sw = rowwise_quantize(weight)
-                    cached_dgrad = None  # see _caching: quantized again in the backward
+                    weight_dgrad = None  # quantized again in the backward
             else:
                 delayed = _fused_delayed(recipe, state, x2, weight)
                 qx, sx = _dense_operand(x2, recipe, state, "input", delayed)
@@ -104,11 +108,12 @@ class _ScaledLinear(torch.autograd.Function):
         tensorwise = recipe.tile("input") == (None, None)
         # Tensorwise quantization does not depend on direction: keep the FP8 copies.
         if fused:
-            # The same tensors whether or not the cache holds the weight's other layout: an
+            # The same tensors whether or not the weight's other layout was made now: an
             # activation-checkpointing recompute runs outside the cache context and must save
-            # what the first forward saved. The cached layout rides on ctx (the cache keeps it).
+            # what the first forward saved. That layout rides on ctx instead (the backward uses
+            # the first forward's ctx).
             ctx.save_for_backward(qx_t, sx_t, weight)
-            ctx.cached_dgrad = cached_dgrad
+            ctx.weight_dgrad = weight_dgrad
         else:
             ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
         ctx.fused, ctx.delayed = fused, not fused and _fused_delayed(recipe, state, x2, weight)
@@ -129,8 +134,8 @@ class _ScaledLinear(torch.autograd.Function):
                 qdy_t, sdy_t, qx_t, sx_t = qdy.t().contiguous(), sdy, qx.t().contiguous(), sx
             elif ctx.fused:
                 qx_t, sx_t, weight = ctx.saved_tensors
-                if ctx.cached_dgrad is not None:
-                    qw_t, sw_t = ctx.cached_dgrad
+                if ctx.weight_dgrad is not None:
+                    qw_t, sw_t = ctx.weight_dgrad
                 else:
                     qw_t, sw_t = _fused_columns(weight, _whole(weight))
                 qdy, sdy, qdy_t, sdy_t = _fused_both(dy2, _whole(dy2))
@@ -199,12 +204,18 @@ def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], *operands: 
 def _caching(cache: Optional[FP8WeightCache], weight_key: Optional[Hashable]) -> bool:
     """Whether this weight's FP8 operands come from the weight cache.
 
-    With the cache both layouts are made at once (one fused quantizer, two reads) and kept
-    until the optimizer step anyway. Without it the forward makes only its own layout and the
-    backward the other from the weight: making both in the forward would hold an FP8 copy of
-    every layer's weights (1 byte per parameter) from the forward until the backward.
+    With the cache both layouts are made at once (one fused quantizer) and kept until the
+    optimizer step. Without it see `_both_weight_layouts_now`.
     """
     return cache is not None and weight_key is not None
+
+
+def _both_weight_layouts_now(recipe: FP8Recipe, needs_backward: bool) -> bool:
+    """Whether a forward without the weight cache makes the weight's data-gradient layout too
+    (one read of the weight for both), keeping it on ``ctx`` until the backward: 1 byte per
+    parameter held from the forward to the backward (``FP8Recipe.quantize_weights_once``).
+    Otherwise the backward quantizes the weight again."""
+    return needs_backward and recipe.quantize_weights_once
 
 
 def _transposed_out(t_RC: Tensor) -> Tensor:
@@ -472,10 +483,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 if _caching(cache, weight_key):
                     qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, f"grouped_fused_{recipe.name}",
                                                             lambda: quantizer.weight_both(w))
-                    cached_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_dgrad, sw_EK)
+                    weight_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_dgrad, sw_EK)
+                elif _both_weight_layouts_now(recipe, needs_backward):
+                    qw_ENK, sw_EN, qw_dgrad, sw_EK = quantizer.weight_both(w)
+                    weight_dgrad = (qw_dgrad, sw_EK)
                 else:
                     qw_ENK, sw_EN = quantizer.weight_fprop(w)
-                    cached_dgrad = None  # see _caching: quantized again in the backward
+                    weight_dgrad = None  # quantized again in the backward
             else:
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
 
@@ -491,7 +505,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward).
             ctx.save_for_backward(qx_t, sx_t, offsets, w)
-            ctx.cached_dgrad = cached_dgrad
+            ctx.weight_dgrad = weight_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
@@ -512,7 +526,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             if ctx.fused:
                 qx_t, sx_t, _, w = saved
                 quantizer = _FusedGroupedOperands(recipe, state)
-                qw, sw_EK = ctx.cached_dgrad if ctx.cached_dgrad is not None else quantizer.weight_dgrad(w)
+                qw, sw_EK = ctx.weight_dgrad if ctx.weight_dgrad is not None else quantizer.weight_dgrad(w)
                 qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True)
             else:
                 x, w, _ = saved

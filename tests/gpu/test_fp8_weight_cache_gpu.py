@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_moe.nn import MoEConfig, MoELayer
-from lightning_moe.precision import FP8Precision
+from lightning_moe.precision import FP8Precision, update_delayed_scaling
 
 pytestmark = [
     pytest.mark.gpu,
@@ -14,7 +14,7 @@ pytestmark = [
 ]
 
 
-def _train(recipe: str, cache: bool, steps: int = 3, accumulate: int = 2):
+def _train(recipe, cache: bool, steps: int = 3, accumulate: int = 2):
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=4, router_topk=2, expert_alignment=16,
                     shared_expert_intermediate_size=256)
@@ -32,6 +32,7 @@ def _train(recipe: str, cache: bool, steps: int = 3, accumulate: int = 2):
             losses.append(loss.detach())
         optimizer.step()
         optimizer.zero_grad()
+        update_delayed_scaling(plugin._delayed_modules, plugin.recipe)  # what optimizer_step does; no-op unless delayed
         if plugin.weight_cache is not None:
             plugin.weight_cache.clear()  # what FP8Precision.optimizer_step does after the step
     return torch.stack(losses), [p.detach().clone() for p in layer.parameters()], plugin.weight_cache
@@ -51,14 +52,47 @@ def test_cached_fp8_weights_train_identically(recipe):
     assert cache.misses == 3 * per_step and cache.hits == cache.misses
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
+def test_weights_quantized_once_train_identically(monkeypatch, recipe):
+    """FP8Recipe(quantize_weights_once=True), the default: the forward makes each weight's
+    data-gradient copy as well, so no backward quantizes a weight; the bits are those of
+    quantizing it again in the backward."""
+    from lightning_moe.precision import FP8Recipe, scaled_mm
+
+    calls = {"grouped": 0, "dense": 0}
+    grouped_dgrad, dense_columns = scaled_mm._FusedGroupedOperands.weight_dgrad, scaled_mm._fused_columns
+
+    def count_grouped(self, w):
+        calls["grouped"] += 1
+        return grouped_dgrad(self, w)
+
+    def count_dense(t, offsets):
+        calls["dense"] += 1
+        return dense_columns(t, offsets)
+
+    monkeypatch.setattr(scaled_mm._FusedGroupedOperands, "weight_dgrad", count_grouped)
+    monkeypatch.setattr(scaled_mm, "_fused_columns", count_dense)
+    once_losses, once_params, _ = _train(FP8Recipe(recipe), cache=False)
+    assert calls == {"grouped": 0, "dense": 0}
+    losses, params, _ = _train(FP8Recipe(recipe, quantize_weights_once=False), cache=False)
+    # 3 steps x 2 micro-batches, 2 expert projections; rowwise also the 2 shared-expert linears
+    # (delayed dense linears keep their per-tensor FP8 weight for the backward either way)
+    assert calls == {"grouped": 12, "dense": 12 if recipe == "rowwise" else 0}
+    assert torch.equal(once_losses, losses)
+    assert all(torch.equal(a, b) for a, b in zip(once_params, params))
+
+
+@pytest.mark.parametrize("once", [True, False])
 @pytest.mark.parametrize("cache", [False, True])
-def test_fused_rowwise_under_activation_checkpointing(cache):
+def test_fused_rowwise_under_activation_checkpointing(cache, once):
     """The fused path saves FP8 copies for backward; a non-reentrant checkpoint recompute (run
     outside the cache context) must save the same tensors and give the same gradients."""
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_moe.precision import FP8WeightCache, caching_fp8_weights
+    from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights
     from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_linear
+
+    recipe = FP8Recipe("rowwise", quantize_weights_once=once)
 
     torch.manual_seed(0)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -67,8 +101,8 @@ def test_fused_rowwise_under_activation_checkpointing(cache):
     offsets = torch.tensor([128, 128, 384, 512], device="cuda", dtype=torch.int32)
 
     def block(t):
-        y = fp8_grouped_mm(t, w_grouped, offsets, "rowwise", backend="torch", weight_key=("experts", "fc1"))
-        z = fp8_linear(t, w_dense, "rowwise", backend="torch", weight_key=("dense",))
+        y = fp8_grouped_mm(t, w_grouped, offsets, recipe, backend="torch", weight_key=("experts", "fc1"))
+        z = fp8_linear(t, w_dense, recipe, backend="torch", weight_key=("dense",))
         return y.float().square().sum() + z.float().square().sum()
 
     def grads(checkpointed):
