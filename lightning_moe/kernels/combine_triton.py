@@ -61,11 +61,15 @@ def _combine_bwd_kernel(
 
 
 @triton.jit
-def _zero_unowned_rows_kernel(out_ptr, row_token_ptr, num_tokens, R, D, BR: tl.constexpr, BD: tl.constexpr):
+def _zero_unowned_rows_kernel(out_ptr, row_token_ptr, end_ptr, num_tokens, R, D, BR: tl.constexpr,
+                              BD: tl.constexpr, HAS_END: tl.constexpr):
     # Rows whose token is the sentinel T (padding: no assignment writes them) become zero;
     # every other row is left alone, so only the padding is written, not the whole buffer.
+    # With HAS_END rows from *end_ptr on are left alone too (nobody reads them).
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     rmask = rows < R
+    if HAS_END:
+        rmask = rmask & (rows < tl.load(end_ptr))
     unowned = rmask & (tl.load(row_token_ptr + rows, mask=rmask, other=0) == num_tokens)
     if tl.sum(unowned.to(tl.int32), 0) > 0:
         for d0 in range(0, D, BD):
@@ -99,11 +103,12 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
 
 def combine_backward(
     y_RD: Tensor | None, dest_TK: Tensor, w_TK: Tensor, g_TD: Tensor, num_rows: int, row_token_R: Tensor | None,
-    need_grad_w: bool,
+    need_grad_w: bool, rows_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Gradients of :func:`combine`: ``grad_y`` [R, D] and ``grad_w`` [T, K] fp32 (when
     ``need_grad_w``). ``row_token_R`` (int64 [R], ``T`` for rows no assignment holds) is needed
-    when some rows are padding: those rows of ``grad_y`` are zeroed; None when every row is held."""
+    when some rows are padding: those rows of ``grad_y`` are zeroed; None when every row is held.
+    ``rows_end`` (0-dim device index): rows from it on hold no token and are left unwritten."""
     g_TD = g_TD.contiguous()
     num_tokens, k = dest_TK.shape
     d = g_TD.shape[1]
@@ -112,8 +117,8 @@ def combine_backward(
     if row_token_R is not None and num_rows and d:
         block_rows = 64
         _zero_unowned_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
-            grad_y, row_token_R.contiguous(), num_tokens, num_rows, d, BR=block_rows,
-            BD=min(triton.next_power_of_2(d), 256), num_warps=4,
+            grad_y, row_token_R.contiguous(), row_token_R if rows_end is None else rows_end, num_tokens, num_rows,
+            d, BR=block_rows, BD=min(triton.next_power_of_2(d), 256), HAS_END=rows_end is not None, num_warps=4,
         )
     if num_tokens == 0:
         return grad_y, grad_w

@@ -26,13 +26,13 @@ def _live_rows(rows, R, end_ptr, HAS_END: tl.constexpr):
 def _swiglu_fwd_kernel(h_ptr, out_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BF + tl.arange(0, BF)
-    mask = (rows[:, None] < R) & (cols[None, :] < F)
-    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & mask  # rows past the end: zeros, unread
+    # rows past the end are neither read nor written; a block wholly past it does nothing
+    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
     base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
     gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -40,8 +40,7 @@ def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, end_ptr, R, F, HAS_END: tl.cons
                        BF: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BF + tl.arange(0, BF)
-    mask = (rows[:, None] < R) & (cols[None, :] < F)
-    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & mask
+    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
     base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
     gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
@@ -50,8 +49,8 @@ def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, end_ptr, R, F, HAS_END: tl.cons
     silu = gate * sig
     d_gate = g * up * (sig + silu * (1.0 - sig))
     d_up = g * silu
-    tl.store(grad_h_ptr + base, d_gate.to(grad_h_ptr.dtype.element_ty), mask=mask)
-    tl.store(grad_h_ptr + base + F, d_up.to(grad_h_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_h_ptr + base, d_gate.to(grad_h_ptr.dtype.element_ty), mask=live)
+    tl.store(grad_h_ptr + base + F, d_up.to(grad_h_ptr.dtype.element_ty), mask=live)
 
 
 _BR, _BF = 16, 128
@@ -93,7 +92,7 @@ def swiglu(h_RF2: Tensor, rows_end: Tensor | None = None) -> Tensor:
     """``silu(gate) * up`` of ``h = [gate | up]``.
 
     rows_end: optional 0-dim integer device tensor; rows from it on are neither read nor
-    computed: their outputs and gradients are zero whatever ``h`` and the incoming gradient
-    hold there (the padding rows of a grouped GEMM's output, which it leaves unwritten).
+    written, in the output and in the gradient (the padding rows after the last group of a
+    grouped GEMM that leaves them out: its consumers never read them either).
     """
     return SwiGLUFunction.apply(h_RF2, rows_end)

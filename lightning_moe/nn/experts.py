@@ -64,7 +64,9 @@ class GroupedExperts(nn.Module):
     checkpoints and reshards like any other DTensor.
 
     ``forward(x_RD, group_sizes_E)`` takes rows grouped by expert (``group_sizes_E`` int64 [E]
-    on the device; rows past their sum are zero padding) and returns [R, D].
+    on the device; rows past their sum are zero padding) and returns [R, D]. With
+    ``tail_unwritten=True`` (only where `reads_only_grouped_rows`) the rows past the sum may
+    hold anything and come out unspecified, in the output and in the input gradient.
     A precision plugin may set ``quantization`` to an object with
     ``grouped_mm(x_RK, w_EKN, offsets_E, projection)`` to run quantized GEMMs instead.
     """
@@ -112,7 +114,22 @@ class GroupedExperts(nn.Module):
             return te_grouped_mm(x_RK, w_EKN, group_sizes_E, cache=cache, key=projection)
         return BACKENDS[self.backend](x_RK, w_EKN, group_sizes_E)
 
-    def forward(self, x_RD: Tensor, group_sizes_E: Tensor) -> Tensor:
+    def reads_only_grouped_rows(self, dtype: torch.dtype) -> bool:
+        """Whether `forward` on ``dtype`` rows reads only the rows its groups cover, in the
+        input and in the output's gradient (the "grouped_mm" backend without quantization), so
+        that a caller that never reads the rest back may leave it unwritten (``tail_unwritten``)."""
+        return self.quantization is None and self.backend == "grouped_mm" and dtype != torch.float64
+
+    def forward(self, x_RD: Tensor, group_sizes_E: Tensor, tail_unwritten: bool = False) -> Tensor:
+        """[R, D] -> [R, D]. ``tail_unwritten``: the caller left the rows after the groups
+        unwritten and never reads them in the output or the input gradient, so they are not
+        zeroed either (the all-gather dispatcher's buffer is about half such rows)."""
+        if tail_unwritten and not self.reads_only_grouped_rows(x_RD.dtype):
+            raise ValueError(
+                "tail_unwritten=True needs experts that read only the grouped rows (backend 'grouped_mm', no FP8 "
+                f"quantization, not float64); these run backend {self.backend!r}"
+                f"{' with quantization' if self.quantization is not None else ''} on {x_RD.dtype}. Leave it False."
+            )
         fc1 = fc1_matrix(local_tensor(self.fc1_weight))
         fc2 = local_tensor(self.fc2_weight)
         device_type = x_RD.device.type
@@ -133,22 +150,23 @@ class GroupedExperts(nn.Module):
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0])
         if self.quantization is None and self.backend == "grouped_mm" and self.activation == "swiglu" \
                 and use_triton(x_RD) and x_RD.dtype != torch.float64:
-            return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E)
+            return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
         h_RF = activate(self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E), self.activation)
         return self._mm(h_RF, fc2, group_sizes_E, "fc2", offsets_E)
 
     @staticmethod
-    def _swiglu_covered_rows(x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor) -> Tensor:
-        """The bf16/fp32 grouped path on CUDA: the fused SwiGLU neither reads nor computes the
-        padding rows after the last group, so the GEMM output it consumes (and the gradient it
-        receives) need no zeroed tail; the block's own output and input gradient still get one."""
+    def _swiglu_covered_rows(x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor,
+                             zero_tails: bool) -> Tensor:
+        """The bf16/fp32 grouped path on CUDA: the fused SwiGLU neither reads nor writes the
+        padding rows after the last group, so the tensors on either side of it keep unwritten
+        tails; the block's own output and input gradient get zeroed tails when ``zero_tails``."""
         from lightning_moe.kernels.swiglu_triton import swiglu
         from lightning_moe.nn.grouped_gemm import covered_offsets, grouped_mm_covered
 
         offsets_E = covered_offsets(group_sizes_E, x_RD.shape[0])  # one set for both GEMMs and the SwiGLU
-        h_RF2 = grouped_mm_covered(x_RD, fc1, offsets_E, zero_output=False)
+        h_RF2 = grouped_mm_covered(x_RD, fc1, offsets_E, zero_output=False, zero_grad_input=zero_tails)
         a_RF = swiglu(h_RF2, offsets_E[-1])
-        return grouped_mm_covered(a_RF, fc2, offsets_E, zero_grad_input=False)
+        return grouped_mm_covered(a_RF, fc2, offsets_E, zero_output=zero_tails, zero_grad_input=False)
 
     def extra_repr(self) -> str:
         return (

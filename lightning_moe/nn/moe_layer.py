@@ -93,8 +93,18 @@ class MoELayer(nn.Module):
             y_TD = run(x_TD, routing, self.experts)
         else:
             extra = {} if prefetched is None else {"prefetched": prefetched}
+            # A dispatcher whose buffer has rows after the last group (sized for the worst case)
+            # may leave them unwritten when the experts never read them; its combine and its
+            # permutation's backward never read them back either.
+            reads_grouped = getattr(self.experts, "reads_only_grouped_rows", None)
+            tail_unwritten = (getattr(self.dispatcher, "can_leave_tail_unwritten", False)
+                              and reads_grouped is not None and reads_grouped(x_TD.dtype))
+            if tail_unwritten:
+                extra["tail_unwritten"] = True
             expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra)
-            y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E), state)
+            expert_output_RD = (self.experts(expert_input_RD, group_sizes_E, tail_unwritten=True) if tail_unwritten
+                                else self.experts(expert_input_RD, group_sizes_E))
+            y_TD = self.dispatcher.combine(expert_output_RD, state)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         self.last_stats = RoutingStats(

@@ -12,8 +12,8 @@ a static number of rows ``R`` known from shapes alone, so shapes never depend on
 
 Rows that hold no token are zero. Rows after the last group (the slack of a buffer sized for
 the worst case) are left out of the expert GEMMs by the "grouped_mm" backend and join the last
-group elsewhere (zero input gives zero output through a bias-free MLP); either way every row
-of the experts' output is written.
+group elsewhere (zero input gives zero output through a bias-free MLP). A plan with
+``rows_end`` leaves that slack unwritten on CUDA, for experts that never read it.
 
 Both directions are gathers (no scatter-add, no atomics) in forward and backward:
 ``permute`` gathers token rows, its backward gathers each token's ``K`` row gradients and sums
@@ -48,6 +48,10 @@ class PermutationPlan:
             no sentinel rows are needed).
         padding_rows: False when every row holds a token (dropped assignments allowed), so
             ``permute`` can gather without appending a zero row.
+        rows_end: optional 0-dim device index, at least every group's end: rows from it on
+            are left unwritten by ``permute`` and by ``unpermute``'s backward (on CUDA). Set
+            only when the experts never read those rows (see ``GroupedExperts.forward``'s
+            ``tail_unwritten``); None: every row is written.
     """
 
     row_assignment_R: Tensor
@@ -59,6 +63,7 @@ class PermutationPlan:
     num_rows: int
     dense_rows: bool
     padding_rows: bool = True
+    rows_end: Optional[Tensor] = None
 
 
 def plan_permutation(
@@ -173,6 +178,10 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, plan: PermutationPlan) -> Tensor:
         ctx.plan = plan
+        if plan.rows_end is not None and use_triton(x_TD):
+            from lightning_moe.kernels.permute_triton import gather_rows_until
+
+            return gather_rows_until(x_TD, plan.row_token_R, plan.rows_end)
         source = x_TD if not plan.padding_rows else _with_zero_row(x_TD)
         return source.index_select(0, plan.row_token_R)
 
@@ -220,6 +229,7 @@ class _Unpermute(torch.autograd.Function):
             grad_y, grad_w = combine_backward(
                 y_RD, plan.dest_TK, probs_TK, grad_TD, plan.num_rows,
                 row_token_R=plan.row_token_R if plan.padding_rows else None, need_grad_w=ctx.needs_input_grad[1],
+                rows_end=plan.rows_end,
             )
             return grad_y, (grad_w.to(ctx.probs_dtype) if grad_w is not None else None), None
         y_TKD, weights_T1K = ctx.saved_tensors

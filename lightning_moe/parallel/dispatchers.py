@@ -541,6 +541,9 @@ class AllGatherDispatcher:
     Args: as `AllToAllDispatcher`.
     """
 
+    # `MoELayer` may pass ``tail_unwritten=True`` to `dispatch`.
+    can_leave_tail_unwritten = True
+
     def __init__(
         self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup] = None
     ) -> None:
@@ -578,8 +581,12 @@ class AllGatherDispatcher:
         return PrefetchedTokens(x_all, side)
 
     def dispatch(
-        self, x_TD: Tensor, routing: RoutingResult, prefetched: Optional["PrefetchedTokens"] = None
+        self, x_TD: Tensor, routing: RoutingResult, prefetched: Optional["PrefetchedTokens"] = None,
+        tail_unwritten: bool = False,
     ) -> tuple[Tensor, Tensor, AllGatherDispatchState]:
+        """``tail_unwritten``: the experts read only the rows their groups cover, so the rows
+        after the last group (about ``(G-1)/G`` of the buffer) are not written on CUDA, neither
+        by the permutation nor by the combine's backward (see ``PermutationPlan.rows_end``)."""
         cfg = self.cfg
         x_all = self._gather(x_TD) if prefetched is None else prefetched.wait()
         # One metadata gather: the routing weights with the expert ids beside them as exact
@@ -601,6 +608,8 @@ class AllGatherDispatcher:
             capacity=routing.capacity * group_ranks if pad_to_capacity else None,
             pad_to_capacity=pad_to_capacity,
         )
+        if tail_unwritten and not cfg.apply_probs_on_input:  # input-side probabilities multiply every row
+            plan.rows_end = plan.group_sizes_E.sum()
         x_RD = permute(x_all, plan)
         if cfg.apply_probs_on_input:
             x_RD = input_side_probs(x_RD, probs_all, plan)

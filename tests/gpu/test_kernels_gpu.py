@@ -124,8 +124,8 @@ def test_grouped_mm_leaves_padding_rows_out_and_zero(sizes):
 
 
 @pytest.mark.parametrize("end", [0, 5, 16, 300, 513])
-def test_swiglu_rows_end_neither_reads_nor_computes_the_tail(end):
-    from lightning_moe.kernels.swiglu_triton import swiglu
+def test_swiglu_rows_end_neither_reads_nor_writes_the_tail(end):
+    from lightning_moe.kernels.swiglu_triton import _BF, _BR, _grid, _swiglu_bwd_kernel, _swiglu_fwd_kernel, swiglu
 
     torch.manual_seed(end)
     h = torch.randn(513, 2 * 200, device="cuda", dtype=torch.bfloat16)
@@ -134,13 +134,66 @@ def test_swiglu_rows_end_neither_reads_nor_computes_the_tail(end):
     h_tail[end:], g_tail[end:] = float("nan"), float("nan")  # what an unwritten tail may hold
     a = h.clone().requires_grad_(True)
     b = h_tail.clone().requires_grad_(True)
+    end_t = torch.tensor(end, device="cuda")
     out_full = swiglu(a)
     out_full.backward(g)
-    out_end = swiglu(b, torch.tensor(end, device="cuda"))
+    out_end = swiglu(b, end_t)
     out_end.backward(g_tail)
     assert torch.equal(out_end[:end], out_full[:end]) and torch.equal(b.grad[:end], a.grad[:end])
-    assert torch.equal(out_end[end:], torch.zeros_like(out_end[end:]))
-    assert torch.equal(b.grad[end:], torch.zeros_like(b.grad[end:]))
+    # The kernels on buffers filled with a marker: rows from the end on keep it (not written).
+    out = torch.full((513, 200), 7.0, device="cuda", dtype=torch.bfloat16)
+    grad_h = torch.full((513, 400), 7.0, device="cuda", dtype=torch.bfloat16)
+    _swiglu_fwd_kernel[_grid(513, 200)](h_tail, out, end_t, 513, 200, HAS_END=True, BR=_BR, BF=_BF)
+    _swiglu_bwd_kernel[_grid(513, 200)](h_tail, g_tail, grad_h, end_t, 513, 200, HAS_END=True, BR=_BR, BF=_BF)
+    assert torch.equal(out[:end], out_full[:end]) and torch.equal(grad_h[:end], a.grad[:end])
+    assert (out[end:] == 7).all() and (grad_h[end:] == 7).all()
+
+
+@pytest.mark.parametrize("end", [0, 1, 100, 700, 800])
+@pytest.mark.parametrize("d", [96, 3000])
+def test_gather_rows_until_writes_the_rows_before_the_end_only(end, d):
+    """The permutation's gather with ``rows_end``: rows before the end are the token rows (zero
+    for the sentinel token T), rows from it on are not written."""
+    from lightning_moe.kernels.permute_triton import _gather_rows_kernel, gather_rows_until
+
+    torch.manual_seed(end + d)
+    t, rows = 250, 800
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    row_token = torch.randint(0, t + 1, (rows,), device="cuda")  # T: a padding row
+    end_t = torch.tensor(end, device="cuda")
+    want = torch.cat([x, x.new_zeros(1, d)])[row_token]
+    got = gather_rows_until(x, row_token, end_t)
+    assert torch.equal(got[:end], want[:end])
+    marked = torch.full((rows, d), 7.0, device="cuda", dtype=torch.bfloat16)
+    _gather_rows_kernel[(rows,)](x, row_token, marked, end_t, t, d, BD=min(triton_next_pow2(d), 2048))
+    assert torch.equal(marked[:end], want[:end]) and (marked[end:] == 7).all()
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def test_combine_backward_leaves_rows_from_the_end_alone():
+    """``rows_end``: unowned rows before it are zeroed, rows from it on are not written."""
+    from lightning_moe.kernels.combine_triton import _zero_unowned_rows_kernel, combine_backward
+
+    torch.manual_seed(3)
+    t, k, d, rows, end = 64, 2, 256, 200, 150
+    dest = torch.randperm(end, device="cuda")[: t * k].view(t, k)  # 128 of the first 150 rows held
+    w = torch.rand(t, k, device="cuda")
+    g = torch.randn(t, d, device="cuda")
+    row_token = torch.full((rows,), t, dtype=torch.long, device="cuda")
+    row_token[dest.flatten()] = torch.arange(t * k, device="cuda") // k
+    end_t = torch.tensor(end, device="cuda")
+    gy_all, _ = combine_backward(None, dest, w, g, rows, row_token, need_grad_w=False)
+    gy, _ = combine_backward(None, dest, w, g, rows, row_token, need_grad_w=False, rows_end=end_t)
+    assert torch.equal(gy[:end], gy_all[:end])
+    marked = torch.full((rows, d), 7.0, device="cuda")
+    _zero_unowned_rows_kernel[(triton_next_pow2(rows) // 64,)](marked, row_token, end_t, t, rows, d, BR=64, BD=256,
+                                                               HAS_END=True)
+    unowned = row_token == t
+    assert (marked[:end][unowned[:end]] == 0).all() and (marked[:end][~unowned[:end]] == 7).all()
+    assert (marked[end:] == 7).all()
 
 
 def test_grouped_experts_with_padding_rows_match_the_loop_backend():
@@ -173,3 +226,15 @@ def test_grouped_experts_with_padding_rows_match_the_loop_backend():
     torch.testing.assert_close(gx[:used], gx_ref[:used], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(g1, g1_ref, rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(g2, g2_ref, rtol=2e-2, atol=5e-2)
+
+    # tail_unwritten: a NaN tail in the input (what the permutation leaves) reaches nothing.
+    x_nan = x.clone()
+    x_nan[used:] = float("nan")
+    xx = x_nan.requires_grad_(True)
+    fast.zero_grad()
+    y_u = fast(xx, sizes, tail_unwritten=True)
+    g_nan = g.clone()
+    g_nan[used:] = float("nan")  # nor does a NaN tail in the output's gradient
+    y_u.backward(g_nan)
+    assert torch.equal(y_u[:used], y[:used]) and torch.equal(xx.grad[:used], gx[:used])
+    assert torch.equal(fast.fc1_weight.grad, g1) and torch.equal(fast.fc2_weight.grad, g2)

@@ -137,3 +137,37 @@ def test_meta_device_init_then_reset_parameters():
     assert all(torch.all(b == 0) for n, b in layer.named_buffers())
     y = layer(torch.randn(5, 16))
     assert torch.isfinite(y).all()
+
+
+def test_experts_with_an_unwritten_tail_never_read_it():
+    """GroupedExperts(tail_unwritten=True), what the all-gather dispatcher relies on: NaN in the
+    rows after the groups (input, and the output's gradient) reaches neither the grouped rows
+    nor the weight gradients; experts that read those rows refuse the flag."""
+    from lightning_moe.nn.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    sizes = torch.tensor([7, 0, 12, 5])
+    rows, used = 40, 24
+    experts = GroupedExperts(4, 16, 24, backend="grouped_mm")
+    x = torch.randn(rows, 16)
+    g = torch.randn(rows, 16)
+    x[used:] = 0
+    results = []
+    for tail_value, unwritten in ((0.0, False), (float("nan"), True)):
+        experts.zero_grad()
+        xx = x.clone()
+        xx[used:] = tail_value
+        xx.requires_grad_(True)
+        gg = g.clone()
+        gg[used:] = tail_value
+        y = experts(xx, sizes, tail_unwritten=unwritten)
+        y.backward(gg)
+        results.append((y[:used], xx.grad[:used], experts.fc1_weight.grad, experts.fc2_weight.grad))
+    for a, b in zip(*results):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert experts.reads_only_grouped_rows(torch.float32) and not experts.reads_only_grouped_rows(torch.float64)
+    loop = GroupedExperts(4, 16, 24, backend="loop")
+    assert not loop.reads_only_grouped_rows(torch.float32)
+    with pytest.raises(ValueError, match="tail_unwritten=True needs experts that read only the grouped rows"):
+        loop(x, sizes, tail_unwritten=True)
