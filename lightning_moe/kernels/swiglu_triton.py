@@ -23,34 +23,48 @@ def _live_rows(rows, R, end_ptr, HAS_END: tl.constexpr):
 
 
 @triton.jit
+def _block_live(R, end_ptr, BR: tl.constexpr, HAS_END: tl.constexpr):
+    """Whether this program's row block starts before ``R`` (and before ``*end_ptr``): blocks
+    wholly past the end skip everything (at EP=2 about half the grid of the all-gather buffer)."""
+    row0 = tl.program_id(0) * BR
+    go = row0 < R
+    if HAS_END:
+        go = go & (row0 < tl.load(end_ptr))
+    return go
+
+
+@triton.jit
 def _swiglu_fwd_kernel(h_ptr, out_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BF + tl.arange(0, BF)
-    # rows past the end are neither read nor written; a block wholly past it does nothing
-    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
-    base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-    gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=live)
+    if _block_live(R, end_ptr, BR, HAS_END):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BF + tl.arange(0, BF)
+        # rows past the end are neither read nor written
+        live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
+        base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+        gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
+        out = gate * tl.sigmoid(gate) * up
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=live)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr,
                        BF: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BF + tl.arange(0, BF)
-    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
-    base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-    gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=live, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    d_gate = g * up * (sig + silu * (1.0 - sig))
-    d_up = g * silu
-    tl.store(grad_h_ptr + base, d_gate.to(grad_h_ptr.dtype.element_ty), mask=live)
-    tl.store(grad_h_ptr + base + F, d_up.to(grad_h_ptr.dtype.element_ty), mask=live)
+    if _block_live(R, end_ptr, BR, HAS_END):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BF + tl.arange(0, BF)
+        live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
+        base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+        gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        d_gate = g * up * (sig + silu * (1.0 - sig))
+        d_up = g * silu
+        tl.store(grad_h_ptr + base, d_gate.to(grad_h_ptr.dtype.element_ty), mask=live)
+        tl.store(grad_h_ptr + base + F, d_up.to(grad_h_ptr.dtype.element_ty), mask=live)
 
 
 _BR, _BF = 16, 128

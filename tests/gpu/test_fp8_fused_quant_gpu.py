@@ -136,8 +136,8 @@ def test_gemms_identical_with_fused_and_generic_quantizers(monkeypatch):
 
 
 def test_evaluation_makes_only_the_forward_copy(monkeypatch):
-    """Without a backward to come (no_grad), activations get their rowwise copy only; the
-    forward's result is the same bits as in training."""
+    """Without a backward to come (no_grad), activations get their rowwise copy only and weights
+    their forward layout only; the forward's result is the same bits as in training."""
     from lightning_moe.kernels import fp8_quant_triton
     from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_linear
 
@@ -155,9 +155,11 @@ def test_evaluation_makes_only_the_forward_copy(monkeypatch):
                 fp8_linear(x, w_dense, "rowwise", backend="torch"))
 
     training = forward()
-    assert len(calls) == 1  # x for the grouped GEMM (dense operands, one group, take the single quantizers)
+    # x for the grouped GEMM, and the grouped weight's two layouts at once (quantize_weights_once);
+    # dense operands (one group) take the single quantizers
+    assert len(calls) == 2
     with torch.no_grad():
         evaluation = forward()
-    assert len(calls) == 1
+    assert len(calls) == 2
     for a, b in zip(training, evaluation):
         assert torch.equal(a, b)
