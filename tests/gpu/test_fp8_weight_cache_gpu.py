@@ -1,6 +1,8 @@
 """FP8Precision(cache_fp8_weights=True): gradient accumulation with cached FP8 weights trains
 exactly as without the cache, quantizing each weight once per optimizer step (CUDA, Hopper)."""
 
+import sys
+
 import pytest
 import torch
 
@@ -40,7 +42,10 @@ def _train(recipe, cache: bool, steps: int = 3, accumulate: int = 2):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_cached_fp8_weights_train_identically(recipe):
-    losses, params, _ = _train(recipe, cache=False)
+    from lightning_moe.precision import FP8Recipe
+
+    # against quantizing every weight in every pass (each layout by its own quantizer)
+    losses, params, _ = _train(FP8Recipe(recipe, quantize_weights_once=False), cache=False)
     cached_losses, cached_params, cache = _train(recipe, cache=True)
     assert torch.equal(losses, cached_losses)
     assert all(torch.equal(a, b) for a, b in zip(params, cached_params))
@@ -67,7 +72,9 @@ def test_weights_quantized_once_train_identically(monkeypatch, recipe):
         return grouped_dgrad(self, w)
 
     def count_dense(t, offsets):
-        calls["dense"] += 1
+        # a weight's transposed copy quantized by a backward (_fused_both calls this too, for
+        # weights in the forward and for gradients in the backward)
+        calls["dense"] += isinstance(t, torch.nn.Parameter) and sys._getframe(1).f_code.co_name == "backward"
         return dense_columns(t, offsets)
 
     monkeypatch.setattr(scaled_mm._FusedGroupedOperands, "weight_dgrad", count_grouped)
