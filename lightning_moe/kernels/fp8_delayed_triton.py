@@ -44,7 +44,34 @@ from lightning_moe.kernels.fp8_quant_triton import (
 
 
 @triton.jit
-def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, BR: tl.constexpr, BC: tl.constexpr):
+def _load_operand(x_ptr, rows, cols, m, C, SWIGLU: tl.constexpr):
+    # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is the fused projection output
+    # ``h = [gate | up]`` ``[R, 2C]`` and the operand is ``silu(gate) * up`` computed and rounded
+    # to ``h``'s dtype exactly as ``kernels.swiglu_triton`` does, so the cast sees the values the
+    # SwiGLU kernel would have written.
+    if SWIGLU:
+        base = rows[:, None].to(tl.int64) * (2 * C) + cols[None, :]
+        gate = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + base + C, mask=m, other=0.0).to(tl.float32)
+        a = gate * tl.sigmoid(gate) * up
+        return a.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _swiglu_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr):
+    # `_column_amax` of the SwiGLU output computed from ``h`` (see `_load_operand`).
+    amax = tl.zeros(cols.shape, dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        m = (rows < end)[:, None] & cmask[None, :]
+        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(_load_operand(x_ptr, rows, cols, m, C, True)), 0))
+    return amax
+
+
+@triton.jit
+def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, SWIGLU: tl.constexpr, BR: tl.constexpr,
+                         BC: tl.constexpr):
     # Program (group, column block): the current amax of groups without a scale (and of the
     # tail group G), by atomic max over column blocks; groups with a scale return at once.
     group = tl.program_id(0)
@@ -53,17 +80,22 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, BR: t
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cols < C
         start, end = _group_bounds(offsets_ptr, group, G, R)
-        tl.atomic_max(amax_ptr + group, tl.max(_column_amax(x_ptr, start, end, cols, cmask, C, BR), 0))
+        if SWIGLU:
+            amax = _swiglu_column_amax(x_ptr, start, end, cols, cmask, C, BR)
+        else:
+            amax = _column_amax(x_ptr, start, end, cols, cmask, C, BR)
+        tl.atomic_max(amax_ptr + group, tl.max(amax, 0))
 
 
 @triton.jit
 def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
-                       stride_qc, amax, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, BR: tl.constexpr):
+                       stride_qc, amax, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, SWIGLU: tl.constexpr,
+                       BR: tl.constexpr):
     # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
     # copies; returns the running per-column amax (for the record).
     rows = r0 + tl.arange(0, BR)
     m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    x = _load_operand(x_ptr, rows, cols, m, C, SWIGLU)
     if WRITE_ROW:
         tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
     if WRITE_COL:
@@ -79,7 +111,8 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
 @triton.jit
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
                          record_ptr, R, C, G, stride_qc, stride_qg, WRITE_ROW: tl.constexpr,
-                         WRITE_COL: tl.constexpr, RECORD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                         WRITE_COL: tl.constexpr, RECORD: tl.constexpr, SWIGLU: tl.constexpr, BR: tl.constexpr,
+                         BC: tl.constexpr):
     group = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < C
@@ -92,12 +125,12 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     lo, hi = _aligned_body(start, end)
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
-                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, 16)
+                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
     for r0 in range(lo, hi, BR):
         amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base,
-                                  C, stride_qc, amax, WRITE_ROW, WRITE_COL, BR)
+                                  C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, BR)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
-                              stride_qc, amax, WRITE_ROW, WRITE_COL, 16)
+                              stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
     if WRITE_ROW:
         if tl.program_id(1) == 0:  # one column block writes the group's row scales
             for r0 in range(start, end, 1024):
@@ -156,6 +189,7 @@ def delayed_cast(
     stride_out_col: int = 0,
     stride_out_group: int = 0,
     e5m2: bool = False,
+    swiglu: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -171,6 +205,10 @@ def delayed_cast(
             + r]`` (rows past the last group are not written); None: no transposed copy.
         e5m2: cast the row copy to E5M2 instead (hybrid-format gradients of dense GEMMs; the
             grouped kernels take E4M3 only, so there is no transposed E5M2 copy).
+        swiglu: ``x`` is a fused projection output ``h = [gate | up]`` ``[R, 2C]`` and the
+            operand cast is ``silu(gate) * up`` ``[R, C]``, computed on the fly with the SwiGLU
+            kernel's arithmetic and rounding (the same bits as casting its output), so the
+            SwiGLU output is never written. Needs ``out_col`` (the per-group tile kernel).
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -179,8 +217,10 @@ def delayed_cast(
         raise ValueError("delayed_cast: nothing to write; ask for the row copy, the transposed one or both")
     if e5m2 and out_col is not None:
         raise ValueError("delayed_cast: E5M2 is supported for the row copy alone")
+    if swiglu and out_col is None:
+        raise ValueError("delayed_cast: swiglu=True needs out_col (the transposed copy's buffer)")
     x_RC = x_RC.contiguous()
-    rows, cols = x_RC.shape
+    rows, cols = x_RC.shape[0], x_RC.shape[1] // 2 if swiglu else x_RC.shape[1]
     groups = offsets_G.numel()
     device = x_RC.device
     row_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
@@ -202,7 +242,8 @@ def delayed_cast(
     cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=device)  # atomic-max target
     # The tail group only exists for the row copy (no GEMM reads a transposed tail).
     grid = (groups + 1 if write_row else groups, triton.cdiv(cols, 64))
-    _missing_amax_kernel[grid](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups, BR=128, BC=64, num_warps=4)
+    _missing_amax_kernel[grid](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups, SWIGLU=swiglu, BR=128, BC=64,
+                               num_warps=4)
     dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
@@ -221,7 +262,7 @@ def delayed_cast(
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
         rows, cols, groups, stride_out_col, stride_out_group,
-        WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None,
+        WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
         BR=128, BC=64, num_warps=4,  # fp8_quant_tune_delayed.json (H200): 1.06-1.17x the 64-row tiles
     )
     return q_row, s_row, s_col

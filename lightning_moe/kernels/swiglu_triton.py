@@ -92,14 +92,18 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_RF: Tensor):
         saved = ctx.saved_tensors
-        h_RF2 = saved[0]
-        end = saved[1] if ctx.has_end else h_RF2
-        r, f2 = h_RF2.shape
-        grad_h = torch.empty_like(h_RF2)
-        if r:
-            _swiglu_bwd_kernel[_grid(r, f2 // 2)](h_RF2, g_RF.contiguous(), grad_h, end, r, f2 // 2,
-                                                  HAS_END=ctx.has_end, BR=_BR, BF=_BF, num_warps=4)
-        return grad_h, None
+        return swiglu_backward(saved[0], g_RF, saved[1] if ctx.has_end else None), None
+
+
+def swiglu_backward(h_RF2: Tensor, g_RF: Tensor, rows_end: Tensor | None = None) -> Tensor:
+    """``grad_h [R, 2F]`` of `swiglu` from its input ``h`` and its output's gradient ``g``."""
+    h_RF2 = h_RF2.contiguous()
+    r, f2 = h_RF2.shape
+    grad_h = torch.empty_like(h_RF2)
+    if r:
+        _swiglu_bwd_kernel[_grid(r, f2 // 2)](h_RF2, g_RF.contiguous(), grad_h, h_RF2 if rows_end is None else rows_end,
+                                              r, f2 // 2, HAS_END=rows_end is not None, BR=_BR, BF=_BF, num_warps=4)
+    return grad_h
 
 
 def swiglu(h_RF2: Tensor, rows_end: Tensor | None = None) -> Tensor:

@@ -222,3 +222,33 @@ def fp8_grouped_mm(
 
         return scaled_grouped_mm(x_RK, w_EKN, offsets_E, recipe, state, weight_key)
     return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state)
+
+
+def fp8_grouped_mm_swiglu(
+    h_RF2: Tensor,
+    w_EFN: Tensor,
+    offsets_E: Tensor,
+    recipe: Union[str, FP8Recipe] = "delayed",
+    backend: str = "torch",
+    state: Optional[DelayedState] = None,
+    weight_key: Optional[Hashable] = None,
+) -> Optional[Tensor]:
+    """``swiglu(h) @ w`` per group with the SwiGLU computed inside the FP8 cast of the GEMM's
+    input, so ``silu(gate) * up`` is never written in bf16 and read back; the same bits as
+    ``fp8_grouped_mm(swiglu(h), w, ...)``. Runs where the native delayed-scaling casts run (the
+    "torch" backend on CUDA, a training pass); returns None elsewhere, and the caller applies
+    the SwiGLU itself.
+
+    Args:
+        h_RF2: the first projection's output ``[R, 2F]`` (``[gate | up]``).
+        w_EFN: the second projection's weights ``[E, F, N]``.
+        offsets_E / recipe / backend / state / weight_key: as in `fp8_grouped_mm`.
+    """
+    recipe = FP8Recipe.of(recipe)
+    if recipe.name != "delayed" or state is None or _backend(recipe, backend, h_RF2, grouped=True) != "torch":
+        return None
+    from lightning_moe.precision.scaled_mm import scaled_grouped_mm_swiglu, swiglu_fusable
+
+    if not swiglu_fusable(h_RF2, w_EFN, recipe, state):
+        return None
+    return scaled_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, recipe, state, weight_key)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import ensure_delayed_state, register_delayed_buffers
-from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_linear
+from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_grouped_mm_swiglu, fp8_linear
 from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
@@ -107,6 +107,16 @@ class FP8GroupedGemm(nn.Module):
             state = ensure_delayed_state(self, self.recipe, w_EKN.shape[0], w_EKN.device)
         key = (id(self), projection) if projection else None
         return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key)
+
+    def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
+                          projection: str = "") -> Optional[Tensor]:
+        """``swiglu(h) @ w`` with the SwiGLU fused into the FP8 cast (`fp8_grouped_mm_swiglu`),
+        or None where that does not run (then the caller applies the SwiGLU and `grouped_mm`)."""
+        if self.recipe.name != "delayed":
+            return None
+        state = ensure_delayed_state(self, self.recipe, w_EFN.shape[0], w_EFN.device)
+        key = (id(self), projection) if projection else None
+        return fp8_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key)
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe.name}, backend={self.backend}"

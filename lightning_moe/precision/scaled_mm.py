@@ -28,7 +28,10 @@ quantizer (``FP8Recipe.quantize_weights_once``; see `_both_weight_layouts_now`),
 from the weight cache. Delayed-scaling operands on CUDA
 (`_fused_delayed`) take the same copies from one read each with their history scales
 (``kernels.fp8_delayed_triton``): grouped operands through `_FusedGroupedOperands`, dense ones
-through `_dense_operand`. Both fused paths give the generic quantizers' bits.
+through `_dense_operand`. Both fused paths give the generic quantizers' bits. Under delayed
+scaling a SwiGLU expert's second projection can take ``h = [gate | up]`` itself
+(`scaled_grouped_mm_swiglu`): its input cast computes ``silu(gate) * up`` on the fly, so the
+SwiGLU output is never written in bf16 and read back.
 """
 
 from __future__ import annotations
@@ -218,10 +221,11 @@ def _both_weight_layouts_now(recipe: FP8Recipe, needs_backward: bool) -> bool:
     return needs_backward and recipe.quantize_weights_once
 
 
-def _transposed_out(t_RC: Tensor) -> Tensor:
-    """Float8 ``[C, R]`` for ``t^T`` with ``R`` padded to 16 by zero columns (the padding is the
-    contraction the dense weight-gradient GEMM reads; the rest is written by a quantizer)."""
-    rows, cols = t_RC.shape
+def _transposed_out(t_RC: Tensor, cols: Optional[int] = None) -> Tensor:
+    """Float8 ``[C, R]`` for ``t^T`` (``C`` = ``cols``, default ``t``'s) with ``R`` padded to 16 by
+    zero columns (the padding is the contraction the dense weight-gradient GEMM reads; the rest
+    is written by a quantizer)."""
+    rows, cols = t_RC.shape[0], t_RC.shape[1] if cols is None else cols
     q_CR = torch.empty(cols, -(-rows // _ALIGN) * _ALIGN, dtype=torch.float8_e4m3fn, device=t_RC.device)
     q_CR[:, rows:].zero_()
     return q_CR
@@ -341,17 +345,19 @@ class _FusedGroupedOperands:
         scale = history_scales(self.state, role, self.recipe.format(role).max, E4M3.max)
         return scale, amax_record_row(self.state, role)
 
-    def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str,
-                   transposed: bool) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str, transposed: bool,
+                   swiglu: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
         """(row copy, ``[R]`` scales, transposed copy, ``[G * C]`` scales); the transposed pair
-        only when ``transposed`` (a backward will run)."""
+        only when ``transposed`` (a backward will run). ``swiglu`` (delayed, ``transposed``):
+        ``t`` is ``h = [gate | up]`` and the copies are of ``silu(gate) * up``."""
         if self.state is None:
+            assert not swiglu, "the SwiGLU-fused cast is a delayed-scaling cast"
             return _fused_input(t_RC, offsets_G, transposed)
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
-        q_CR = _transposed_out(t_RC) if transposed else None
+        q_CR = _transposed_out(t_RC, t_RC.shape[1] // 2 if swiglu else None) if transposed else None
         q_RC, s_R, s_GC = delayed_cast(t_RC, offsets_G, *self._delayed(role), out_col=q_CR,
-                                       stride_out_col=0 if q_CR is None else q_CR.shape[1])
+                                       stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu)
         return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
 
     def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -467,19 +473,23 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
 
 
 class _ScaledGroupedMM(torch.autograd.Function):
+    """``x @ w`` per group; with ``input_swiglu`` ``x`` is ``h = [gate | up]`` and the GEMM's
+    input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`)."""
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
-                cache: Optional[FP8WeightCache], needs_backward: bool) -> Tensor:
+                cache: Optional[FP8WeightCache], needs_backward: bool, input_swiglu: bool = False) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
             fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x, w)
+            assert fused or not input_swiglu, "scaled_grouped_mm_swiglu checks swiglu_fusable first"
             if fused:
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
                 quantizer = _FusedGroupedOperands(recipe, state)
-                qx, sx_R, qx_t, sx_t = quantizer.activation(x, offsets, "input", needs_backward)
+                qx, sx_R, qx_t, sx_t = quantizer.activation(x, offsets, "input", needs_backward, swiglu=input_swiglu)
                 if _caching(cache, weight_key):
                     qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, f"grouped_fused_{recipe.name}",
                                                             lambda: quantizer.weight_both(w))
@@ -503,11 +513,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
             ends = _host_group_ends(offsets, experts)
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
         if fused:
-            # Same tensors with and without the cache (see _ScaledLinear.forward).
-            ctx.save_for_backward(qx_t, sx_t, offsets, w)
+            # Same tensors with and without the cache (see _ScaledLinear.forward). Under
+            # input_swiglu h is kept for the SwiGLU's backward (the unfused SwiGLU keeps it too).
+            ctx.save_for_backward(qx_t, sx_t, offsets, w, *((x,) if input_swiglu else ()))
             ctx.weight_dgrad = weight_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
+        ctx.input_swiglu = input_swiglu
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         ctx.fused, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = fused, x.dtype, w.dtype, w.shape
         return y.to(out_dtype)
@@ -524,7 +536,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         with no_autocast(dy):
             dy = dy.contiguous()
             if ctx.fused:
-                qx_t, sx_t, _, w = saved
+                qx_t, sx_t, _, w = saved[:4]
                 quantizer = _FusedGroupedOperands(recipe, state)
                 qw, sw_EK = ctx.weight_dgrad if ctx.weight_dgrad is not None else quantizer.weight_dgrad(w)
                 qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True)
@@ -549,7 +561,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
                              fast=recipe.fast("dgrad"))
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
                                         fast=recipe.fast("wgrad"))
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None
+            if ctx.input_swiglu:
+                from lightning_moe.kernels.swiglu_triton import swiglu_backward
+
+                # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
+                return (swiglu_backward(saved[4], dx.to(ctx.x_dtype)), dw.to(ctx.w_dtype),
+                        None, None, None, None, None, None, None)
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None, None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
@@ -557,3 +575,20 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
     """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`."""
     return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w),
                                   _needs_backward(x, w))
+
+
+def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:
+    """Whether `scaled_grouped_mm_swiglu` can take ``h``: the delayed recipe's one-read casts on
+    CUDA, in a training pass (evaluation casts the row copy alone, whose kernel reads whole
+    rows of a materialized input)."""
+    return _fused_delayed(recipe, state, h, w) and _needs_backward(h, w)
+
+
+def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
+                             state: DelayedState, weight_key: Optional[Hashable] = None) -> Tensor:
+    """``swiglu(h) @ w`` per group, the SwiGLU computed inside the FP8 cast of the GEMM's input:
+    ``silu(gate) * up`` is never written in bf16 and read back. Same bits as
+    ``scaled_grouped_mm(swiglu(h), w, ...)`` with the Triton SwiGLU (GPU test); only where
+    `swiglu_fusable`."""
+    return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
+                                  _needs_backward(h, w), True)

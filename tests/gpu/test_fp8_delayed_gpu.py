@@ -182,3 +182,78 @@ def test_dense_delayed_training_identical_with_fused_and_generic_casts(monkeypat
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), i
     assert (results[0][-3] > 0).all()  # the last fp8_scale: every role has a scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_fused_cast_equals_the_cast_of_the_swiglu_output(dtype):
+    """``delayed_cast(h, swiglu=True)`` writes the bits of casting the Triton SwiGLU's output:
+    groups with and without history, empty and unaligned groups, a tail, NaN and inf in ``h``."""
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+    from lightning_moe.kernels.swiglu_triton import swiglu
+
+    torch.manual_seed(0)
+    rows, cols = 700, 200
+    h = torch.randn(rows, 2 * cols, device="cuda", dtype=dtype) * 3
+    h[5, 7], h[17, cols + 3] = float("nan"), float("inf")
+    offsets = torch.tensor([0, 37, 37, 350, 690], device="cuda", dtype=torch.int32)  # rows 690.. are the tail
+    scale = torch.tensor([0.0, 2.0, 0.0, 0.5, float("nan")], device="cuda")  # 0 / NaN: no history
+    results = []
+    for fused, operand in ((True, h), (False, swiglu(h))):
+        q_col = torch.zeros(cols, 704, device="cuda", dtype=torch.float8_e4m3fn)
+        record = torch.zeros(5, device="cuda")
+        q, s_row, s_col = delayed_cast(operand, offsets, scale, record, out_col=q_col, stride_out_col=704,
+                                       swiglu=fused)
+        results.append((q, s_row, s_col, q_col, record))
+    (q, s_row, s_col, q_col, record), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref) = results
+    assert _same(q, q_ref) and _same(q_col, q_col_ref)
+    assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
+
+
+@pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_fused_into_the_fc2_cast_trains_identically(monkeypatch, experts, dtype):
+    """FP8 delayed experts with the SwiGLU computed inside fc2's input cast train bit for bit as
+    with the SwiGLU kernel's output cast separately: 3 optimizer steps of 2 micro-batches (the
+    second checkpointed), an evaluation forward, the delayed scales and histories."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_moe.nn import MoEConfig, MoELayer
+    from lightning_moe.precision import FP8Precision, scaled_mm
+
+    fused_calls = []
+    real = scaled_mm.scaled_grouped_mm_swiglu
+    monkeypatch.setattr(scaled_mm, "scaled_grouped_mm_swiglu", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+
+    def train():
+        torch.manual_seed(0)
+        cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=experts, router_topk=2, expert_alignment=16)
+        layer = MoELayer(cfg).cuda().to(dtype)
+        plugin = FP8Precision(recipe="delayed", backend="torch")
+        plugin.convert_module(layer)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+        data = torch.randn(7, 2, 64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
+        seen = []
+        for step in range(3):
+            for micro in range(2):
+                x = data[2 * step + micro]
+                with plugin.forward_context():
+                    y = layer(x) if micro == 0 else checkpoint(layer, x, use_reentrant=False)
+                y.float().square().mean().backward()
+                seen.append(y.detach())
+            seen += [p.grad.clone() for p in layer.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
+        with torch.no_grad(), plugin._eval_context():
+            seen.append(layer(data[6]))
+        seen += [b.clone() for name, b in layer.named_buffers() if "fp8" in name]
+        return seen
+
+    fused = train()
+    assert len(fused_calls) == 3 * 3  # the plain and the checkpointed forward, and its recompute; not evaluation
+    with monkeypatch.context() as m:
+        m.setattr(FP8GroupedGemm, "grouped_mm_swiglu", lambda self, *args, **kwargs: None)
+        plain = train()
+    assert len(fused_calls) == 9 and len(fused) == len(plain)
+    for i, (a, b) in enumerate(zip(fused, plain)):
+        assert torch.equal(a, b), i
