@@ -56,12 +56,15 @@ class FP8Recipe:
             FP8 kernel about 3x faster on small experts (fp8_gemm_ceiling.json) at some
             gradient accuracy. The emulated backend ignores it (its GEMMs always accumulate in
             fp32).
-        quantize_weights_once: native backend, fused quantizers (rowwise and delayed recipes on
-            CUDA): a training forward quantizes each weight for both of its GEMMs in one read
-            and keeps the data-gradient copy until the backward, as Transformer Engine keeps
-            its FP8 weight transpose. That holds one byte per such parameter from a layer's
-            forward to its backward; False quantizes the weight again in the backward instead
-            (a second read of it). Either way the bits are the same.
+        quantize_weights_once: native backend, grouped experts with the fused quantizers
+            (rowwise and delayed recipes on CUDA): a training forward quantizes each expert
+            weight for both of its GEMMs at once (delayed: one read instead of two; rowwise:
+            two instead of four) and saves the data-gradient copy for the backward, as
+            Transformer Engine keeps its FP8 weight transpose. That holds one byte per expert
+            parameter from a layer's forward to its backward (activation checkpointing drops
+            and remakes it like any saved tensor). None (default): on, except that
+            `MegatronMoEStrategy` turns it off when FSDP shards the experts (the copy would be
+            of the unsharded weight); True / False force it. The bits are the same either way.
 
     ``alignment`` (derived) is the multiple each expert's token group must be padded to:
     16 for FP8, 32 for MXFP8, 128 for NVFP4 (TE's ``get_align_size_for_quantization``).
@@ -77,7 +80,7 @@ class FP8Recipe:
     nvfp4_stochastic_rounding: bool = True
     rht_seed: int = 0
     fast_accumulation: Optional[tuple[str, ...]] = None
-    quantize_weights_once: bool = True
+    quantize_weights_once: Optional[bool] = None
     alignment: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ wgrad, as Transformer Engine).
 Rowwise operands on CUDA go through the fused Triton quantizers (`_fused_rowwise`): each
 activation is quantized once for both of its GEMMs (rowwise for fprop / dgrad, per expert group
 and transposed for the weight gradient), and the backward keeps that FP8 copy instead of the
-bf16 input. A training forward quantizes each weight for both of its GEMMs with one
+bf16 input. A training forward quantizes each expert weight for both of its GEMMs with one
 quantizer (``FP8Recipe.quantize_weights_once``; see `_both_weight_layouts_now`), or takes both
 from the weight cache. Delayed-scaling operands on CUDA
 (`_fused_delayed`) take the same copies from one read each with their history scales
@@ -94,10 +94,9 @@ class _ScaledLinear(torch.autograd.Function):
                     qw, sw, qw_t, sw_t = cached(cache, weight_key, weight, "dense_fused",
                                                 lambda: _fused_both(weight, _whole(weight)))
                     weight_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_t, sw_t)
-                elif _both_weight_layouts_now(recipe, needs_backward):
-                    qw, sw, qw_t, sw_t = _fused_both(weight, _whole(weight))
-                    weight_dgrad = (qw_t, sw_t)
                 else:
+                    # A dense weight's two layouts take two single quantizers either way (see
+                    # `_fused_both`), so making both now would only hold memory longer.
                     qw, sw = rowwise_quantize(weight)
                     weight_dgrad = None  # quantized again in the backward
             else:
@@ -111,10 +110,9 @@ class _ScaledLinear(torch.autograd.Function):
         tensorwise = recipe.tile("input") == (None, None)
         # Tensorwise quantization does not depend on direction: keep the FP8 copies.
         if fused:
-            # The same tensors whether or not the weight's other layout was made now: an
+            # The same tensors whether or not the cache holds the weight's other layout: an
             # activation-checkpointing recompute runs outside the cache context and must save
-            # what the first forward saved. That layout rides on ctx instead (the backward uses
-            # the first forward's ctx).
+            # what the first forward saved. The cached layout rides on ctx (the cache keeps it).
             ctx.save_for_backward(qx_t, sx_t, weight)
             ctx.weight_dgrad = weight_dgrad
         else:
@@ -214,11 +212,11 @@ def _caching(cache: Optional[FP8WeightCache], weight_key: Optional[Hashable]) ->
 
 
 def _both_weight_layouts_now(recipe: FP8Recipe, needs_backward: bool) -> bool:
-    """Whether a forward without the weight cache makes the weight's data-gradient layout too
-    (one read of the weight for both), keeping it on ``ctx`` until the backward: 1 byte per
-    parameter held from the forward to the backward (``FP8Recipe.quantize_weights_once``).
-    Otherwise the backward quantizes the weight again."""
-    return needs_backward and recipe.quantize_weights_once
+    """Whether a grouped forward without the weight cache makes the expert weight's
+    data-gradient layout too (one quantizer for both), saving it for the backward: 1 byte per
+    parameter held from the forward to the backward (``FP8Recipe.quantize_weights_once``, on
+    unless set False). Otherwise the backward quantizes the weight again."""
+    return needs_backward and recipe.quantize_weights_once is not False
 
 
 def _transposed_out(t_RC: Tensor, cols: Optional[int] = None) -> Tensor:
@@ -500,6 +498,18 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 else:
                     qw_ENK, sw_EN = quantizer.weight_fprop(w)
                     weight_dgrad = None  # quantized again in the backward
+                # The weight's data-gradient copy is a saved tensor when the recipe makes it in
+                # every training forward, so activation checkpointing drops it after the forward
+                # and its recompute (outside any cache) makes it again, with the same metadata.
+                # Otherwise empty placeholders keep the saved count fixed, and a cached copy rides
+                # on ctx (the cache keeps it anyway).
+                save_dgrad = weight_dgrad is not None and _both_weight_layouts_now(recipe, needs_backward)
+                if not save_dgrad:
+                    placeholder = torch.empty(0, device=w.device)
+                    saved_dgrad: tuple[Tensor, Tensor] = (placeholder, placeholder)
+                else:
+                    assert weight_dgrad is not None
+                    saved_dgrad, weight_dgrad = weight_dgrad, None
             else:
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
 
@@ -515,7 +525,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward). Under
             # input_swiglu h is kept for the SwiGLU's backward (the unfused SwiGLU keeps it too).
-            ctx.save_for_backward(qx_t, sx_t, offsets, w, *((x,) if input_swiglu else ()))
+            ctx.save_for_backward(qx_t, sx_t, offsets, w, *saved_dgrad, *((x,) if input_swiglu else ()))
             ctx.weight_dgrad = weight_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
@@ -536,9 +546,14 @@ class _ScaledGroupedMM(torch.autograd.Function):
         with no_autocast(dy):
             dy = dy.contiguous()
             if ctx.fused:
-                qx_t, sx_t, _, w = saved[:4]
+                qx_t, sx_t, _, w, qw_saved, sw_saved = saved[:6]
                 quantizer = _FusedGroupedOperands(recipe, state)
-                qw, sw_EK = ctx.weight_dgrad if ctx.weight_dgrad is not None else quantizer.weight_dgrad(w)
+                if qw_saved.numel():
+                    qw, sw_EK = qw_saved, sw_saved
+                elif ctx.weight_dgrad is not None:
+                    qw, sw_EK = ctx.weight_dgrad
+                else:
+                    qw, sw_EK = quantizer.weight_dgrad(w)
                 qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True)
             else:
                 x, w, _ = saved
@@ -565,7 +580,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 from lightning_moe.kernels.swiglu_triton import swiglu_backward
 
                 # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
-                return (swiglu_backward(saved[4], dx.to(ctx.x_dtype)), dw.to(ctx.w_dtype),
+                return (swiglu_backward(saved[6], dx.to(ctx.x_dtype)), dw.to(ctx.w_dtype),
                         None, None, None, None, None, None, None)
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None, None
 

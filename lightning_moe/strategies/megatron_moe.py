@@ -373,13 +373,21 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     def _check_fp8_weight_cache(self) -> None:
         """FP8 weight caching keeps an unsharded FP8 copy of every weight until the optimizer
         step: under FSDP that undoes the sharding's memory savings (and the re-gathered weights'
-        new storage means the copies are rarely reused)."""
-        if getattr(self.precision_plugin, "weight_cache", None) is not None and (self._dense_fsdp or self._experts_fsdp):
+        new storage means the copies are rarely reused). For the same reason, with FSDP-sharded
+        experts ``FP8Recipe.quantize_weights_once`` left at its default (None) is turned off: it
+        would hold an unsharded FP8 copy of each expert weight from its forward to its backward."""
+        plugin = self.precision_plugin
+        if getattr(plugin, "weight_cache", None) is not None and (self._dense_fsdp or self._experts_fsdp):
             raise ValueError(
                 "FP8Precision(cache_fp8_weights=True) cannot be combined with FSDP sharding (it would keep an "
                 "unsharded FP8 copy of every weight on every rank): use sharding='ddp' and expert_sharding='ddp', "
                 "or cache_fp8_weights=False."
             )
+        from lightning_moe.precision.recipes import FP8Recipe
+
+        recipe = getattr(plugin, "recipe", None)
+        if self._experts_fsdp and isinstance(recipe, FP8Recipe) and recipe.quantize_weights_once is None:
+            plugin.recipe = dataclasses.replace(recipe, quantize_weights_once=False)
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping to one norm over both meshes.

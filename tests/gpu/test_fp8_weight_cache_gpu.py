@@ -59,9 +59,9 @@ def test_cached_fp8_weights_train_identically(recipe):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
 def test_weights_quantized_once_train_identically(monkeypatch, recipe):
-    """FP8Recipe(quantize_weights_once=True), the default: the forward makes each weight's
-    data-gradient copy as well, so no backward quantizes a weight; the bits are those of
-    quantizing it again in the backward."""
+    """FP8Recipe(quantize_weights_once), on by default: the forward makes each expert weight's
+    data-gradient copy as well, so no backward quantizes an expert weight; the bits are those
+    of quantizing it again in the backward."""
     from lightning_moe.precision import FP8Recipe, scaled_mm
 
     calls = {"grouped": 0, "dense": 0}
@@ -79,12 +79,14 @@ def test_weights_quantized_once_train_identically(monkeypatch, recipe):
 
     monkeypatch.setattr(scaled_mm._FusedGroupedOperands, "weight_dgrad", count_grouped)
     monkeypatch.setattr(scaled_mm, "_fused_columns", count_dense)
+    # 3 steps x 2 micro-batches, 2 expert projections; the 2 shared-expert linears quantize their
+    # weights in the backward either way under rowwise (dense weights take two single quantizers
+    # anyway) and keep their per-tensor FP8 weight under delayed
+    dense = 12 if recipe == "rowwise" else 0
     once_losses, once_params, _ = _train(FP8Recipe(recipe), cache=False)
-    assert calls == {"grouped": 0, "dense": 0}
+    assert calls == {"grouped": 0, "dense": dense}
     losses, params, _ = _train(FP8Recipe(recipe, quantize_weights_once=False), cache=False)
-    # 3 steps x 2 micro-batches, 2 expert projections; rowwise also the 2 shared-expert linears
-    # (delayed dense linears keep their per-tensor FP8 weight for the backward either way)
-    assert calls == {"grouped": 12, "dense": 12 if recipe == "rowwise" else 0}
+    assert calls == {"grouped": 12, "dense": 2 * dense}
     assert torch.equal(once_losses, losses)
     assert all(torch.equal(a, b) for a, b in zip(once_params, params))
 

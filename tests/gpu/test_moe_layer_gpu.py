@@ -46,3 +46,52 @@ def test_bf16_grouped_mm_matches_fp32_loop(overrides):
     assert _rel(x_lp.grad.float(), x_ref.grad) < 2e-2
     assert _rel(layer.experts.fc1_weight.grad.float(), ref.experts.fc1_weight.grad) < 2e-2
     assert _rel(layer.router.weight.grad, ref.router.weight.grad) < 5e-2
+
+
+@pytest.mark.parametrize("overrides", [dict(expert_capacity_factor=1.0), dict(expert_alignment=8)])
+def test_all_gather_buffer_tail_is_never_read(overrides):
+    """The all-gather dispatcher leaves the rows after its last expert group unwritten; with
+    PyTorch filling every new tensor with NaN (deterministic mode), nothing it runs may read
+    them: outputs and gradients are finite and equal the local dispatcher's. One GPU, a
+    one-rank NCCL group (capacity drops or alignment padding make the tail)."""
+    import torch.distributed as dist
+
+    from lightning_moe.parallel.dispatchers import AllGatherDispatcher
+
+    if dist.is_initialized():
+        pytest.skip("needs to own the default process group")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        torch.manual_seed(0)
+        cfg = MoEConfig(hidden_size=256, ffn_hidden_size=192, num_experts=8, router_topk=2, **overrides)
+        local = MoELayer(cfg).cuda().to(torch.bfloat16)
+        gathered = copy.deepcopy(local)
+        dispatcher = AllGatherDispatcher(cfg, dist.group.WORLD)
+        seen = {}
+
+        def spy(*args, **kwargs):
+            out = AllGatherDispatcher.dispatch(dispatcher, *args, **kwargs)
+            seen["tail_unwritten"], seen["plan"] = kwargs.get("tail_unwritten"), out[2].plan
+            return out
+
+        dispatcher.dispatch = spy
+        gathered.dispatcher = dispatcher
+        x = torch.randn(4, 96, 256, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for layer in (gathered, local):
+            xx = x.clone().requires_grad_(True)
+            y = layer(xx)
+            y.float().square().sum().backward()
+            results.append([y, xx.grad] + [p.grad for p in layer.parameters()])
+        plan = seen["plan"]
+        assert seen["tail_unwritten"] and int(plan.rows_end) < plan.num_rows  # there is a tail
+        for a, b in zip(*results):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(False)
+        dist.destroy_process_group()

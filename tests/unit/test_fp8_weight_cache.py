@@ -110,6 +110,27 @@ def test_strategy_refuses_the_cache_with_fsdp(monkeypatch):
         strategy._check_fp8_weight_cache()
 
 
+@pytest.mark.parametrize("experts_fsdp", [False, True])
+@pytest.mark.parametrize("requested", [None, True, False])
+def test_fsdp_experts_turn_off_quantizing_weights_once_unless_asked(monkeypatch, experts_fsdp, requested):
+    """`FP8Recipe.quantize_weights_once` left at None is turned off when FSDP shards the experts
+    (the saved copy would be of the unsharded weight); an explicit choice is kept."""
+    from lightning_moe.precision import FP8Recipe
+    from lightning_moe.precision.scaled_mm import _both_weight_layouts_now
+    from lightning_moe.strategies import MegatronMoEStrategy
+
+    strategy = MegatronMoEStrategy()
+    plugin = _native_plugin(monkeypatch)
+    plugin.recipe = FP8Recipe("rowwise", quantize_weights_once=requested)
+    strategy._precision_plugin = plugin
+    strategy._experts_fsdp = experts_fsdp
+    strategy._check_fp8_weight_cache()
+    want = requested if requested is not None else not experts_fsdp
+    assert _both_weight_layouts_now(plugin.recipe, needs_backward=True) is want
+    assert not _both_weight_layouts_now(plugin.recipe, needs_backward=False)
+    assert plugin.recipe.name == "rowwise" and plugin.recipe.alignment == 16
+
+
 def test_every_quantized_grouped_gemm_takes_the_projection_name():
     """`GroupedExperts` calls ``quantization.grouped_mm(x, w, offsets, projection)``."""
     import inspect
