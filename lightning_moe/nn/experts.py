@@ -37,7 +37,8 @@ def activate(h: Tensor, activation: str) -> Tensor:
 class GroupedGemm(Protocol):
     """A replacement grouped GEMM (e.g. FP8) set by a precision plugin on ``GroupedExperts``.
 
-    It may also offer ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second
+    ``projection`` ("fc1" / "fc2") names the weight: the FP8 weight cache keys on it and the
+    delayed recipe keeps separate scales per projection. It may also offer ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second
     projection with the SwiGLU fused in, returning None where it does not apply."""
 
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str) -> Tensor: ...

@@ -5,7 +5,8 @@ checkpoints so that FP8 on/off does not change the state dict), allocated at its
 
 - ``fp8_amax_history [H, 3, G]``: row 0 accumulates this step's amax (max over micro-batches)
   of the GEMM inputs, weights and output gradients (slots 0, 1, 2) per token group G
-  (G = 1 for a linear, E for grouped experts); rows 1.. hold the previous steps;
+  (G = 1 for a linear; 2E for grouped experts: fc1's E experts, then fc2's); rows 1.. hold
+  the previous steps;
 - ``fp8_scale [3, G]``: quantization scales used this step; 0 means "no history yet", in
   which case the operand is scaled from its current amax (first step, or after a resume).
 

@@ -18,11 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.precision import _te
-from lightning_moe.precision.delayed import ensure_delayed_state, register_delayed_buffers
+from lightning_moe.precision.delayed import DelayedState, ensure_delayed_state, register_delayed_buffers
 from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_grouped_mm_swiglu, fp8_linear
 from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
@@ -86,6 +87,10 @@ def _fp8_class(cls: type) -> type:
     return type(f"FP8{cls.__name__}", (FP8Linear, cls), {"__module__": cls.__module__})
 
 
+# The grouped experts' projections, each with its own delayed-scaling scales.
+_PROJECTIONS = ("fc1", "fc2")
+
+
 class FP8GroupedGemm(nn.Module):
     """Quantized grouped GEMM for grouped experts (``experts.quantization = FP8GroupedGemm(...)``).
 
@@ -98,13 +103,23 @@ class FP8GroupedGemm(nn.Module):
         self.recipe = FP8Recipe.of(recipe)
         self.backend = backend
         if self.recipe.name == "delayed":
-            register_delayed_buffers(self)  # one history per local expert, sized at the first call
+            register_delayed_buffers(self)  # one history per projection and local expert, sized at the first call
+
+    def _delayed_state(self, projection: str, experts: int, device: torch.device) -> DelayedState:
+        """The delayed-scaling state of one projection: fc1 and fc2 keep separate scales per
+        expert and role (as Transformer Engine's two GroupedLinear modules do), as two halves
+        of this module's buffers, so one update covers both. Other names take fc1's half."""
+        state = ensure_delayed_state(self, self.recipe, len(_PROJECTIONS) * experts, device)
+        part = _PROJECTIONS.index(projection) if projection in _PROJECTIONS else 0
+        groups = slice(part * experts, (part + 1) * experts)
+        return DelayedState(state.amax_history[:, :, groups], state.scale[:, groups])
 
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str = "") -> Tensor:
-        """``projection`` ("fc1" / "fc2") names the weight for the FP8 weight cache."""
+        """``projection`` ("fc1" / "fc2") names the weight for the FP8 weight cache and picks
+        its delayed-scaling state."""
         state = None
         if self.recipe.name == "delayed":
-            state = ensure_delayed_state(self, self.recipe, w_EKN.shape[0], w_EKN.device)
+            state = self._delayed_state(projection, w_EKN.shape[0], w_EKN.device)
         key = (id(self), projection) if projection else None
         return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key)
 
@@ -114,7 +129,7 @@ class FP8GroupedGemm(nn.Module):
         or None where that does not run (then the caller applies the SwiGLU and `grouped_mm`)."""
         if self.recipe.name != "delayed":
             return None
-        state = ensure_delayed_state(self, self.recipe, w_EFN.shape[0], w_EFN.device)
+        state = self._delayed_state(projection, w_EFN.shape[0], w_EFN.device)
         key = (id(self), projection) if projection else None
         return fp8_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key)
 

@@ -75,19 +75,32 @@ def test_micro_batches_accumulate_the_max():
     assert torch.isclose(layer.fp8_scale[0, 0], 448.0 / (3 * x.abs().max()))
 
 
-def test_grouped_delayed_has_one_history_per_expert():
+def test_grouped_delayed_has_one_history_per_expert_and_projection():
+    """Per (projection, role, expert), as TE's separate fc1 / fc2 GroupedLinear modules: fc2's
+    much smaller operands get their own scales, not fc1's."""
     recipe = FP8Recipe("delayed", amax_history_len=3)
     gemm = FP8GroupedGemm(recipe)
     x = torch.randn(48, 32, requires_grad=True)
     x.data[:16] *= 10
-    w = torch.randn(3, 32, 16, requires_grad=True)
+    w1 = torch.randn(3, 32, 16, requires_grad=True)
+    w2 = (torch.randn(3, 16, 32) / 100).requires_grad_(True)
     offsets = torch.tensor([16, 32, 48], dtype=torch.int32)
-    gemm.grouped_mm(x, w, offsets).sum().backward()
-    assert gemm.fp8_amax_history.shape == (3, 3, 3)
+    h = gemm.grouped_mm(x, w1, offsets, "fc1")
+    a = h / 1000
+    a.retain_grad()
+    gemm.grouped_mm(a, w2, offsets, "fc2").sum().backward()
+    assert gemm.fp8_amax_history.shape == (3, 3, 6)  # [history, role, fc1's 3 experts + fc2's 3]
     update_delayed_scaling([gemm], recipe)
-    x_amax = torch.stack([x.detach()[i * 16 : (i + 1) * 16].abs().max() for i in range(3)])
-    assert torch.allclose(gemm.fp8_scale[0], 448.0 / x_amax)
-    assert torch.allclose(gemm.fp8_scale[1], 448.0 / w.detach().abs().amax(dim=(1, 2)))
+
+    def per_expert(t):
+        return torch.stack([t.detach()[i * 16 : (i + 1) * 16].abs().max() for i in range(3)])
+
+    torch.testing.assert_close(gemm.fp8_scale[0, :3], 448.0 / per_expert(x))
+    torch.testing.assert_close(gemm.fp8_scale[0, 3:], 448.0 / per_expert(a))
+    torch.testing.assert_close(gemm.fp8_scale[1, :3], 448.0 / w1.detach().abs().amax(dim=(1, 2)))
+    torch.testing.assert_close(gemm.fp8_scale[1, 3:], 448.0 / w2.detach().abs().amax(dim=(1, 2)))
+    torch.testing.assert_close(gemm.fp8_scale[2, 3:], torch.full((3,), 57344.0))  # fc2's output gradient: ones
+    torch.testing.assert_close(gemm.fp8_scale[2, :3], 57344.0 / per_expert(a.grad / 1000))  # fc1 output gradient
 
 
 def test_e4m3_override_rescales_the_hybrid_history_scale():

@@ -43,11 +43,11 @@ class ToyExperts(nn.Module):
 
     def forward(self, x_RD, offsets_E):
         if self.quantization is None:
-            def mm(a, b, offs):
+            def mm(a, b, offs, projection):
                 return torch._grouped_mm(a, b.to(a.dtype), offs=offs)
         else:
-            mm = self.quantization.grouped_mm
-        return mm(F.relu(mm(x_RD, self.fc1_weight, offsets_E)), self.fc2_weight, offsets_E)
+            mm = self.quantization.grouped_mm  # the projection names pick separate delayed scales
+        return mm(F.relu(mm(x_RD, self.fc1_weight, offsets_E, "fc1")), self.fc2_weight, offsets_E, "fc2")
 
 
 class MoEBlock(nn.Module):
