@@ -43,19 +43,13 @@ from lightning_moe.kernels.fp8_quant_triton import (
 )
 
 
-# What a cast reads (MODE): the operand itself (PLAIN); the SwiGLU output ``silu(gate) * up``
-# computed from ``h = [gate | up]`` (SWIGLU); or the SwiGLU's input gradient ``[d_gate | d_up]``
-# computed from ``h`` and the output gradient ``g`` (SWIGLU_GRAD), each column block of ``F``
-# giving both halves. The SwiGLU values are computed and rounded to ``h``'s dtype exactly as
-# ``kernels.swiglu_triton`` does, so the casts see the values its kernels would have written.
-PLAIN, SWIGLU, SWIGLU_GRAD = 0, 1, 2
-
-
 @triton.jit
-def _load_operand(x_ptr, rows, cols, m, C, MODE: tl.constexpr):
-    # fp32 tile of the operand ``[R, C]`` (PLAIN), or of ``silu(gate) * up`` with ``x`` the
-    # ``[R, 2C]`` projection output (SWIGLU).
-    if MODE == 1:
+def _load_operand(x_ptr, rows, cols, m, C, SWIGLU: tl.constexpr):
+    # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is the fused projection output
+    # ``h = [gate | up]`` ``[R, 2C]`` and the operand is ``silu(gate) * up`` computed and rounded
+    # to ``h``'s dtype exactly as ``kernels.swiglu_triton`` does, so the cast sees the values the
+    # SwiGLU kernel would have written.
+    if SWIGLU:
         base = rows[:, None].to(tl.int64) * (2 * C) + cols[None, :]
         gate = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + base + C, mask=m, other=0.0).to(tl.float32)
@@ -65,60 +59,43 @@ def _load_operand(x_ptr, rows, cols, m, C, MODE: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_grad_pair(h_ptr, g_ptr, rows, cols, m, F):
-    # fp32 tiles (d_gate, d_up) for columns ``cols`` of ``F``: the SwiGLU backward of
-    # ``h [R, 2F]`` and ``g [R, F]``, rounded to ``h``'s dtype (the gradient's).
-    base = rows[:, None].to(tl.int64) * (2 * F) + cols[None, :]
-    gate = tl.load(h_ptr + base, mask=m, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + base + F, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    d_gate = g * up * (sig + silu * (1.0 - sig))
-    d_up = g * silu
-    dtype = h_ptr.dtype.element_ty
-    return d_gate.to(dtype).to(tl.float32), d_up.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _operand_column_amax(x_ptr, g_ptr, start, end, cols, cmask, C, MODE: tl.constexpr, BR: tl.constexpr):
-    # `_column_amax` of a SWIGLU / SWIGLU_GRAD operand (both halves for the latter).
+def _swiglu_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr):
+    # `_column_amax` of the SwiGLU output computed from ``h`` (see `_load_operand`).
     amax = tl.zeros(cols.shape, dtype=tl.float32)
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
         m = (rows < end)[:, None] & cmask[None, :]
-        if MODE == 2:
-            d_gate, d_up = _swiglu_grad_pair(x_ptr, g_ptr, rows, cols, m, C // 2)
-            amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(d_gate), 0))
-            amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(d_up), 0))
-        else:
-            amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(_load_operand(x_ptr, rows, cols, m, C, MODE)), 0))
+        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(_load_operand(x_ptr, rows, cols, m, C, True)), 0))
     return amax
 
 
 @triton.jit
-def _missing_amax_kernel(x_ptr, g_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, MODE: tl.constexpr,
-                         BR: tl.constexpr, BC: tl.constexpr):
+def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, SWIGLU: tl.constexpr, BR: tl.constexpr,
+                         BC: tl.constexpr):
     # Program (group, column block): the current amax of groups without a scale (and of the
     # tail group G), by atomic max over column blocks; groups with a scale return at once.
     group = tl.program_id(0)
     have = tl.load(scale_ptr + group, mask=group < G, other=0.0)
     if (have > 0.0) == 0:  # also a NaN scale, which the casts replace by the current one too
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        cmask = cols < (C // 2 if MODE == 2 else C)
+        cmask = cols < C
         start, end = _group_bounds(offsets_ptr, group, G, R)
-        if MODE == 0:
-            amax = _column_amax(x_ptr, start, end, cols, cmask, C, BR)
+        if SWIGLU:
+            amax = _swiglu_column_amax(x_ptr, start, end, cols, cmask, C, BR)
         else:
-            amax = _operand_column_amax(x_ptr, g_ptr, start, end, cols, cmask, C, MODE, BR)
+            amax = _column_amax(x_ptr, start, end, cols, cmask, C, BR)
         tl.atomic_max(amax_ptr + group, tl.max(amax, 0))
 
 
 @triton.jit
-def _store_copies(q_row_ptr, q_col_ptr, x, rows, cols, m, scale, in_group, out_base, C, stride_qc,
-                  WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr):
-    # The fp32 tile ``x`` (rows, columns ``cols`` of ``C``) cast with the group's scale into the
-    # requested copies.
+def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
+                       stride_qc, amax, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, SWIGLU: tl.constexpr,
+                       BR: tl.constexpr):
+    # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
+    # copies; returns the running per-column amax (for the record).
+    rows = r0 + tl.arange(0, BR)
+    m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
+    x = _load_operand(x_ptr, rows, cols, m, C, SWIGLU)
     if WRITE_ROW:
         tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
     if WRITE_COL:
@@ -128,40 +105,17 @@ def _store_copies(q_row_ptr, q_col_ptr, x, rows, cols, m, scale, in_group, out_b
         col_scale = tl.zeros_like(cols).to(tl.float32) + scale
         tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
                  (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
-
-
-@triton.jit
-def _delayed_cast_tile(x_ptr, g_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
-                       stride_qc, amax, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, MODE: tl.constexpr,
-                       BR: tl.constexpr):
-    # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
-    # copies; returns the running per-column amax (for the record).
-    rows = r0 + tl.arange(0, BR)
-    m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
-    if MODE == 2:
-        half = C // 2
-        d_gate, d_up = _swiglu_grad_pair(x_ptr, g_ptr, rows, cols, m, half)
-        _store_copies(q_row_ptr, q_col_ptr, d_gate, rows, cols, m, scale, in_group, out_base, C, stride_qc,
-                      WRITE_ROW, WRITE_COL)
-        _store_copies(q_row_ptr, q_col_ptr, d_up, rows, cols + half, m, scale, in_group, out_base, C, stride_qc,
-                      WRITE_ROW, WRITE_COL)
-        both = tl.maximum(tl.max(_abs_ignoring_nan(d_gate), 0), tl.max(_abs_ignoring_nan(d_up), 0))
-        return tl.maximum(amax, both)
-    x = _load_operand(x_ptr, rows, cols, m, C, MODE)
-    _store_copies(q_row_ptr, q_col_ptr, x, rows, cols, m, scale, in_group, out_base, C, stride_qc, WRITE_ROW,
-                  WRITE_COL)
     return tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
 
 
 @triton.jit
-def _delayed_cast_kernel(x_ptr, g_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr,
-                         s_col_ptr, record_ptr, R, C, G, stride_qc, stride_qg, WRITE_ROW: tl.constexpr,
-                         WRITE_COL: tl.constexpr, RECORD: tl.constexpr, MODE: tl.constexpr, BR: tl.constexpr,
+def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
+                         record_ptr, R, C, G, stride_qc, stride_qg, WRITE_ROW: tl.constexpr,
+                         WRITE_COL: tl.constexpr, RECORD: tl.constexpr, SWIGLU: tl.constexpr, BR: tl.constexpr,
                          BC: tl.constexpr):
-    # C: the operand's columns (SWIGLU_GRAD: both halves; its column blocks span one half).
     group = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    cmask = cols < (C // 2 if MODE == 2 else C)
+    cmask = cols < C
     in_group = group < G
     start, end = _group_bounds(offsets_ptr, group, G, R)
     history = tl.load(scale_ptr + group, mask=in_group, other=0.0)
@@ -170,13 +124,13 @@ def _delayed_cast_kernel(x_ptr, g_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_r
     out_base = group.to(tl.int64) * stride_qg
     lo, hi = _aligned_body(start, end)
     amax = tl.zeros([BC], dtype=tl.float32)
-    amax = _delayed_cast_tile(x_ptr, g_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask,
-                              scale, in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, MODE, 16)
+    amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
+                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
     for r0 in range(lo, hi, BR):
-        amax = _delayed_cast_tile(x_ptr, g_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
-                                  out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, MODE, BR)
-    amax = _delayed_cast_tile(x_ptr, g_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group,
-                              out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, MODE, 16)
+        amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base,
+                                  C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, BR)
+    amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
+                              stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
     if WRITE_ROW:
         if tl.program_id(1) == 0:  # one column block writes the group's row scales
             for r0 in range(start, end, 1024):
@@ -185,9 +139,6 @@ def _delayed_cast_kernel(x_ptr, g_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_r
     if WRITE_COL:
         tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
                  mask=cmask & in_group)
-        if MODE == 2:
-            tl.store(s_col_ptr + group.to(tl.int64) * C + C // 2 + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
-                     mask=cmask & in_group)
     if RECORD:
         tl.atomic_max(record_ptr + group, tl.max(amax, 0), mask=in_group)
 
@@ -239,7 +190,6 @@ def delayed_cast(
     stride_out_group: int = 0,
     e5m2: bool = False,
     swiglu: bool = False,
-    swiglu_grad: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -259,10 +209,6 @@ def delayed_cast(
             operand cast is ``silu(gate) * up`` ``[R, C]``, computed on the fly with the SwiGLU
             kernel's arithmetic and rounding (the same bits as casting its output), so the
             SwiGLU output is never written. Needs ``out_col`` (the per-group tile kernel).
-        swiglu_grad: the SwiGLU's output gradient ``g [R, C/2]``: ``x`` is ``h [R, C]`` and the
-            operand cast is the SwiGLU's input gradient ``[d_gate | d_up]`` ``[R, C]``, with the
-            SwiGLU backward kernel's arithmetic and rounding, never written in ``h``'s dtype.
-            Needs ``out_col``.
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -271,17 +217,10 @@ def delayed_cast(
         raise ValueError("delayed_cast: nothing to write; ask for the row copy, the transposed one or both")
     if e5m2 and out_col is not None:
         raise ValueError("delayed_cast: E5M2 is supported for the row copy alone")
-    mode = SWIGLU_GRAD if swiglu_grad is not None else SWIGLU if swiglu else PLAIN
-    if mode != PLAIN and out_col is None:
-        raise ValueError("delayed_cast: the SwiGLU casts need out_col (the transposed copy's buffer)")
-    if swiglu and swiglu_grad is not None:
-        raise ValueError("delayed_cast: swiglu and swiglu_grad are two different operands; pass one")
+    if swiglu and out_col is None:
+        raise ValueError("delayed_cast: swiglu=True needs out_col (the transposed copy's buffer)")
     x_RC = x_RC.contiguous()
-    grad = x_RC if swiglu_grad is None else swiglu_grad.contiguous()  # any pointer when unused
-    if swiglu_grad is not None and tuple(grad.shape) != (x_RC.shape[0], x_RC.shape[1] // 2):
-        raise ValueError(f"delayed_cast: swiglu_grad must be [R, C/2] = {(x_RC.shape[0], x_RC.shape[1] // 2)}, "
-                         f"got {tuple(grad.shape)}")
-    rows, cols = x_RC.shape[0], x_RC.shape[1] // 2 if mode == SWIGLU else x_RC.shape[1]
+    rows, cols = x_RC.shape[0], x_RC.shape[1] // 2 if swiglu else x_RC.shape[1]
     groups = offsets_G.numel()
     device = x_RC.device
     row_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
@@ -302,9 +241,9 @@ def delayed_cast(
     scale_G = scale_G.contiguous()
     cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=device)  # atomic-max target
     # The tail group only exists for the row copy (no GEMM reads a transposed tail).
-    grid = (groups + 1 if write_row else groups, triton.cdiv(cols // 2 if mode == SWIGLU_GRAD else cols, 64))
-    _missing_amax_kernel[grid](x_RC, grad, offsets_G, scale_G, cur_amax, rows, cols, groups, MODE=mode, BR=128,
-                               BC=64, num_warps=4)
+    grid = (groups + 1 if write_row else groups, triton.cdiv(cols, 64))
+    _missing_amax_kernel[grid](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups, SWIGLU=swiglu, BR=128, BC=64,
+                               num_warps=4)
     dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
@@ -318,12 +257,12 @@ def delayed_cast(
         )
         return q_row, s_row, s_col
     _delayed_cast_kernel[grid](
-        x_RC, grad, offsets_G, scale_G, cur_amax,
+        x_RC, offsets_G, scale_G, cur_amax,
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
         rows, cols, groups, stride_out_col, stride_out_group,
-        WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, MODE=mode,
+        WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
         BR=128, BC=64, num_warps=4,  # fp8_quant_tune_delayed.json (H200): 1.06-1.17x the 64-row tiles
     )
     return q_row, s_row, s_col

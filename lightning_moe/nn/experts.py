@@ -38,9 +38,8 @@ class GroupedGemm(Protocol):
     """A replacement grouped GEMM (e.g. FP8) set by a precision plugin on ``GroupedExperts``.
 
     ``projection`` ("fc1" / "fc2") names the weight: the FP8 weight cache keys on it and the
-    delayed recipe keeps separate scales per projection. It may also offer
-    ``swiglu_experts(x_RD, w1_EDF2, w2_EFD, offsets_E)``: both projections and the SwiGLU in
-    one call, returning None where it does not apply."""
+    delayed recipe keeps separate scales per projection. It may also offer ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second
+    projection with the SwiGLU fused in, returning None where it does not apply."""
 
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str) -> Tensor: ...
 
@@ -158,14 +157,14 @@ class GroupedExperts(nn.Module):
         if self.quantization is None and self.backend == "grouped_mm" and self.activation == "swiglu" \
                 and use_triton(x_RD) and x_RD.dtype != torch.float64 and not torch.is_anomaly_enabled():
             return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
-        fused = getattr(self.quantization, "swiglu_experts", None) if self.activation == "swiglu" else None
-        if fused is not None:
-            # fc1, SwiGLU and fc2 as one FP8 function where that runs (training, delayed, CUDA)
-            y_RD = fused(x_RD, fc1, fc2, offsets_E)
+        h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
+        fused_swiglu = getattr(self.quantization, "grouped_mm_swiglu", None) if self.activation == "swiglu" else None
+        if fused_swiglu is not None:
+            # the SwiGLU computed inside the FP8 cast of fc2's input, where that runs
+            y_RD = fused_swiglu(h_RF, fc2, offsets_E, "fc2")
             if y_RD is not None:
                 return y_RD
-        h_RF = activate(self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E), self.activation)
-        return self._mm(h_RF, fc2, group_sizes_E, "fc2", offsets_E)
+        return self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E)
 
     @staticmethod
     def _swiglu_covered_rows(x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor,

@@ -224,33 +224,31 @@ def fp8_grouped_mm(
     return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state)
 
 
-def fp8_swiglu_experts(
-    x_RD: Tensor,
-    w1_EDF2: Tensor,
-    w2_EFD: Tensor,
+def fp8_grouped_mm_swiglu(
+    h_RF2: Tensor,
+    w_EFN: Tensor,
     offsets_E: Tensor,
     recipe: Union[str, FP8Recipe] = "delayed",
     backend: str = "torch",
-    states: tuple[Optional[DelayedState], Optional[DelayedState]] = (None, None),
-    weight_keys: tuple[Optional[Hashable], Optional[Hashable]] = (None, None),
+    state: Optional[DelayedState] = None,
+    weight_key: Optional[Hashable] = None,
 ) -> Optional[Tensor]:
-    """SwiGLU experts ``swiglu(x @ w1) @ w2`` per group in one FP8 autograd function whose casts
-    compute the SwiGLU and its gradient themselves (``precision.scaled_mlp``): the same bits as
-    two `fp8_grouped_mm` calls around the SwiGLU, without writing its output or its input
-    gradient in bf16. Runs where the native delayed-scaling casts run (the "torch" backend on
-    CUDA, a training pass); returns None elsewhere, and the caller takes the two-GEMM path.
+    """``swiglu(h) @ w`` per group with the SwiGLU computed inside the FP8 cast of the GEMM's
+    input, so ``silu(gate) * up`` is never written in bf16 and read back; the same bits as
+    ``fp8_grouped_mm(swiglu(h), w, ...)``. Runs where the native delayed-scaling casts run (the
+    "torch" backend on CUDA, a training pass); returns None elsewhere, and the caller applies
+    the SwiGLU itself.
 
     Args:
-        x_RD: ``[R, D]`` rows grouped by expert; w1_EDF2: ``[E, D, 2F]`` (``[gate | up]``);
-            w2_EFD: ``[E, F, D]``.
-        offsets_E / recipe / backend: as in `fp8_grouped_mm`.
-        states: fc1's and fc2's delayed-scaling states; weight_keys: their weight-cache names.
+        h_RF2: the first projection's output ``[R, 2F]`` (``[gate | up]``).
+        w_EFN: the second projection's weights ``[E, F, N]``.
+        offsets_E / recipe / backend / state / weight_key: as in `fp8_grouped_mm`.
     """
     recipe = FP8Recipe.of(recipe)
-    if recipe.name != "delayed" or _backend(recipe, backend, x_RD, grouped=True) != "torch":
+    if recipe.name != "delayed" or state is None or _backend(recipe, backend, h_RF2, grouped=True) != "torch":
         return None
-    from lightning_moe.precision.scaled_mlp import fusable, swiglu_experts
+    from lightning_moe.precision.scaled_mm import scaled_grouped_mm_swiglu, swiglu_fusable
 
-    if not fusable(x_RD, w1_EDF2, w2_EFD, recipe, states):
+    if not swiglu_fusable(h_RF2, w_EFN, recipe, state):
         return None
-    return swiglu_experts(x_RD, w1_EDF2, w2_EFD, offsets_E, recipe, states, weight_keys)
+    return scaled_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, recipe, state, weight_key)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import DelayedState, ensure_delayed_state, register_delayed_buffers
-from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_linear, fp8_swiglu_experts
+from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_grouped_mm_swiglu, fp8_linear
 from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
@@ -123,16 +123,15 @@ class FP8GroupedGemm(nn.Module):
         key = (id(self), projection) if projection else None
         return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key)
 
-    def swiglu_experts(self, x_RD: Tensor, w1_EDF2: Tensor, w2_EFD: Tensor, offsets_E: Tensor) -> Optional[Tensor]:
-        """SwiGLU experts in one FP8 function (`fp8_swiglu_experts`): fc1, the SwiGLU and fc2
-        with no bf16 SwiGLU output or input gradient written; None where that does not run
-        (then the experts take `grouped_mm` twice around their SwiGLU)."""
+    def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
+                          projection: str = "") -> Optional[Tensor]:
+        """``swiglu(h) @ w`` with the SwiGLU fused into the FP8 cast (`fp8_grouped_mm_swiglu`),
+        or None where that does not run (then the caller applies the SwiGLU and `grouped_mm`)."""
         if self.recipe.name != "delayed":
             return None
-        experts = w1_EDF2.shape[0]
-        states = (self._delayed_state("fc1", experts, w1_EDF2.device), self._delayed_state("fc2", experts, w1_EDF2.device))
-        return fp8_swiglu_experts(x_RD, w1_EDF2, w2_EFD, offsets_E, self.recipe, self.backend, states,
-                                  ((id(self), "fc1"), (id(self), "fc2")))
+        state = self._delayed_state(projection, w_EFN.shape[0], w_EFN.device)
+        key = (id(self), projection) if projection else None
+        return fp8_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key)
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe.name}, backend={self.backend}"

@@ -29,9 +29,9 @@ from the weight cache. Delayed-scaling operands on CUDA
 (`_fused_delayed`) take the same copies from one read each with their history scales
 (``kernels.fp8_delayed_triton``): grouped operands through `_FusedGroupedOperands`, dense ones
 through `_dense_operand`. Both fused paths give the generic quantizers' bits. Under delayed
-scaling in training, SwiGLU experts run both projections in one autograd function
-(``scaled_mlp``): the casts compute the SwiGLU and its gradient on the fly, so neither is
-written in bf16 and read back.
+scaling a SwiGLU expert's second projection can take ``h = [gate | up]`` itself
+(`scaled_grouped_mm_swiglu`): its input cast computes ``silu(gate) * up`` on the fly, so the
+SwiGLU output is never written in bf16 and read back.
 """
 
 from __future__ import annotations
@@ -343,21 +343,19 @@ class _FusedGroupedOperands:
         scale = history_scales(self.state, role, self.recipe.format(role).max, E4M3.max)
         return scale, amax_record_row(self.state, role)
 
-    def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str, transposed: bool, swiglu: bool = False,
-                   swiglu_grad: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str, transposed: bool,
+                   swiglu: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
         """(row copy, ``[R]`` scales, transposed copy, ``[G * C]`` scales); the transposed pair
-        only when ``transposed`` (a backward will run). Delayed scaling with ``transposed`` may
-        take ``t = h = [gate | up]`` and cast ``silu(gate) * up`` (``swiglu``), or the SwiGLU's
-        input gradient given its output gradient (``swiglu_grad``), without writing either."""
+        only when ``transposed`` (a backward will run). ``swiglu`` (delayed, ``transposed``):
+        ``t`` is ``h = [gate | up]`` and the copies are of ``silu(gate) * up``."""
         if self.state is None:
-            assert not swiglu and swiglu_grad is None, "the SwiGLU-fused casts are delayed-scaling casts"
+            assert not swiglu, "the SwiGLU-fused cast is a delayed-scaling cast"
             return _fused_input(t_RC, offsets_G, transposed)
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
         q_CR = _transposed_out(t_RC, t_RC.shape[1] // 2 if swiglu else None) if transposed else None
         q_RC, s_R, s_GC = delayed_cast(t_RC, offsets_G, *self._delayed(role), out_col=q_CR,
-                                       stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu,
-                                       swiglu_grad=swiglu_grad)
+                                       stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu)
         return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
 
     def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -472,58 +470,46 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
     return out
 
 
-def _forward_weight(quantizer: _FusedGroupedOperands, w: Tensor, recipe: FP8Recipe, cache: Optional[FP8WeightCache],
-                    weight_key: Optional[Hashable], needs_backward: bool
-                    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
-    """An expert weight's forward layout ``[E, N, K]`` and scales ``[E, N]``, plus its
-    data-gradient layout for the backward: ``(qw, sw, to_save, on_ctx)``.
-
-    ``to_save`` is a pair of saved tensors: the data-gradient copy when the recipe makes it in
-    every training forward (`_both_weight_layouts_now`), so activation checkpointing drops it
-    after the forward and its recompute (outside any cache) makes it again with the same
-    metadata; otherwise two empty placeholders, which keep the saved count fixed. ``on_ctx``:
-    a cached copy under ``quantize_weights_once=False``, kept on ctx (the cache holds it anyway).
-    """
-    if _caching(cache, weight_key):
-        qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, f"grouped_fused_{recipe.name}",
-                                                lambda: quantizer.weight_both(w))
-        dgrad: Optional[tuple[Tensor, Tensor]] = (qw_dgrad, sw_EK)
-    elif _both_weight_layouts_now(recipe, needs_backward):
-        qw_ENK, sw_EN, qw_dgrad, sw_EK = quantizer.weight_both(w)
-        dgrad = (qw_dgrad, sw_EK)
-    else:
-        qw_ENK, sw_EN = quantizer.weight_fprop(w)
-        dgrad = None  # quantized again in the backward
-    if dgrad is not None and _both_weight_layouts_now(recipe, needs_backward):
-        return qw_ENK, sw_EN, dgrad, None
-    placeholder = torch.empty(0, device=w.device)
-    return qw_ENK, sw_EN, (placeholder, placeholder), dgrad
-
-
-def _backward_weight(quantizer: _FusedGroupedOperands, w: Tensor, saved: tuple[Tensor, Tensor],
-                     on_ctx: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """The weight's data-gradient layout ``[E * K, N]`` and scales ``[E * K]`` (see `_forward_weight`)."""
-    if saved[0].numel():
-        return saved
-    return on_ctx if on_ctx is not None else quantizer.weight_dgrad(w)
-
-
 class _ScaledGroupedMM(torch.autograd.Function):
+    """``x @ w`` per group; with ``input_swiglu`` ``x`` is ``h = [gate | up]`` and the GEMM's
+    input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`)."""
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
-                cache: Optional[FP8WeightCache], needs_backward: bool) -> Tensor:
+                cache: Optional[FP8WeightCache], needs_backward: bool, input_swiglu: bool = False) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
             fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x, w)
+            assert fused or not input_swiglu, "scaled_grouped_mm_swiglu checks swiglu_fusable first"
             if fused:
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
                 quantizer = _FusedGroupedOperands(recipe, state)
-                qx, sx_R, qx_t, sx_t = quantizer.activation(x, offsets, "input", needs_backward)
-                qw_ENK, sw_EN, saved_dgrad, ctx.weight_dgrad = _forward_weight(quantizer, w, recipe, cache, weight_key,
-                                                                              needs_backward)
+                qx, sx_R, qx_t, sx_t = quantizer.activation(x, offsets, "input", needs_backward, swiglu=input_swiglu)
+                if _caching(cache, weight_key):
+                    qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, f"grouped_fused_{recipe.name}",
+                                                            lambda: quantizer.weight_both(w))
+                    weight_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_dgrad, sw_EK)
+                elif _both_weight_layouts_now(recipe, needs_backward):
+                    qw_ENK, sw_EN, qw_dgrad, sw_EK = quantizer.weight_both(w)
+                    weight_dgrad = (qw_dgrad, sw_EK)
+                else:
+                    qw_ENK, sw_EN = quantizer.weight_fprop(w)
+                    weight_dgrad = None  # quantized again in the backward
+                # The weight's data-gradient copy is a saved tensor when the recipe makes it in
+                # every training forward, so activation checkpointing drops it after the forward
+                # and its recompute (outside any cache) makes it again, with the same metadata.
+                # Otherwise empty placeholders keep the saved count fixed, and a cached copy rides
+                # on ctx (the cache keeps it anyway).
+                save_dgrad = weight_dgrad is not None and _both_weight_layouts_now(recipe, needs_backward)
+                if not save_dgrad:
+                    placeholder = torch.empty(0, device=w.device)
+                    saved_dgrad: tuple[Tensor, Tensor] = (placeholder, placeholder)
+                else:
+                    assert weight_dgrad is not None
+                    saved_dgrad, weight_dgrad = weight_dgrad, None
             else:
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
 
@@ -537,10 +523,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
             ends = _host_group_ends(offsets, experts)
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
         if fused:
-            # Same tensors with and without the cache (see _ScaledLinear.forward and _forward_weight).
-            ctx.save_for_backward(qx_t, sx_t, offsets, w, *saved_dgrad)
+            # Same tensors with and without the cache (see _ScaledLinear.forward). Under
+            # input_swiglu h is kept for the SwiGLU's backward (the unfused SwiGLU keeps it too).
+            ctx.save_for_backward(qx_t, sx_t, offsets, w, *saved_dgrad, *((x,) if input_swiglu else ()))
+            ctx.weight_dgrad = weight_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
+        ctx.input_swiglu = input_swiglu
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         ctx.fused, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = fused, x.dtype, w.dtype, w.shape
         return y.to(out_dtype)
@@ -557,9 +546,14 @@ class _ScaledGroupedMM(torch.autograd.Function):
         with no_autocast(dy):
             dy = dy.contiguous()
             if ctx.fused:
-                qx_t, sx_t, _, w, *saved_dgrad = saved
+                qx_t, sx_t, _, w, qw_saved, sw_saved = saved[:6]
                 quantizer = _FusedGroupedOperands(recipe, state)
-                qw, sw_EK = _backward_weight(quantizer, w, (saved_dgrad[0], saved_dgrad[1]), ctx.weight_dgrad)
+                if qw_saved.numel():
+                    qw, sw_EK = qw_saved, sw_saved
+                elif ctx.weight_dgrad is not None:
+                    qw, sw_EK = ctx.weight_dgrad
+                else:
+                    qw, sw_EK = quantizer.weight_dgrad(w)
                 qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True)
             else:
                 x, w, _ = saved
@@ -582,7 +576,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
                              fast=recipe.fast("dgrad"))
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
                                         fast=recipe.fast("wgrad"))
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None
+            if ctx.input_swiglu:
+                from lightning_moe.kernels.swiglu_triton import swiglu_backward
+
+                # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
+                return (swiglu_backward(saved[6], dx.to(ctx.x_dtype)), dw.to(ctx.w_dtype),
+                        None, None, None, None, None, None, None)
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None, None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
@@ -590,3 +590,20 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
     """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`."""
     return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w),
                                   _needs_backward(x, w))
+
+
+def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:
+    """Whether `scaled_grouped_mm_swiglu` can take ``h``: the delayed recipe's one-read casts on
+    CUDA, in a training pass (evaluation casts the row copy alone, whose kernel reads whole
+    rows of a materialized input)."""
+    return _fused_delayed(recipe, state, h, w) and _needs_backward(h, w)
+
+
+def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
+                             state: DelayedState, weight_key: Optional[Hashable] = None) -> Tensor:
+    """``swiglu(h) @ w`` per group, the SwiGLU computed inside the FP8 cast of the GEMM's input:
+    ``silu(gate) * up`` is never written in bf16 and read back. Same bits as
+    ``scaled_grouped_mm(swiglu(h), w, ...)`` with the Triton SwiGLU (GPU test); only where
+    `swiglu_fusable`."""
+    return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
+                                  _needs_backward(h, w), True)

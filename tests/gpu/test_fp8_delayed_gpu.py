@@ -209,49 +209,20 @@ def test_swiglu_fused_cast_equals_the_cast_of_the_swiglu_output(dtype):
     assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("cols", [200, 40])  # several column blocks; one partial block
-def test_swiglu_grad_cast_equals_the_cast_of_the_swiglu_gradient(dtype, cols):
-    """``delayed_cast(h, swiglu_grad=g)`` writes the bits of casting the Triton SwiGLU
-    backward's output ``[d_gate | d_up]``, both halves from each column block."""
-    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
-    from lightning_moe.kernels.swiglu_triton import swiglu_backward
-
-    torch.manual_seed(1)
-    rows = 700
-    h = torch.randn(rows, 2 * cols, device="cuda", dtype=dtype) * 3
-    g = torch.randn(rows, cols, device="cuda", dtype=dtype)
-    h[5, 7], g[17, 3] = float("nan"), float("inf")
-    offsets = torch.tensor([0, 37, 37, 350, 690], device="cuda", dtype=torch.int32)
-    scale = torch.tensor([0.0, 2.0, 0.0, 0.5, float("nan")], device="cuda")
-    results = []
-    for fused in (True, False):
-        q_col = torch.zeros(2 * cols, 704, device="cuda", dtype=torch.float8_e4m3fn)
-        record = torch.zeros(5, device="cuda")
-        operand = h if fused else swiglu_backward(h, g)
-        q, s_row, s_col = delayed_cast(operand, offsets, scale, record, out_col=q_col, stride_out_col=704,
-                                       swiglu_grad=g if fused else None)
-        results.append((q, s_row, s_col, q_col, record))
-    (q, s_row, s_col, q_col, record), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref) = results
-    assert _same(q, q_ref) and _same(q_col, q_col_ref)
-    assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
-
-
 @pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_swiglu_experts_train_identically(monkeypatch, experts, dtype):
-    """FP8 delayed SwiGLU experts as one function (the casts compute the SwiGLU and its input
-    gradient) train bit for bit as two FP8 GEMMs around the SwiGLU kernel: 3 optimizer steps of
-    2 micro-batches (the second checkpointed), an evaluation forward, the delayed scales and
-    histories of both projections."""
+def test_swiglu_fused_into_the_fc2_cast_trains_identically(monkeypatch, experts, dtype):
+    """FP8 delayed experts with the SwiGLU computed inside fc2's input cast train bit for bit as
+    with the SwiGLU kernel's output cast separately: 3 optimizer steps of 2 micro-batches (the
+    second checkpointed), an evaluation forward, the delayed scales and histories."""
     from torch.utils.checkpoint import checkpoint
 
     from lightning_moe.nn import MoEConfig, MoELayer
-    from lightning_moe.precision import FP8Precision, scaled_mlp
+    from lightning_moe.precision import FP8Precision, scaled_mm
 
     fused_calls = []
-    real = scaled_mlp.swiglu_experts
-    monkeypatch.setattr(scaled_mlp, "swiglu_experts", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+    real = scaled_mm.scaled_grouped_mm_swiglu
+    monkeypatch.setattr(scaled_mm, "scaled_grouped_mm_swiglu", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
 
     def train():
         torch.manual_seed(0)
@@ -281,7 +252,7 @@ def test_fused_swiglu_experts_train_identically(monkeypatch, experts, dtype):
     fused = train()
     assert len(fused_calls) == 3 * 3  # the plain and the checkpointed forward, and its recompute; not evaluation
     with monkeypatch.context() as m:
-        m.setattr(FP8GroupedGemm, "swiglu_experts", lambda self, *args, **kwargs: None)
+        m.setattr(FP8GroupedGemm, "grouped_mm_swiglu", lambda self, *args, **kwargs: None)
         plain = train()
     assert len(fused_calls) == 9 and len(fused) == len(plain)
     for i, (a, b) in enumerate(zip(fused, plain)):

@@ -195,17 +195,3 @@ def test_evaluation_forwards_do_not_record_amax():
     assert torch.equal(layer.fp8_amax_history, before)
     layer(torch.randn(16, 64) * 100)  # a training forward records again
     assert not torch.equal(layer.fp8_amax_history, before)
-
-
-def test_fused_swiglu_experts_only_where_the_native_delayed_casts_run():
-    """`fp8_swiglu_experts` declines (None: the experts take two GEMMs around their SwiGLU) for
-    recipes other than delayed and on the emulated backend; FP8GroupedGemm likewise."""
-    from lightning_moe.precision.gemm import fp8_swiglu_experts
-
-    x, w1, w2 = torch.randn(32, 16, requires_grad=True), torch.randn(2, 16, 24), torch.randn(2, 12, 16)
-    offsets = torch.tensor([16, 32], dtype=torch.int32)
-    assert fp8_swiglu_experts(x, w1, w2, offsets, "rowwise", "emulated") is None
-    assert fp8_swiglu_experts(x, w1, w2, offsets, "delayed", "emulated") is None
-    assert FP8GroupedGemm("rowwise").swiglu_experts(x, w1, w2, offsets) is None
-    gemm = FP8GroupedGemm("delayed", backend="emulated")
-    assert gemm.swiglu_experts(x, w1, w2, offsets) is None
