@@ -92,7 +92,14 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_RF: Tensor):
         saved = ctx.saved_tensors
-        return swiglu_backward(saved[0], g_RF, saved[1] if ctx.has_end else None), None
+        rows_end = saved[1] if ctx.has_end else None
+        grad_h = swiglu_backward(saved[0], g_RF, rows_end)
+        if rows_end is not None and torch.is_anomaly_enabled():
+            from lightning_moe.kernels.tail_triton import zero_rows_from_triton
+
+            # anomaly mode checks every gradient for NaN, the unwritten rows included
+            zero_rows_from_triton(grad_h, rows_end)
+        return grad_h, None
 
 
 def swiglu_backward(h_RF2: Tensor, g_RF: Tensor, rows_end: Tensor | None = None) -> Tensor:

@@ -152,10 +152,8 @@ class GroupedExperts(nn.Module):
             # One offsets tensor for both projections: a quantized GEMM that needs the group
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0])
-        # Not under autograd's anomaly mode: this path leaves the padding tails of intermediate
-        # tensors and gradients unwritten, and anomaly mode checks every gradient for NaN.
         if self.quantization is None and self.backend == "grouped_mm" and self.activation == "swiglu" \
-                and use_triton(x_RD) and x_RD.dtype != torch.float64 and not torch.is_anomaly_enabled():
+                and use_triton(x_RD) and x_RD.dtype != torch.float64:
             return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
         h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
         fused_swiglu = getattr(self.quantization, "grouped_mm_swiglu", None) if self.activation == "swiglu" else None

@@ -72,7 +72,8 @@ class _GroupedMMCoveredRows(torch.autograd.Function):  # first-order only (in-pl
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offs=offsets_E)
-            if ctx.zero_grad_input:
+            # Autograd's anomaly mode checks every gradient for NaN, the unwritten rows included.
+            if ctx.zero_grad_input or torch.is_anomaly_enabled():
                 zero_rows_from(grad_x, offsets_E[-1])
         if ctx.needs_input_grad[1]:
             # Groups along the reduction dim: rows after the last end take no part.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from lightning_moe.nn.config import MoEConfig
@@ -98,10 +97,8 @@ class MoELayer(nn.Module):
             # may leave them unwritten when the experts never read them; its combine and its
             # permutation's backward never read them back either.
             reads_grouped = getattr(self.experts, "reads_only_grouped_rows", None)
-            # Not under anomaly mode, which checks every gradient (unwritten rows included) for NaN.
             tail_unwritten = (getattr(self.dispatcher, "can_leave_tail_unwritten", False)
-                              and reads_grouped is not None and reads_grouped(x_TD.dtype)
-                              and not torch.is_anomaly_enabled())
+                              and reads_grouped is not None and reads_grouped(x_TD.dtype))
             if tail_unwritten:
                 extra["tail_unwritten"] = True
             expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra)

@@ -229,7 +229,8 @@ class _Unpermute(torch.autograd.Function):
             grad_y, grad_w = combine_backward(
                 y_RD, plan.dest_TK, probs_TK, grad_TD, plan.num_rows,
                 row_token_R=plan.row_token_R if plan.padding_rows else None, need_grad_w=ctx.needs_input_grad[1],
-                rows_end=plan.rows_end,
+                # anomaly mode checks every gradient for NaN, so no row is left unwritten then
+                rows_end=None if torch.is_anomaly_enabled() else plan.rows_end,
             )
             return grad_y, (grad_w.to(ctx.probs_dtype) if grad_w is not None else None), None
         y_TKD, weights_T1K = ctx.saved_tensors
