@@ -38,8 +38,9 @@ class GroupedGemm(Protocol):
     """A replacement grouped GEMM (e.g. FP8) set by a precision plugin on ``GroupedExperts``.
 
     ``projection`` ("fc1" / "fc2") names the weight: the FP8 weight cache keys on it and the
-    delayed recipe keeps separate scales per projection. It may also offer ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second
-    projection with the SwiGLU fused in, returning None where it does not apply."""
+    delayed recipe keeps separate scales per projection. It may also offer
+    ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second projection with the
+    SwiGLU fused in, returning None where it does not apply."""
 
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str) -> Tensor: ...
 
@@ -152,8 +153,7 @@ class GroupedExperts(nn.Module):
             # One offsets tensor for both projections: a quantized GEMM that needs the group
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0])
-        if self.quantization is None and self.backend == "grouped_mm" and self.activation == "swiglu" \
-                and use_triton(x_RD) and x_RD.dtype != torch.float64:
+        if self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
             return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
         h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
         fused_swiglu = getattr(self.quantization, "grouped_mm_swiglu", None) if self.activation == "swiglu" else None

@@ -99,12 +99,9 @@ class MoELayer(nn.Module):
             reads_grouped = getattr(self.experts, "reads_only_grouped_rows", None)
             tail_unwritten = (getattr(self.dispatcher, "can_leave_tail_unwritten", False)
                               and reads_grouped is not None and reads_grouped(x_TD.dtype))
-            if tail_unwritten:
-                extra["tail_unwritten"] = True
-            expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra)
-            expert_output_RD = (self.experts(expert_input_RD, group_sizes_E, tail_unwritten=True) if tail_unwritten
-                                else self.experts(expert_input_RD, group_sizes_E))
-            y_TD = self.dispatcher.combine(expert_output_RD, state)
+            tail = {"tail_unwritten": True} if tail_unwritten else {}  # only then: other experts lack it
+            expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra, **tail)
+            y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E, **tail), state)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         self.last_stats = RoutingStats(

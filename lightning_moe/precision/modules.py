@@ -114,13 +114,15 @@ class FP8GroupedGemm(nn.Module):
         groups = slice(part * experts, (part + 1) * experts)
         return DelayedState(state.amax_history[:, :, groups], state.scale[:, groups])
 
+    def _state_and_key(self, projection: str, w_EKN: Tensor) -> tuple[Optional[DelayedState], Optional[tuple]]:
+        """The projection's delayed-scaling state (None unless delayed) and weight-cache key."""
+        state = self._delayed_state(projection, w_EKN.shape[0], w_EKN.device) if self.recipe.name == "delayed" else None
+        return state, ((id(self), projection) if projection else None)
+
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str = "") -> Tensor:
         """``projection`` ("fc1" / "fc2") names the weight for the FP8 weight cache and picks
         its delayed-scaling state."""
-        state = None
-        if self.recipe.name == "delayed":
-            state = self._delayed_state(projection, w_EKN.shape[0], w_EKN.device)
-        key = (id(self), projection) if projection else None
+        state, key = self._state_and_key(projection, w_EKN)
         return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key)
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
@@ -129,8 +131,7 @@ class FP8GroupedGemm(nn.Module):
         or None where that does not run (then the caller applies the SwiGLU and `grouped_mm`)."""
         if self.recipe.name != "delayed":
             return None
-        state = self._delayed_state(projection, w_EFN.shape[0], w_EFN.device)
-        key = (id(self), projection) if projection else None
+        state, key = self._state_and_key(projection, w_EFN)
         return fp8_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key)
 
     def extra_repr(self) -> str:

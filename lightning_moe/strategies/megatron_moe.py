@@ -188,7 +188,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if not self._parallelized:
             self._parallelize(self.model, trainer)
             self._parallelized = True
-        self._check_fp8_weight_cache()
+        self._check_fp8_options()
         from lightning.fabric.utilities.init import _materialize_distributed_module
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
@@ -370,7 +370,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                         "its optimizer runs without foreach kernels."
                     )
 
-    def _check_fp8_weight_cache(self) -> None:
+    def _check_fp8_options(self) -> None:
         """FP8 weight caching keeps an unsharded FP8 copy of every weight until the optimizer
         step: under FSDP that undoes the sharding's memory savings (and the re-gathered weights'
         new storage means the copies are rarely reused). For the same reason, with FSDP-sharded

@@ -104,10 +104,10 @@ def test_strategy_refuses_the_cache_with_fsdp(monkeypatch):
 
     strategy = MegatronMoEStrategy()
     strategy._precision_plugin = _native_plugin(monkeypatch, cache_fp8_weights=True)
-    strategy._check_fp8_weight_cache()  # nothing sharded yet: fine
+    strategy._check_fp8_options()  # nothing sharded yet: fine
     strategy._experts_fsdp = True
     with pytest.raises(ValueError, match="expert_sharding='ddp'"):
-        strategy._check_fp8_weight_cache()
+        strategy._check_fp8_options()
 
 
 @pytest.mark.parametrize("experts_fsdp", [False, True])
@@ -124,7 +124,7 @@ def test_fsdp_experts_turn_off_quantizing_weights_once_unless_asked(monkeypatch,
     plugin.recipe = FP8Recipe("rowwise", quantize_weights_once=requested)
     strategy._precision_plugin = plugin
     strategy._experts_fsdp = experts_fsdp
-    strategy._check_fp8_weight_cache()
+    strategy._check_fp8_options()
     want = requested if requested is not None else not experts_fsdp
     assert _both_weight_layouts_now(plugin.recipe, needs_backward=True) is want
     assert not _both_weight_layouts_now(plugin.recipe, needs_backward=False)
