@@ -3,11 +3,14 @@
     python benchmarks/fp8_quant_tune.py           # rowwise and group-column kernels
     python benchmarks/fp8_quant_tune.py --dual    # the dual quantizer's two kernels
     python benchmarks/fp8_quant_tune.py --delayed # the delayed-scaling cast
+    python benchmarks/fp8_quant_tune.py --delayed-variants  # its transposed-store and pipelining variants
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the
 run after the stores were vectorized is kept as ``fp8_quant_tune_dual_vec.json``; ``--delayed``:
-``fp8_quant_tune_delayed.json``); the defaults in ``lightning_moe/kernels/fp8_quant_triton.py`` and
+``fp8_quant_tune_delayed.json``; ``--delayed-variants``: ``fp8_quant_tune_delayed_variants.json``,
+both copies of every operand the FP8 block casts, each variant checked byte for byte against the
+first); the defaults in ``lightning_moe/kernels/fp8_quant_triton.py`` and
 ``fp8_delayed_triton.py`` come from it.
 """
 
@@ -128,7 +131,108 @@ def tune_delayed() -> dict:
     return out
 
 
+# both copies of the FP8 block's operands: name -> groups, rows per group, columns. Weights are
+# ``[E*K, N]`` with one group per expert (both layouts in one read); activations and gradients
+# are token groups.
+DELAYED_BOTH = {
+    "mixtral_w1": (8, 4096, 28672), "mixtral_w2": (8, 14336, 4096), "mixtral_dh1": (8, 2048, 28672),
+    "qwen3_x": (128, 1024, 2048), "qwen3_w1": (128, 2048, 1536), "qwen3_dh1": (128, 1024, 1536),
+    "deepseek_w1": (32, 7168, 4096),
+}
+
+
+def tune_delayed_variants() -> dict:
+    """`_delayed_cast_kernel` writing both copies, per (tile, warps, transposed-store mode,
+    pipelining stages): GB/s over one bf16 read and two float8 writes, beside a bf16 copy of the
+    same tensor (read 2 + write 2 bytes per element, the bandwidth a streaming kernel reaches).
+    Every variant's bytes must equal the first configuration's."""
+    from lightning_moe.kernels import fp8_delayed_triton as fd
+
+    out = {}
+    # (BR, BC, warps, transpose, stages, amax_2d, group_axis); the first is the old default and
+    # the byte-for-byte reference. The first sweep (transpose 0-2, stages 1 and 3, 64-128-row
+    # tiles, 2-D amax off) moved nothing by more than ~5%; the 2-D amax did, then the grid order.
+    configs = [(128, 64, 4, 0, 1, False, 0)] + [
+        (br, bc, warps, transpose, 1, True, group_axis)
+        for group_axis in (0, 1)
+        for (br, bc) in ((64, 128), (32, 128), (32, 256), (16, 256), (128, 128), (64, 64))
+        for warps in (4, 8) for transpose in (0, 2)]
+    for name, (groups, rows, cols) in DELAYED_BOTH.items():
+        total = groups * rows
+        x = torch.randn(total, cols, device="cuda", dtype=torch.bfloat16)
+        offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+        scale = torch.full((groups,), 4.0, device="cuda")
+        cur_amax = torch.zeros(groups + 1, device="cuda")
+        nbytes = x.numel() * 4
+        copy_out = torch.empty_like(x)
+        copy_ms, _ = cuda_time_ms(lambda: copy_out.copy_(x), warmup=2, iters=5)
+        reference = None
+        rows_out = []
+        for br, bc, warps, transpose, stages, amax_2d, group_axis in configs:
+            q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
+            q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
+            s_row, s_col = torch.empty(total, device="cuda"), torch.empty(groups, cols, device="cuda")
+            record = torch.zeros(groups, device="cuda")
+            col_arg = q_col.view(torch.uint8) if transpose == 2 else q_col
+            grid = (groups + 1, triton.cdiv(cols, bc))[::-1 if group_axis else 1]
+
+            def cast():
+                fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, col_arg, s_col, record, total,
+                                              cols, groups, total, 0, WRITE_ROW=True, WRITE_COL=True, RECORD=True,
+                                              SWIGLU=False, BR=br, BC=bc, TRANSPOSE=transpose, STAGES=stages,
+                                              AMAX_2D=amax_2d, GROUP_AXIS=group_axis, num_warps=warps)
+            row = {"BR": br, "BC": bc, "warps": warps, "transpose": transpose, "stages": stages, "amax_2d": amax_2d,
+                   "group_axis": group_axis}
+            try:
+                row["ms"], _ = cuda_time_ms(cast, warmup=2, iters=5)
+            except Exception as error:  # a config that does not compile (registers, shared memory)
+                row["error"] = str(error)[:100]
+                rows_out.append(row)
+                continue
+            outputs = [q_row.view(torch.uint8), q_col.view(torch.uint8), s_row, s_col, record]
+            if reference is None:
+                reference = [t.clone() for t in outputs]
+            row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
+            row["gb_s"] = nbytes / row["ms"] / 1e6
+            rows_out.append(row)
+        rows_out.sort(key=lambda r: -r.get("gb_s", 0))
+        # Which store costs: one copy at a time (GB/s over 3 bytes per element), best config's tile.
+        best = rows_out[0]
+        one_copy = {}
+        for write_row, write_col in ((True, False), (False, True)):
+            q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
+            q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
+            s_row, s_col = torch.empty(total, device="cuda"), torch.empty(groups, cols, device="cuda")
+            record = torch.zeros(groups, device="cuda")
+            grid = (groups + 1, triton.cdiv(cols, best["BC"]))[::-1 if best["group_axis"] else 1]
+            col_arg = q_col.view(torch.uint8) if best["transpose"] == 2 else q_col
+
+            def one():
+                fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, col_arg, s_col, record, total,
+                                              cols, groups, total, 0, WRITE_ROW=write_row, WRITE_COL=write_col,
+                                              RECORD=True, SWIGLU=False, BR=best["BR"], BC=best["BC"],
+                                              TRANSPOSE=best["transpose"], STAGES=best["stages"],
+                                              AMAX_2D=best["amax_2d"], GROUP_AXIS=best["group_axis"],
+                                              num_warps=best["warps"])
+            ms, _ = cuda_time_ms(one, warmup=2, iters=5)
+            one_copy["row" if write_row else "col"] = x.numel() * 3 / ms / 1e6
+        out[name] = {"bf16_copy_gb_s": nbytes / copy_ms / 1e6, "one_copy_gb_s": one_copy, "configs": rows_out}
+        print(name, "copy", round(out[name]["bf16_copy_gb_s"]), "one copy", {k: round(v) for k, v in one_copy.items()},
+              [(r["BR"], r["BC"], r["warps"], r["transpose"], r["amax_2d"], r["group_axis"],
+                round(r.get("gb_s", 0)), r.get("bytes_equal")) for r in rows_out[:6]],
+              "baseline 128x64 w4 t0 s1:", [round(r["gb_s"]) for r in rows_out
+                                            if (r["BR"], r["BC"], r["warps"], r["transpose"], r["stages"],
+                                                r["amax_2d"]) == (128, 64, 4, 0, 1, False) and "gb_s" in r],
+              "errors:", [(r["BR"], r["BC"], r["warps"], r["error"][:40]) for r in rows_out if "error" in r],
+              "not equal:", [(r["BR"], r["BC"], r["warps"], r["transpose"], r["amax_2d"], r["group_axis"])
+                             for r in rows_out if r.get("bytes_equal") is False], flush=True)
+    return out
+
+
 def main() -> None:
+    if "--delayed-variants" in sys.argv:
+        write_results("fp8_quant_tune_delayed_variants", {"results": tune_delayed_variants()})
+        return
     if "--dual" in sys.argv:
         write_results("fp8_quant_tune_dual", {"results": tune_dual()})
         return

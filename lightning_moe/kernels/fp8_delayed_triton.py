@@ -90,9 +90,11 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, SWIGL
 @triton.jit
 def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
                        stride_qc, amax, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, SWIGLU: tl.constexpr,
-                       BR: tl.constexpr):
+                       TRANSPOSE: tl.constexpr, BR: tl.constexpr, AMAX_2D: tl.constexpr = False):
     # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
-    # copies; returns the running per-column amax (for the record).
+    # copies; returns the running amax (for the record): per column ``[BC]``, or with AMAX_2D
+    # per element ``[BR, BC]``, which needs no reduction across the tile's rows (threads and
+    # warps) until the loop ends.
     rows = r0 + tl.arange(0, BR)
     m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
     x = _load_operand(x_ptr, rows, cols, m, C, SWIGLU)
@@ -103,8 +105,21 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
         # row copy's float8 tile transposed: with fp32 input that transposed float8 store wrote
         # wrong bytes on the H200 (GPU test with fp32 input; bf16 was right).
         col_scale = tl.zeros_like(cols).to(tl.float32) + scale
-        tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
-                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
+        if TRANSPOSE == 0:  # the store's pointers are transposed; the compiler reshuffles the tile
+            tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
+                     (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
+        else:
+            # The tile transposed explicitly ``[BC, BR]`` (1: the fp32 values before the cast;
+            # 2: the float8 bytes, as uint8, after it; ``q_col_ptr`` is then a uint8 view).
+            mt = ((rows >= lo) & (rows < hi))[None, :] & cmask[:, None] & in_group
+            ptrs = q_col_ptr + out_base + cols[:, None].to(tl.int64) * stride_qc + rows[None, :]
+            if TRANSPOSE == 1:
+                tl.store(ptrs, (tl.trans(x) * col_scale[:, None]).to(tl.float8e4nv), mask=mt)
+            else:
+                q = (x * col_scale[None, :]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+                tl.store(ptrs, tl.trans(q), mask=mt)
+    if AMAX_2D:
+        return tl.maximum(amax, _abs_ignoring_nan(x))
     return tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
 
 
@@ -112,9 +127,12 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
                          record_ptr, R, C, G, stride_qc, stride_qg, WRITE_ROW: tl.constexpr,
                          WRITE_COL: tl.constexpr, RECORD: tl.constexpr, SWIGLU: tl.constexpr, BR: tl.constexpr,
-                         BC: tl.constexpr):
-    group = tl.program_id(0)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+                         BC: tl.constexpr, TRANSPOSE: tl.constexpr = 0, STAGES: tl.constexpr = 1,
+                         AMAX_2D: tl.constexpr = False, GROUP_AXIS: tl.constexpr = 0):
+    # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
+    # axis, so the programs resident together read neighbouring columns of the same rows.
+    group = tl.program_id(GROUP_AXIS)
+    cols = tl.program_id(1 - GROUP_AXIS) * BC + tl.arange(0, BC)
     cmask = cols < C
     in_group = group < G
     start, end = _group_bounds(offsets_ptr, group, G, R)
@@ -125,14 +143,24 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     lo, hi = _aligned_body(start, end)
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
-                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
-    for r0 in range(lo, hi, BR):
-        amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base,
-                                  C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, BR)
+                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, TRANSPOSE, 16)
+    # STAGES > 1 asks the compiler to software-pipeline the body's loads (the next tiles' reads in
+    # flight while this one is cast and stored).
+    if AMAX_2D:
+        body_amax = tl.zeros([BR, BC], dtype=tl.float32)
+        for r0 in tl.range(lo, hi, BR, num_stages=STAGES):
+            body_amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
+                                           out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, SWIGLU,
+                                           TRANSPOSE, BR, True)
+        amax = tl.maximum(amax, tl.max(body_amax, 0))
+    else:
+        for r0 in tl.range(lo, hi, BR, num_stages=STAGES):
+            amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
+                                      out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, TRANSPOSE, BR)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
-                              stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
+                              stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, TRANSPOSE, 16)
     if WRITE_ROW:
-        if tl.program_id(1) == 0:  # one column block writes the group's row scales
+        if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the group's row scales
             for r0 in range(start, end, 1024):
                 rows = r0 + tl.arange(0, 1024)
                 tl.store(s_row_ptr + rows, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=rows < end)
@@ -241,9 +269,9 @@ def delayed_cast(
     scale_G = scale_G.contiguous()
     cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=device)  # atomic-max target
     # The tail group only exists for the row copy (no GEMM reads a transposed tail).
-    grid = (groups + 1 if write_row else groups, triton.cdiv(cols, 64))
-    _missing_amax_kernel[grid](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups, SWIGLU=swiglu, BR=128, BC=64,
-                               num_warps=4)
+    cast_groups = groups + 1 if write_row else groups
+    _missing_amax_kernel[(cast_groups, triton.cdiv(cols, 64))](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups,
+                                                                SWIGLU=swiglu, BR=128, BC=64, num_warps=4)
     dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
@@ -256,13 +284,16 @@ def delayed_cast(
             num_warps=2 if cols <= 4096 else 16,
         )
         return q_row, s_row, s_col
-    _delayed_cast_kernel[grid](
+    # Launch shape from fp8_quant_tune_delayed_variants_*.json (H200, both copies of the FP8 block's
+    # operands): 64 x 128 tiles whose amax is kept per element until the loop ends, 2.6-2.9 TB/s
+    # against 2.2-2.6 for the 128 x 64 tiles reduced per tile.
+    _delayed_cast_kernel[(cast_groups, triton.cdiv(cols, 128))](
         x_RC, offsets_G, scale_G, cur_amax,
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
         rows, cols, groups, stride_out_col, stride_out_group,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=128, BC=64, num_warps=4,  # fp8_quant_tune_delayed.json (H200): 1.06-1.17x the 64-row tiles
+        BR=64, BC=128, AMAX_2D=True, num_warps=4,
     )
     return q_row, s_row, s_col
