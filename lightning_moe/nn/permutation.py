@@ -267,3 +267,69 @@ def row_probs(probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
     """Routing probability of each permuted row: [R] (0 for padding rows), differentiable."""
     flat = torch.cat([probs_TK.reshape(-1), probs_TK.new_zeros(1)])
     return flat[plan.row_assignment_R]
+
+
+class BlockwiseCombine:
+    """:func:`unpermute` one block of tokens at a time, without autograd, for callers that
+    interleave the blocks with other work (the all-gather dispatcher's exchange: see
+    ``parallel.combine_exchange``). Per token the arithmetic is `unpermute`'s.
+
+    Args:
+        y_RD: the expert outputs [R, D] the plan's rows index.
+        plan: the permutation plan; a block ``tokens`` (a slice) covers rows
+            ``plan.dest_TK[tokens]`` of its assignments.
+    """
+
+    def __init__(self, y_RD: Tensor, plan: PermutationPlan) -> None:
+        self.plan = plan
+        self.fused = use_triton(y_RD)
+        # The fallback gathers from a copy with a zero row for the sentinel index; made once.
+        self.y_RD = y_RD.contiguous() if self.fused or plan.dense_rows else _with_zero_row(y_RD)
+
+    def forward(self, tokens: slice, probs_TK: Tensor) -> Tensor:
+        """``out[t] = sum_k probs[t,k] * y[dest[t,k]]`` for the block: [T_block, D]."""
+        dest_TK = self.plan.dest_TK[tokens]
+        if self.fused:
+            from lightning_moe.kernels.combine_triton import combine
+
+            return combine(self.y_RD, dest_TK, probs_TK)
+        num_tokens, topk = dest_TK.shape
+        y_TKD = self.y_RD.index_select(0, dest_TK.reshape(-1)).view(num_tokens, topk, self.y_RD.shape[1])
+        return torch.bmm(probs_TK.to(self.y_RD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+
+    def grad_buffers(self, g_like_TD: Tensor, need_grad_w: bool, rows_end: Optional[Tensor]):
+        """``(grad_y [R, D], grad_w [T, K] fp32 or None)`` for :meth:`backward_into`: rows that
+        hold no token are zero in ``grad_y``; with ``rows_end`` (CUDA) the rows from it on are
+        left unwritten, as `unpermute`'s backward leaves them."""
+        plan = self.plan
+        num_tokens, topk = plan.dest_TK.shape
+        grad_w = torch.empty(num_tokens, topk, dtype=torch.float32, device=g_like_TD.device) if need_grad_w else None
+        if self.fused:
+            from lightning_moe.kernels.combine_triton import combine_grad_buffer
+
+            row_token_R = plan.row_token_R if plan.padding_rows else None
+            return combine_grad_buffer(plan.num_rows, g_like_TD, num_tokens, row_token_R, rows_end), grad_w
+        # One spare row past the end absorbs the writes of dropped assignments (index R).
+        return g_like_TD.new_zeros(plan.num_rows + 1, g_like_TD.shape[1]), grad_w
+
+    def backward_into(self, tokens: slice, probs_TK: Tensor, g_TD: Tensor, grad_y: Tensor,
+                      grad_w: Optional[Tensor]) -> None:
+        """The block's gradients: its rows of ``grad_y`` and ``grad_w[tokens]``."""
+        dest_TK = self.plan.dest_TK[tokens]
+        block_grad_w = grad_w[tokens] if grad_w is not None else None
+        if self.fused:
+            from lightning_moe.kernels.combine_triton import combine_backward_into
+
+            combine_backward_into(self.y_RD, dest_TK, probs_TK, g_TD, grad_y, block_grad_w)
+            return
+        num_tokens, topk = dest_TK.shape
+        weights_TK1 = probs_TK.to(self.y_RD.dtype).unsqueeze(2)
+        if block_grad_w is not None:
+            y_TKD = self.y_RD.index_select(0, dest_TK.reshape(-1)).view(num_tokens, topk, self.y_RD.shape[1])
+            block_grad_w.copy_(torch.bmm(y_TKD, g_TD.unsqueeze(2)).squeeze(2))
+        weighted_TKD = weights_TK1 * g_TD.unsqueeze(1)
+        grad_y.index_copy_(0, dest_TK.reshape(-1), weighted_TKD.reshape(-1, g_TD.shape[1]))
+
+    def finish_grad(self, grad_y: Tensor) -> Tensor:
+        """``grad_y`` without the fallback's spare row: [R, D]."""
+        return grad_y if self.fused else grad_y[: self.plan.num_rows]

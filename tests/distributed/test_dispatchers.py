@@ -407,3 +407,78 @@ def test_bf16_reduce_scatters_equal_the_fp32_sum_cast_back(world_size):
     bf16 only where that equals the fp32 sum rounded once: over two ranks; over three they
     travel as fp32."""
     assert run_distributed(_bf16_reduce_scatters, world_size) == [(True, True)] * world_size
+
+
+OVERLAP_CASES = {
+    "k2_aux": dict(aux_loss_coeff=1e-2),
+    "capacity_drop_align8": dict(expert_capacity_factor=0.5, expert_alignment=8),
+    "k1_probs_on_input": dict(router_topk=1, router_pre_softmax=True, apply_probs_on_input=True),
+    "bf16": dict(aux_loss_coeff=1e-2),
+}
+
+
+def _combine_overlap_runs(rank, world_size):
+    """Per case: (overlap flags, whether every output and gradient is bit-equal, largest relative
+    difference) of the all-gather dispatcher with and without `combine_overlap`."""
+    mesh = _make_mesh(world_size, 1)
+    results = {}
+    for case, overrides in OVERLAP_CASES.items():
+        dtype = torch.bfloat16 if case == "bf16" else torch.float32
+        runs = []
+        for overlap in (False, None):
+            layer = _build_layer({**overrides, "num_experts": 6, "combine_overlap": overlap}, False, world_size)
+            layer = expert_parallel_layer(layer.to(dtype), mesh, "allgather")
+            x = _tokens(rank, 12, False).to(dtype).requires_grad_()
+            y = layer(x)
+            upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(7 + rank)).to(dtype)
+            (y * upstream).sum().backward()
+            tensors = [y, x.grad, layer.router.weight.grad, layer.experts.fc1_weight.grad.to_local(),
+                       layer.experts.fc2_weight.grad.to_local()]
+            runs.append((layer.dispatcher.combine_overlap, [t.detach().float() for t in tensors]))
+        (flag_off, plain), (flag_on, overlapped) = runs
+        equal = all(torch.equal(a, b) for a, b in zip(plain, overlapped))
+        worst = max(float(((a - b).abs() / b.abs().clamp_min(1e-6)).max()) for a, b in zip(plain, overlapped))
+        results[case] = (flag_off, flag_on, equal, worst)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_combine_overlap_equals_one_collective(world_size):
+    """The all-gather dispatcher's combine exchanged block by block (the default over one gather
+    group) gives what the whole combine and one reduce-scatter give: bit for bit over two ranks
+    (the partial sum of two is one rounded addition either way, also in bf16), to fp32 rounding
+    over three (the sums run in another order), with dropped assignments, padded groups and
+    input-side probabilities."""
+    for per_rank in run_distributed(_combine_overlap_runs, world_size):
+        for case, (flag_off, flag_on, equal, worst) in per_rank.items():
+            assert (flag_off, flag_on) == (False, True), case
+            if world_size == 2:
+                assert equal, f"{case}: overlapped combine differs (max relative {worst:.2e})"
+            else:
+                assert worst < (1e-2 if case == "bf16" else 1e-5), f"{case}: max relative difference {worst:.2e}"
+
+
+def _combine_overlap_errors(rank, world_size):
+    from lightning_moe.parallel.dispatchers import AllGatherDispatcher, AllToAllDispatcher
+
+    cfg = MoEConfig(**BASE, combine_overlap=True)
+    mesh = _make_mesh(2, 2)
+    messages = []
+    with pytest.raises(ValueError) as err:
+        AllToAllDispatcher(cfg, mesh.get_group(0))
+    messages.append(str(err.value))
+    with pytest.raises(ValueError) as err:
+        AllGatherDispatcher(cfg, mesh.get_group(0), mesh.get_group(1))
+    messages.append(str(err.value))
+    # None over two groups: the two collectives, no error
+    two_groups = AllGatherDispatcher(MoEConfig(**BASE), mesh.get_group(0), mesh.get_group(1))
+    return messages, two_groups.combine_overlap
+
+
+def test_combine_overlap_errors_name_the_fix():
+    """combine_overlap=True where it cannot apply (the all-to-all dispatcher; tokens gathered over
+    expert tensor and expert parallel groups) is refused with what to set; None falls back."""
+    for (a2a_msg, gather_msg), two_groups_overlap in run_distributed(_combine_overlap_errors, 4):
+        assert "token_dispatcher_type='allgather'" in a2a_msg and "combine_overlap=None" in a2a_msg
+        assert "two groups" in gather_msg and "combine_overlap=None" in gather_msg
+        assert two_groups_overlap is False
