@@ -3,7 +3,6 @@
     python benchmarks/ep_scaling.py --ep 1 2                      # needs 2 GPUs for EP=2
     python benchmarks/ep_scaling.py --ep 1 2 4 8 --cases qwen3_30b_a3b
     python benchmarks/ep_scaling.py --ep 1 2 --dispatchers alltoall allgather --transports nccl copy_engine
-    python benchmarks/ep_scaling.py --dispatchers allgather --combine-overlap on off  # MoEConfig.combine_overlap
 
 Each EP size runs in its own set of processes (one per GPU, NCCL): every GPU holds E/EP
 experts and routes the block's full token count (B x S of BENCHMARKS.md), so per-GPU work is
@@ -54,8 +53,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, varia
         torch.manual_seed(0)
         layer = build_layer(c, "grouped_mm", torch.bfloat16)
         layer.config = dataclasses.replace(
-            layer.config, dispatch_chunks=variant["chunks"], dispatch_transport=variant["transport"],
-            combine_overlap=variant.get("combine_overlap"),
+            layer.config, dispatch_chunks=variant["chunks"], dispatch_transport=variant["transport"]
         )
         reference = None
         g = torch.Generator(device="cuda").manual_seed(100 + rank)
@@ -90,7 +88,6 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, varia
             "dispatcher": variant["dispatcher"] if world > 1 else "local",
             "dispatch_transport": variant["transport"],
             "dispatch_chunks": variant["chunks"],
-            "combine_overlap": variant.get("combine_overlap"),
             "median_ms_slowest_rank": slowest,
             "per_gpu_tflops": block_flops(c) / (slowest * 1e-3) / 1e12,
             "pipelined_ms_slowest_rank": slowest_pipelined,
@@ -123,9 +120,6 @@ def main(argv=None) -> None:
                         help="token dispatchers to run at EP > 1")
     parser.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy_engine"],
                         help="MoEConfig.dispatch_transport values for the all-gather dispatcher")
-    parser.add_argument("--combine-overlap", nargs="+", default=["on"], choices=["on", "off"],
-                        help="MoEConfig.combine_overlap for the all-gather dispatcher over NCCL (on: None, the "
-                             "default; off: False, key suffix _no_overlap)")
     parser.add_argument("--tag", default=None, help="results file ep_scaling_<tag>.json (default ep_scaling.json)")
     args = parser.parse_args(argv)
     available = torch.cuda.device_count()
@@ -139,16 +133,11 @@ def main(argv=None) -> None:
         for dispatcher in args.dispatchers:
             # all-to-all: NCCL only, optionally pipelined; all-gather: never chunked, any transport
             for transport in (["nccl"] if dispatcher == "alltoall" else args.transports):
-                overlaps = args.combine_overlap if (dispatcher, transport) == ("allgather", "nccl") else ["on"]
-                for chunks, overlap in [(c, o) for c in (args.chunks if dispatcher == "alltoall" else [1])
-                                        for o in overlaps]:
+                for chunks in (args.chunks if dispatcher == "alltoall" else [1]):
                     key = f"ep{ep}" + ("" if dispatcher == "alltoall" else f"_{dispatcher}")
                     key += "" if transport == "nccl" else f"_{transport}"
                     key += "" if chunks == 1 else f"_chunks{chunks}"
-                    key += "" if overlap == "on" else "_no_overlap"
-                    variant = dict(dispatcher=dispatcher, transport=transport, chunks=chunks,
-                                   combine_overlap=None if overlap == "on" else False)
-                    runs.append((ep, variant, key))
+                    runs.append((ep, dict(dispatcher=dispatcher, transport=transport, chunks=chunks), key))
     for i, (ep, variant, key) in enumerate(runs):
         if ep > available:
             print(f"EP={ep}: skipped, {available} GPU(s) here")

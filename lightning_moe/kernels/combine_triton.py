@@ -101,44 +101,6 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
     return out
 
 
-def combine_grad_buffer(
-    num_rows: int, g_TD: Tensor, num_tokens: int, row_token_R: Tensor | None, rows_end: Tensor | None = None
-) -> Tensor:
-    """``grad_y`` [R, D] for :func:`combine_backward_into`, in ``g``'s dtype: rows that hold no
-    token (``row_token_R == num_tokens``) are zeroed, the rest left for the kernel to write
-    (``row_token_R`` None: every row is held). ``rows_end`` (0-dim device index): rows from it
-    on hold no token and are left unwritten."""
-    d = g_TD.shape[1]
-    grad_y = torch.empty(num_rows, d, dtype=g_TD.dtype, device=g_TD.device)
-    if row_token_R is not None and num_rows and d:
-        block_rows = 64
-        _zero_unowned_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
-            grad_y, row_token_R.contiguous(), row_token_R if rows_end is None else rows_end, num_tokens, num_rows,
-            d, BR=block_rows, BD=min(triton.next_power_of_2(d), 256), HAS_END=rows_end is not None, num_warps=4,
-        )
-    return grad_y
-
-
-def combine_backward_into(
-    y_RD: Tensor | None, dest_TK: Tensor, w_TK: Tensor, g_TD: Tensor, grad_y: Tensor, grad_w: Tensor | None
-) -> None:
-    """The gradients of :func:`combine` for the tokens ``dest_TK`` / ``w_TK`` / ``g_TD`` describe
-    (any contiguous block of a layer's tokens): their rows of ``grad_y`` [R, D] and
-    ``grad_w`` [T_block, K] fp32 (None: not needed; ``y_RD`` may then be None)."""
-    num_tokens, k = dest_TK.shape
-    if num_tokens == 0:
-        return
-    d = g_TD.shape[1]
-    kp, bd, warps = _meta(d, k)
-    need_grad_w = grad_w is not None
-    g_TD = g_TD.contiguous()
-    _combine_bwd_kernel[(num_tokens,)](
-        y_RD.contiguous() if need_grad_w else g_TD, dest_TK.contiguous(), w_TK.contiguous(), g_TD, grad_y,
-        grad_w if need_grad_w else g_TD, grad_y.shape[0], d, K=k, KP=kp, BD=bd, NEED_GW=need_grad_w, NEED_GY=True,
-        num_warps=warps,
-    )
-
-
 def combine_backward(
     y_RD: Tensor | None, dest_TK: Tensor, w_TK: Tensor, g_TD: Tensor, num_rows: int, row_token_R: Tensor | None,
     need_grad_w: bool, rows_end: Tensor | None = None,
@@ -147,8 +109,23 @@ def combine_backward(
     ``need_grad_w``). ``row_token_R`` (int64 [R], ``T`` for rows no assignment holds) is needed
     when some rows are padding: those rows of ``grad_y`` are zeroed; None when every row is held.
     ``rows_end`` (0-dim device index): rows from it on hold no token and are left unwritten."""
+    g_TD = g_TD.contiguous()
     num_tokens, k = dest_TK.shape
-    grad_y = combine_grad_buffer(num_rows, g_TD, num_tokens, row_token_R, rows_end)
+    d = g_TD.shape[1]
+    grad_y = torch.empty(num_rows, d, dtype=g_TD.dtype, device=g_TD.device)
     grad_w = torch.empty(num_tokens, k, dtype=torch.float32, device=g_TD.device) if need_grad_w else None
-    combine_backward_into(y_RD, dest_TK, w_TK, g_TD, grad_y, grad_w)
+    if row_token_R is not None and num_rows and d:
+        block_rows = 64
+        _zero_unowned_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
+            grad_y, row_token_R.contiguous(), row_token_R if rows_end is None else rows_end, num_tokens, num_rows,
+            d, BR=block_rows, BD=min(triton.next_power_of_2(d), 256), HAS_END=rows_end is not None, num_warps=4,
+        )
+    if num_tokens == 0:
+        return grad_y, grad_w
+    kp, bd, warps = _meta(d, k)
+    _combine_bwd_kernel[(num_tokens,)](
+        y_RD.contiguous() if need_grad_w else g_TD, dest_TK.contiguous(), w_TK.contiguous(), g_TD, grad_y,
+        grad_w if need_grad_w else g_TD, num_rows, d, K=k, KP=kp, BD=bd, NEED_GW=need_grad_w, NEED_GY=True,
+        num_warps=warps,
+    )
     return grad_y, grad_w

@@ -63,13 +63,6 @@ class MoEConfig:
             group's all-gather / reduce-scatter) or "copy_engine" (peer copies through
             symmetric memory, ``torch.ops.symm_mem``'s low-contention collectives: no NCCL
             kernel, no SMs for the transfer; CUDA GPUs of one host with peer access).
-        combine_overlap: all-gather dispatcher: combine one group rank's tokens at a time and
-            send each block's partial output to its owner as soon as it is ready, so the
-            reduce-scatter (and, in the backward, the all-gather of the output gradient) runs
-            beside the combine kernels instead of after (before) them
-            (``parallel.combine_exchange``). None: on wherever it applies ("nccl" transport,
-            tokens gathered over one group: not both EP and ETP > 1); True: on, and an error
-            where it cannot apply; False: off.
         apply_probs_on_input: multiply routing probabilities into the expert input instead of
             the expert output (``moe_apply_probs_on_input``; needs ``router_topk == 1``).
         activation: expert activation; "swiglu" fuses gate and up projections.
@@ -105,7 +98,6 @@ class MoEConfig:
     token_dispatcher_type: Literal["alltoall", "allgather", "deepep"] = "alltoall"
     dispatch_chunks: int = 1
     dispatch_transport: Literal["nccl", "copy_engine"] = "nccl"
-    combine_overlap: Optional[bool] = None
     apply_probs_on_input: bool = False
     activation: Literal["swiglu", "gelu", "relu", "squared_relu"] = "swiglu"
     expert_backend: Literal["auto", "grouped_mm", "te", "loop"] = "auto"

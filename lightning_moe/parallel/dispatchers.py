@@ -43,7 +43,6 @@ from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.dispatcher import input_side_probs
 from lightning_moe.nn.permutation import PermutationPlan, permute, plan_permutation, round_up, unpermute
 from lightning_moe.nn.router import RoutingResult
-from lightning_moe.parallel.combine_exchange import combine_and_exchange, exchange_applies
 from lightning_moe.parallel.dispatch_ops import (
     all_gather_plain,
     all_gather_rows,
@@ -239,12 +238,6 @@ class AllToAllDispatcher:
                 f"MoEConfig.dispatch_transport={cfg.dispatch_transport!r} is implemented by the all-gather "
                 "dispatcher only: set token_dispatcher_type='allgather' (or the strategy's "
                 "token_dispatcher='allgather'), or dispatch_transport='nccl'."
-            )
-        if cfg.combine_overlap:
-            raise ValueError(
-                "MoEConfig.combine_overlap=True is implemented by the all-gather dispatcher only: set "
-                "token_dispatcher_type='allgather' (or the strategy's token_dispatcher='allgather'), or "
-                "combine_overlap=None."
             )
         _init_groups(self, cfg, ep_group, etp_group)
         self.etp_rank = group_rank(self.etp_group)
@@ -562,15 +555,6 @@ class AllGatherDispatcher:
         self.transport = cfg.dispatch_transport
         if self.transport == "copy_engine":
             _check_copy_engine_groups(self._gather_groups)
-        why_not = exchange_applies(self.transport, self._gather_groups)
-        if cfg.combine_overlap and why_not is not None:
-            raise ValueError(
-                f"MoEConfig.combine_overlap=True cannot apply: {why_not}. Set combine_overlap=None (on where "
-                "it applies) or False."
-            )
-        # One group: the overlapped combine; none (a single rank): nothing to exchange.
-        self.combine_overlap = (cfg.combine_overlap is not False and why_not is None
-                                and len(self._gather_groups) == 1)
 
     def describe(self) -> str:
         return _describe("all-gather", self.ep_size, self.etp_size, self.transport)
@@ -633,9 +617,6 @@ class AllGatherDispatcher:
         return x_RD, plan.group_sizes_E, AllGatherDispatchState(plan, probs_all)
 
     def combine(self, expert_output_RD: Tensor, state: AllGatherDispatchState) -> Tensor:
-        if self.combine_overlap:
-            (group,) = self._gather_groups
-            return combine_and_exchange(expert_output_RD, state.combine_probs_TK, state.plan, group)
         y_all = unpermute(expert_output_RD, state.combine_probs_TK, state.plan)
         for group in reversed(self._gather_groups):
             y_all = reduce_scatter_rows(y_all, group, self.transport)

@@ -1,6 +1,5 @@
 """Runs one bf16 MoE layer at EP=2 on two GPUs under the all-gather dispatcher with each
-transport (NCCL with and without the overlapped combine, copy engine) and under the all-to-all
-dispatcher, and prints what the test
+transport (NCCL, copy engine) and under the all-to-all dispatcher, and prints what the test
 compares as JSON. A fresh process: CUDA must not be initialised before the workers spawn."""
 
 import json
@@ -17,12 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
-# (dispatcher, transport, MoEConfig.combine_overlap)
-VARIANTS = (("allgather", "nccl", None), ("allgather", "nccl", False), ("allgather", "copy_engine", None),
-            ("alltoall", "nccl", None))
+VARIANTS = (("allgather", "nccl"), ("allgather", "copy_engine"), ("alltoall", "nccl"))
 
 
-def run_variant(rank: int, dispatcher: str, transport: str, overlap, steps: int) -> dict:
+def run_variant(rank: int, dispatcher: str, transport: str, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -32,13 +29,12 @@ def run_variant(rank: int, dispatcher: str, transport: str, overlap, steps: int)
 
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=256, ffn_hidden_size=384, num_experts=8, router_topk=2,
-                    expert_backend="grouped_mm", dispatch_transport=transport, combine_overlap=overlap)
+                    expert_backend="grouped_mm", dispatch_transport=transport)
     layer = MoELayer(cfg).cuda()
     layer.experts.to(torch.bfloat16)
     mesh = init_device_mesh("cuda", (2,), mesh_dim_names=("ep",))
     expert_parallel_layer(layer, mesh, dispatcher)
-    out = {"describe": layer.dispatcher.describe(), "y": [], "x_grad": [],
-           "combine_overlap": getattr(layer.dispatcher, "combine_overlap", None)}
+    out = {"describe": layer.dispatcher.describe(), "y": [], "x_grad": []}
     for step in range(steps):  # several steps: the symmetric workspace is reused across collectives
         g = torch.Generator(device="cuda").manual_seed(1000 * step + rank)
         x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
@@ -56,19 +52,14 @@ def worker(rank: int, port: int, steps: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
-    runs = {f"{d}_{t}" + ("_no_overlap" if o is False else ""): run_variant(rank, d, t, o, steps)
-            for d, t, o in VARIANTS}
+    runs = {f"{d}_{t}": run_variant(rank, d, t, steps) for d, t in VARIANTS}
     base, engine, a2a = runs["allgather_nccl"], runs["allgather_copy_engine"], runs["alltoall_nccl"]
-    plain = runs["allgather_nccl_no_overlap"]
-    report = {"describe": {k: v["describe"] for k, v in runs.items()}, "identical": {}, "max_diff_vs_alltoall": {},
-              "combine_overlap": {k: v["combine_overlap"] for k, v in runs.items()}}
+    report = {"describe": {k: v["describe"] for k, v in runs.items()}, "identical": {}, "max_diff_vs_alltoall": {}}
     for key, value in base.items():
-        if key in ("describe", "combine_overlap"):
+        if key == "describe":
             continue
         pairs = list(zip(value, engine[key], a2a[key])) if isinstance(value, list) else [(value, engine[key], a2a[key])]
-        plain_pairs = list(zip(value, plain[key])) if isinstance(value, list) else [(value, plain[key])]
-        report["identical"][key] = (all(torch.equal(a, b) for a, b, _ in pairs)
-                                    and all(torch.equal(a, b) for a, b in plain_pairs))
+        report["identical"][key] = all(torch.equal(a, b) for a, b, _ in pairs)
         report["max_diff_vs_alltoall"][key] = max(float((a - c).abs().max()) for a, _, c in pairs)
         report.setdefault("scale", {})[key] = max(float(c.abs().max()) for _, _, c in pairs)
     queue.put((rank, report))
