@@ -119,6 +119,14 @@ class GroupedExperts(nn.Module):
             return te_grouped_mm(x_RK, w_EKN, group_sizes_E, cache=cache, key=projection)
         return BACKENDS[self.backend](x_RK, w_EKN, group_sizes_E)
 
+    def prefetch(self) -> None:
+        """Start what does not depend on the tokens; `MoELayer` calls it before routing. A
+        quantization that can (``FP8GroupedGemm.prefetch_weights``) starts casting the expert
+        weights on a side stream, to be taken by this layer's next `forward`."""
+        start = getattr(self.quantization, "prefetch_weights", None)
+        if start is not None:
+            start({"fc1": fc1_matrix(local_tensor(self.fc1_weight)), "fc2": local_tensor(self.fc2_weight)})
+
     def reads_only_grouped_rows(self, dtype: torch.dtype) -> bool:
         """Whether `forward` on ``dtype`` rows reads only the rows its groups cover, in the
         input and in the output's gradient (the "grouped_mm" backend without quantization), so

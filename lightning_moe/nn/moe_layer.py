@@ -87,6 +87,10 @@ class MoELayer(nn.Module):
         # side by side, which NCCL does not promise to be free of deadlock.
         prefetch = getattr(self.dispatcher, "prefetch", None)
         prefetched = prefetch(x_TD) if prefetch is not None and not self.router.communicates() else None
+        # Likewise the experts' own token-independent work (FP8 copies of their weights).
+        prefetch_experts = getattr(self.experts, "prefetch", None)
+        if prefetch_experts is not None:
+            prefetch_experts()
         routing: RoutingResult = self.router(x if x.dim() == 3 else x_TD)
         run = getattr(self.dispatcher, "run", None)
         if run is not None:  # dispatchers that pipeline dispatch, experts and combine themselves

@@ -202,6 +202,7 @@ def fp8_grouped_mm(
     backend: str = "emulated",
     state: Optional[DelayedState] = None,
     weight_key: Optional[Hashable] = None,
+    prefetched: Optional[Any] = None,
 ) -> Tensor:
     """Grouped GEMM ``y[rows of e] = x[rows of e] @ w[e]`` with quantized operands.
 
@@ -213,6 +214,8 @@ def fp8_grouped_mm(
         recipe / backend / state: as in `fp8_linear`. Tensorwise and delayed scales are
             per expert (one per token group, one per expert weight), as in TE's GroupedLinear.
         weight_key: as in `fp8_linear`.
+        prefetched: ``w``'s FP8 layouts started early (``scaled_mm.prefetch_weight_layouts``;
+            the "torch" backend makes them, the others never get any).
     Returns:
         ``[R, N]``.
     """
@@ -220,7 +223,7 @@ def fp8_grouped_mm(
     if _backend(recipe, backend, x_RK, grouped=True) == "torch":
         from lightning_moe.precision.scaled_mm import scaled_grouped_mm
 
-        return scaled_grouped_mm(x_RK, w_EKN, offsets_E, recipe, state, weight_key)
+        return scaled_grouped_mm(x_RK, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
     return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state)
 
 
@@ -232,6 +235,7 @@ def fp8_grouped_mm_swiglu(
     backend: str = "torch",
     state: Optional[DelayedState] = None,
     weight_key: Optional[Hashable] = None,
+    prefetched: Optional[Any] = None,
 ) -> Optional[Tensor]:
     """``swiglu(h) @ w`` per group with the SwiGLU computed inside the FP8 cast of the GEMM's
     input, so ``silu(gate) * up`` is never written in bf16 and read back; the same bits as
@@ -242,7 +246,7 @@ def fp8_grouped_mm_swiglu(
     Args:
         h_RF2: the first projection's output ``[R, 2F]`` (``[gate | up]``).
         w_EFN: the second projection's weights ``[E, F, N]``.
-        offsets_E / recipe / backend / state / weight_key: as in `fp8_grouped_mm`.
+        offsets_E / recipe / backend / state / weight_key / prefetched: as in `fp8_grouped_mm`.
     """
     recipe = FP8Recipe.of(recipe)
     if recipe.name != "delayed" or state is None or _backend(recipe, backend, h_RF2, grouped=True) != "torch":
@@ -251,4 +255,4 @@ def fp8_grouped_mm_swiglu(
 
     if not swiglu_fusable(h_RF2, w_EFN, recipe, state):
         return None
-    return scaled_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, recipe, state, weight_key)
+    return scaled_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, recipe, state, weight_key, prefetched)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -119,11 +119,35 @@ class FP8GroupedGemm(nn.Module):
         state = self._delayed_state(projection, w_EKN.shape[0], w_EKN.device) if self.recipe.name == "delayed" else None
         return state, ((id(self), projection) if projection else None)
 
+    def prefetch_weights(self, weights: dict[str, Tensor]) -> None:
+        """Start the FP8 copies of each projection's weight (``{"fc1": w1, "fc2": w2}``) on a
+        side stream, before the tokens arrive (``scaled_mm.prefetch_weight_layouts``: the native
+        backend's training forward; nothing elsewhere). The next `grouped_mm` /
+        `grouped_mm_swiglu` of that projection takes them."""
+        for stale in self.__dict__.pop("_prefetched", {}).values():
+            stale.release()  # never taken (a forward that stopped early): still reading its weight
+        if resolve_backend(self.recipe, self.backend, device=next(iter(weights.values())).device.type,
+                           grouped=True) != "torch":
+            return
+        from lightning_moe.precision.scaled_mm import prefetch_weight_layouts
+
+        prefetched = {}
+        for projection, w_EKN in weights.items():
+            state, _ = self._state_and_key(projection, w_EKN)
+            started = prefetch_weight_layouts(w_EKN, self.recipe, state)
+            if started is not None:
+                prefetched[projection] = started
+        self.__dict__["_prefetched"] = prefetched  # not module state: per forward, never saved
+
+    def _take_prefetched(self, projection: str) -> Optional[Any]:
+        return self.__dict__.get("_prefetched", {}).pop(projection, None)
+
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str = "") -> Tensor:
         """``projection`` ("fc1" / "fc2") names the weight for the FP8 weight cache and picks
-        its delayed-scaling state."""
+        its delayed-scaling state (and its copies from `prefetch_weights`)."""
         state, key = self._state_and_key(projection, w_EKN)
-        return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key)
+        return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key,
+                              prefetched=self._take_prefetched(projection))
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
                           projection: str = "") -> Optional[Tensor]:
@@ -132,7 +156,12 @@ class FP8GroupedGemm(nn.Module):
         if self.recipe.name != "delayed":
             return None
         state, key = self._state_and_key(projection, w_EFN)
-        return fp8_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key)
+        prefetched = self.__dict__.get("_prefetched", {}).get(projection)
+        y = fp8_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key,
+                                  prefetched=prefetched)
+        if y is not None:
+            self._take_prefetched(projection)  # used; else `grouped_mm` takes it
+        return y
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe.name}, backend={self.backend}"

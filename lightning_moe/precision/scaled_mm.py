@@ -32,11 +32,17 @@ through `_dense_operand`. Both fused paths give the generic quantizers' bits. Un
 scaling a SwiGLU expert's second projection can take ``h = [gate | up]`` itself
 (`scaled_grouped_mm_swiglu`): its input cast computes ``silu(gate) * up`` on the fly, so the
 SwiGLU output is never written in bf16 and read back.
+
+The expert weights do not depend on the tokens, so `MoELayer` starts their FP8 copies before
+it routes (`prefetch_weight_layouts`, through ``GroupedExperts.prefetch``): both layouts of
+each projection's weight are cast on a side stream while the router, the permutation and the
+first projection run; each GEMM waits only for its own weight's copies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -470,6 +476,80 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
     return out
 
 
+def _weight_signature(w: Tensor) -> tuple:
+    """What identifies a weight's values: memory, layout and version (a new view of the same
+    parameter, as each forward makes, has the same signature; an in-place update changes it)."""
+    return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w._version
+
+
+_PREFETCH_STREAMS: dict[int, Any] = {}
+
+
+def _prefetch_stream(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PREFETCH_STREAMS:
+        _PREFETCH_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _PREFETCH_STREAMS[index]
+
+
+@dataclass
+class PrefetchedWeight:
+    """Both FP8 layouts of an expert weight, being cast on a side stream (`prefetch_weight_layouts`).
+
+    signature: the weight's `_weight_signature` when the cast started.
+    layouts: ``(fprop [E, N, K], scales [E, N], dgrad [E * K, N], scales [E * K])``, as
+        ``_FusedGroupedOperands.weight_both`` returns them (made on the side stream).
+    done: recorded on the side stream after the cast.
+    """
+
+    signature: tuple
+    layouts: tuple[Tensor, Tensor, Tensor, Tensor]
+    done: Any
+    device: torch.device
+
+    def release(self) -> None:
+        """Make the current stream wait for the cast: nothing issued after this (an optimizer
+        step, say) may write the weight while the side stream still reads it."""
+        torch.cuda.current_stream(self.device).wait_event(self.done)
+
+    def take(self, w: Tensor) -> Optional[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """The layouts, ready on the current stream, if they are of ``w`` as it is now, else
+        None; `release` either way."""
+        self.release()
+        current = torch.cuda.current_stream(self.device)
+        if self.signature != _weight_signature(w):
+            return None
+        for t in self.layouts:
+            t.record_stream(current)  # made on the side stream, used and freed on this one
+        return self.layouts
+
+
+def prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe,
+                            state: Optional[DelayedState]) -> Optional[PrefetchedWeight]:
+    """Start casting both FP8 layouts of ``w [E, K, N]`` on a side stream, where the training
+    forward of `scaled_grouped_mm` would cast them itself: the fused casts on CUDA
+    (rowwise or delayed), ``FP8Recipe.quantize_weights_once``, no weight cache, gradients on,
+    not under CUDA-graph capture. Returns None elsewhere. Pass the result to
+    `scaled_grouped_mm` (``prefetched=``); its forward waits for it there, and casts again
+    if the weight changed since (the result is then only waited for)."""
+    needs_backward = torch.is_grad_enabled() and w_EKN.requires_grad
+    if not (w_EKN.is_cuda and needs_backward and _both_weight_layouts_now(recipe, needs_backward)):
+        return None
+    if torch.cuda.is_current_stream_capturing() or training_cache(w_EKN) is not None:
+        return None
+    if not (_fused_rowwise(recipe, state, w_EKN) or _fused_delayed(recipe, state, w_EKN)):
+        return None
+    current = torch.cuda.current_stream(w_EKN.device)
+    side = _prefetch_stream(w_EKN.device)
+    side.wait_stream(current)  # the weight's latest values (an optimizer step) first
+    with torch.cuda.stream(side):
+        layouts = _FusedGroupedOperands(recipe, state).weight_both(w_EKN.detach())
+        done = torch.cuda.Event()
+        done.record(side)
+    w_EKN.record_stream(side)  # read there: its memory must outlive the side stream's use
+    return PrefetchedWeight(_weight_signature(w_EKN), layouts, done, w_EKN.device)
+
+
 class _ScaledGroupedMM(torch.autograd.Function):
     """``x @ w`` per group; with ``input_swiglu`` ``x`` is ``h = [gate | up]`` and the GEMM's
     input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`)."""
@@ -477,9 +557,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
-                cache: Optional[FP8WeightCache], needs_backward: bool, input_swiglu: bool = False) -> Tensor:
+                cache: Optional[FP8WeightCache], needs_backward: bool, input_swiglu: bool = False,
+                prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
+        # Waited for whatever path runs below (see PrefetchedWeight.take).
+        prefetched_layouts = prefetched.take(w) if prefetched is not None else None
         with no_autocast(x):
             fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x, w)
             assert fused or not input_swiglu, "scaled_grouped_mm_swiglu checks swiglu_fusable first"
@@ -493,7 +576,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
                                                             lambda: quantizer.weight_both(w))
                     weight_dgrad: Optional[tuple[Tensor, Tensor]] = (qw_dgrad, sw_EK)
                 elif _both_weight_layouts_now(recipe, needs_backward):
-                    qw_ENK, sw_EN, qw_dgrad, sw_EK = quantizer.weight_both(w)
+                    qw_ENK, sw_EN, qw_dgrad, sw_EK = (prefetched_layouts if prefetched_layouts is not None
+                                                      else quantizer.weight_both(w))
                     weight_dgrad = (qw_dgrad, sw_EK)
                 else:
                     qw_ENK, sw_EN = quantizer.weight_fprop(w)
@@ -581,15 +665,17 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
                 # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
                 return (swiglu_backward(saved[6], dx.to(ctx.x_dtype)), dw.to(ctx.w_dtype),
-                        None, None, None, None, None, None, None)
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None, None
+                        None, None, None, None, None, None, None, None)
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None, None, None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
-                      state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
-    """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`."""
+                      state: Optional[DelayedState], weight_key: Optional[Hashable] = None,
+                      prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
+    """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`;
+    ``prefetched``: ``w``'s layouts from `prefetch_weight_layouts`."""
     return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w),
-                                  _needs_backward(x, w))
+                                  _needs_backward(x, w), False, prefetched)
 
 
 def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:
@@ -600,10 +686,11 @@ def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[Dela
 
 
 def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
-                             state: DelayedState, weight_key: Optional[Hashable] = None) -> Tensor:
+                             state: DelayedState, weight_key: Optional[Hashable] = None,
+                             prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
     """``swiglu(h) @ w`` per group, the SwiGLU computed inside the FP8 cast of the GEMM's input:
     ``silu(gate) * up`` is never written in bf16 and read back. Same bits as
     ``scaled_grouped_mm(swiglu(h), w, ...)`` with the Triton SwiGLU (GPU test); only where
     `swiglu_fusable`."""
     return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
-                                  _needs_backward(h, w), True)
+                                  _needs_backward(h, w), True, prefetched)

@@ -91,6 +91,37 @@ def test_weights_quantized_once_train_identically(monkeypatch, recipe):
     assert all(torch.equal(a, b) for a, b in zip(once_params, params))
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
+def test_prefetched_weights_train_identically(monkeypatch, recipe):
+    """MoELayer starts the expert weights' FP8 copies on a side stream before routing
+    (``GroupedExperts.prefetch``); every training forward takes them there, evaluation makes
+    none, and the bits equal casting them in the forward itself."""
+    from lightning_moe.nn.experts import GroupedExperts
+    from lightning_moe.precision import FP8Recipe, scaled_mm
+
+    streams = {"side": 0, "main": 0}
+    weight_both = scaled_mm._FusedGroupedOperands.weight_both
+
+    def counting(self, w):
+        side = torch.cuda.current_stream() != torch.cuda.default_stream()
+        streams["side" if side else "main"] += 1
+        return weight_both(self, w)
+
+    monkeypatch.setattr(scaled_mm._FusedGroupedOperands, "weight_both", counting)
+    losses, params, _ = _train(FP8Recipe(recipe), cache=False)
+    assert streams == {"side": 12, "main": 0}  # 3 steps x 2 micro-batches x 2 projections
+    with torch.no_grad():
+        layer = MoELayer(MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=4, expert_alignment=16)).cuda()
+        FP8Precision(recipe=FP8Recipe(recipe), backend="torch").convert_module(layer)
+        layer(torch.randn(2, 64, 256, device="cuda"))
+    assert streams == {"side": 12, "main": 0}  # evaluation: one layout, in the forward, no weight_both
+    monkeypatch.setattr(GroupedExperts, "prefetch", lambda self: None)
+    plain_losses, plain_params, _ = _train(FP8Recipe(recipe), cache=False)
+    assert streams == {"side": 12, "main": 12}
+    assert torch.equal(losses, plain_losses)
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
 @pytest.mark.parametrize("once", [True, False])
 @pytest.mark.parametrize("cache", [False, True])
 def test_fused_rowwise_under_activation_checkpointing(cache, once):
