@@ -26,6 +26,8 @@ follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -116,6 +118,7 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
             if TRANSPOSE == 1:
                 tl.store(ptrs, (tl.trans(x) * col_scale[:, None]).to(tl.float8e4nv), mask=mt)
             else:
+                tl.static_assert(q_col_ptr.dtype.element_ty == tl.uint8, "TRANSPOSE=2 stores bytes: pass a uint8 view")
                 q = (x * col_scale[None, :]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
                 tl.store(ptrs, tl.trans(q), mask=mt)
     if AMAX_2D:
@@ -144,8 +147,8 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
                               in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, TRANSPOSE, 16)
-    # STAGES > 1 asks the compiler to software-pipeline the body's loads (the next tiles' reads in
-    # flight while this one is cast and stored).
+    # STAGES: the body loop's software-pipelining depth (1: none). 3 measured no faster
+    # (fp8_quant_tune_delayed_variants_transpose_stages.json), so the launcher keeps 1.
     if AMAX_2D:
         body_amax = tl.zeros([BR, BC], dtype=tl.float32)
         for r0 in tl.range(lo, hi, BR, num_stages=STAGES):
@@ -218,6 +221,7 @@ def delayed_cast(
     stride_out_group: int = 0,
     e5m2: bool = False,
     swiglu: bool = False,
+    launch_stream: Optional[torch.cuda.Stream] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -237,6 +241,9 @@ def delayed_cast(
             operand cast is ``silu(gate) * up`` ``[R, C]``, computed on the fly with the SwiGLU
             kernel's arithmetic and rounding (the same bits as casting its output), so the
             SwiGLU output is never written. Needs ``out_col`` (the per-group tile kernel).
+        launch_stream: run the kernels there (see `on_launch_stream`); the outputs are
+            allocated on the current stream, which must wait for ``launch_stream`` before
+            reading them.
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -267,7 +274,32 @@ def delayed_cast(
         return q_row, s_row, s_col
     offsets_G = offsets_G.contiguous()
     scale_G = scale_G.contiguous()
-    cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=device)  # atomic-max target
+    with on_launch_stream(launch_stream):
+        _launch_delayed_cast(x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col, stride_out_col,
+                             stride_out_group, e5m2, swiglu)
+    return q_row, s_row, s_col
+
+
+@contextlib.contextmanager
+def on_launch_stream(stream: Optional[torch.cuda.Stream]) -> Iterator[None]:
+    """Launch the enclosed kernels on ``stream`` (None: the current one), after the current
+    stream's work so far (the outputs were just allocated there, possibly in memory it freed)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _launch_delayed_cast(x_RC: Tensor, offsets_G: Tensor, scale_G: Tensor, record_G: Optional[Tensor],
+                         q_row: Optional[Tensor], s_row: Optional[Tensor], out_col: Optional[Tensor],
+                         s_col: Optional[Tensor], stride_out_col: int, stride_out_group: int, e5m2: bool,
+                         swiglu: bool) -> None:
+    rows, cols = x_RC.shape[0], x_RC.shape[1] // 2 if swiglu else x_RC.shape[1]
+    groups = offsets_G.numel()
+    write_row = q_row is not None
+    cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=x_RC.device)  # atomic-max target
     # The tail group only exists for the row copy (no GEMM reads a transposed tail).
     cast_groups = groups + 1 if write_row else groups
     _missing_amax_kernel[(cast_groups, triton.cdiv(cols, 64))](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups,
@@ -283,7 +315,7 @@ def delayed_cast(
             BL=block,
             num_warps=2 if cols <= 4096 else 16,
         )
-        return q_row, s_row, s_col
+        return
     # Launch shape from fp8_quant_tune_delayed_variants_*.json (H200, both copies of the FP8 block's
     # operands): 64 x 128 tiles whose amax is kept per element until the loop ends, column blocks
     # on the grid's fast axis; 2.5-3.0 TB/s against 2.1-2.6 for the former 128 x 64 tiles reduced
@@ -297,4 +329,3 @@ def delayed_cast(
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
         BR=64, BC=128, AMAX_2D=True, GROUP_AXIS=1, num_warps=4,
     )
-    return q_row, s_row, s_col

@@ -26,6 +26,8 @@ gradient, and weight gradient) and weights (forward and data gradient).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -231,14 +233,18 @@ def group_column_quantize(
 
 
 def dual_quantize(
-    x_RC: Tensor, offsets_G: Tensor, out_col: Tensor, stride_out_col: int, stride_out_group: int
+    x_RC: Tensor, offsets_G: Tensor, out_col: Tensor, stride_out_col: int, stride_out_group: int,
+    launch_stream: Optional[torch.cuda.Stream] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`rowwise_quantize` and `group_column_quantize` of ``x [R, C]`` together, same numbers.
 
     Returns (float8 ``[R, C]``, fp32 row ``scale_inv [R]``, fp32 group-column ``scale_inv
     [G, C]``); the group-column copy goes to ``out_col`` as in `group_column_quantize`. Rows
-    past the last offset get their rowwise copy only.
+    past the last offset get their rowwise copy only. ``launch_stream``: as in
+    ``fp8_delayed_triton.delayed_cast`` (kernels there, outputs allocated on the current stream).
     """
+    from lightning_moe.kernels.fp8_delayed_triton import on_launch_stream
+
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape
     groups = offsets_G.numel()
@@ -246,14 +252,16 @@ def dual_quantize(
     s_row = torch.empty(rows, dtype=torch.float32, device=x_RC.device)  # every row written below
     s_col = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
     if rows and cols:
-        row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
-        col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
         offsets_G = offsets_G.contiguous()
-        grid = (groups + 1, triton.cdiv(cols, 64))
-        # fp8_quant_tune_dual_vec.json (H200): 128-row tiles for the amax, 64-row for the cast
-        _dual_amax_kernel[grid](x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64, num_warps=4)
-        _dual_cast_kernel[grid](x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows, cols,
-                                groups, stride_out_col, stride_out_group, BR=64, BC=64, num_warps=4)
+        with on_launch_stream(launch_stream):
+            row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
+            col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
+            grid = (groups + 1, triton.cdiv(cols, 64))
+            # fp8_quant_tune_dual_vec.json (H200): 128-row tiles for the amax, 64-row for the cast
+            _dual_amax_kernel[grid](x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64,
+                                    num_warps=4)
+            _dual_cast_kernel[grid](x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows, cols,
+                                    groups, stride_out_col, stride_out_group, BR=64, BC=64, num_warps=4)
     else:  # nothing to scale
         s_row.fill_(1.0)
         s_col.fill_(1.0)

@@ -40,7 +40,9 @@ class GroupedGemm(Protocol):
     ``projection`` ("fc1" / "fc2") names the weight: the FP8 weight cache keys on it and the
     delayed recipe keeps separate scales per projection. It may also offer
     ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second projection with the
-    SwiGLU fused in, returning None where it does not apply."""
+    SwiGLU fused in, returning None where it does not apply; and ``prefetch_weights({"fc1": w1,
+    "fc2": w2})`` / ``release_prefetched()``: start the weights' quantized copies before the
+    tokens arrive, and drop what no GEMM took (see `GroupedExperts.prefetch`)."""
 
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str) -> Tensor: ...
 
@@ -120,12 +122,23 @@ class GroupedExperts(nn.Module):
         return BACKENDS[self.backend](x_RK, w_EKN, group_sizes_E)
 
     def prefetch(self) -> None:
-        """Start what does not depend on the tokens; `MoELayer` calls it before routing. A
-        quantization that can (``FP8GroupedGemm.prefetch_weights``) starts casting the expert
-        weights on a side stream, to be taken by this layer's next `forward`."""
+        """Start what does not depend on the tokens; `MoELayer` calls it before routing (and
+        `release_prefetched` after its forward). A quantization that can
+        (``FP8GroupedGemm.prefetch_weights``) starts casting the expert weights on a side
+        stream, to be taken by this module's next `forward`. Not when FSDP shards this module:
+        its weights are gathered only when its own forward starts."""
+        from torch.distributed.fsdp import FSDPModule
+
         start = getattr(self.quantization, "prefetch_weights", None)
-        if start is not None:
+        if start is not None and not isinstance(self, FSDPModule):
             start({"fc1": fc1_matrix(local_tensor(self.fc1_weight)), "fc2": local_tensor(self.fc2_weight)})
+
+    def release_prefetched(self) -> None:
+        """Drop whatever `prefetch` started that `forward` did not take (a forward that stopped
+        early), once the current stream has waited for it."""
+        release = getattr(self.quantization, "release_prefetched", None)
+        if release is not None:
+            release()
 
     def reads_only_grouped_rows(self, dtype: torch.dtype) -> bool:
         """Whether `forward` on ``dtype`` rows reads only the rows its groups cover, in the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from torch import Tensor, nn
 
@@ -91,6 +91,15 @@ class MoELayer(nn.Module):
         prefetch_experts = getattr(self.experts, "prefetch", None)
         if prefetch_experts is not None:
             prefetch_experts()
+        try:
+            return self._route_and_combine(x, x_TD, prefetched)
+        finally:
+            release = getattr(self.experts, "release_prefetched", None)
+            if release is not None:
+                release()
+
+    def _route_and_combine(self, x: Tensor, x_TD: Tensor, prefetched: Optional[Any]) -> Tensor:
+        """The rest of `forward`: ``prefetched`` is the dispatcher's early token gather (or None)."""
         routing: RoutingResult = self.router(x if x.dim() == 3 else x_TD)
         run = getattr(self.dispatcher, "run", None)
         if run is not None:  # dispatchers that pipeline dispatch, experts and combine themselves

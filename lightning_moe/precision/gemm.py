@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -31,6 +31,9 @@ from lightning_moe.precision.delayed import DelayedState
 from lightning_moe.precision.operands import Layout, dequantized_operand, pad_contraction, symmetric_tiles
 from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
+
+if TYPE_CHECKING:
+    from lightning_moe.precision.scaled_mm import PrefetchedWeight
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -202,7 +205,7 @@ def fp8_grouped_mm(
     backend: str = "emulated",
     state: Optional[DelayedState] = None,
     weight_key: Optional[Hashable] = None,
-    prefetched: Optional[Any] = None,
+    prefetched: Optional[PrefetchedWeight] = None,
 ) -> Tensor:
     """Grouped GEMM ``y[rows of e] = x[rows of e] @ w[e]`` with quantized operands.
 
@@ -235,7 +238,7 @@ def fp8_grouped_mm_swiglu(
     backend: str = "torch",
     state: Optional[DelayedState] = None,
     weight_key: Optional[Hashable] = None,
-    prefetched: Optional[Any] = None,
+    prefetched: Optional[PrefetchedWeight] = None,
 ) -> Optional[Tensor]:
     """``swiglu(h) @ w`` per group with the SwiGLU computed inside the FP8 cast of the GEMM's
     input, so ``silu(gate) * up`` is never written in bf16 and read back; the same bits as

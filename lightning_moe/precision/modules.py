@@ -16,17 +16,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.precision import _te
-from lightning_moe.precision.delayed import DelayedState, ensure_delayed_state, register_delayed_buffers
+from lightning_moe.precision.delayed import DelayedState, delayed_state, ensure_delayed_state, register_delayed_buffers
 from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_grouped_mm_swiglu, fp8_linear
 from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
+
+if TYPE_CHECKING:
+    from lightning_moe.precision.scaled_mm import PrefetchedWeight
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 # Leaf names of linears that are routers / output heads in common model code (Megatron,
@@ -121,25 +124,42 @@ class FP8GroupedGemm(nn.Module):
 
     def prefetch_weights(self, weights: dict[str, Tensor]) -> None:
         """Start the FP8 copies of each projection's weight (``{"fc1": w1, "fc2": w2}``) on a
-        side stream, before the tokens arrive (``scaled_mm.prefetch_weight_layouts``: the native
-        backend's training forward; nothing elsewhere). The next `grouped_mm` /
-        `grouped_mm_swiglu` of that projection takes them."""
-        for stale in self.__dict__.pop("_prefetched", {}).values():
-            stale.release()  # never taken (a forward that stopped early): still reading its weight
-        if resolve_backend(self.recipe, self.backend, device=next(iter(weights.values())).device.type,
-                           grouped=True) != "torch":
-            return
-        from lightning_moe.precision.scaled_mm import prefetch_weight_layouts
+        side stream, before the tokens arrive, where the native backend's training forward
+        would cast them (``scaled_mm.can_prefetch_weight_layouts``); nothing elsewhere. The
+        next `grouped_mm` / `grouped_mm_swiglu` of that projection takes them.
 
-        prefetched = {}
+        The delayed recipe needs its scaling state already sized for these weights (the first
+        forward allocates it); this never allocates or resizes it, so weights of another shape
+        (say, an FSDP shard seen before the unshard) cannot reset the amax histories.
+        """
+        self.release_prefetched()
+        from lightning_moe.precision.scaled_mm import can_prefetch_weight_layouts, prefetch_weight_layouts
+
+        started = {}
         for projection, w_EKN in weights.items():
+            if not can_prefetch_weight_layouts(w_EKN, self.recipe):
+                continue
+            if resolve_backend(self.recipe, self.backend, device=w_EKN.device.type, grouped=True) != "torch":
+                continue
+            if self.recipe.name == "delayed" and not self._delayed_state_fits(w_EKN.shape[0]):
+                continue
             state, _ = self._state_and_key(projection, w_EKN)
-            started = prefetch_weight_layouts(w_EKN, self.recipe, state)
-            if started is not None:
-                prefetched[projection] = started
-        self.__dict__["_prefetched"] = prefetched  # not module state: per forward, never saved
+            started[projection] = prefetch_weight_layouts(w_EKN, self.recipe, state)
+        self.__dict__["_prefetched"] = started  # not module state: per forward, never saved
 
-    def _take_prefetched(self, projection: str) -> Optional[Any]:
+    def _delayed_state_fits(self, experts: int) -> bool:
+        state = delayed_state(self)
+        return state is not None and state.scale.shape[1] == len(_PROJECTIONS) * experts
+
+    def release_prefetched(self) -> None:
+        """Drop copies `prefetch_weights` started that no GEMM took (a forward that stopped
+        early), after making the current stream wait for them: their casts may still be
+        reading the weights and recording amaxes."""
+        for leftover in self.__dict__.pop("_prefetched", {}).values():
+            leftover.release()
+
+    def _take_prefetched(self, projection: str) -> Optional[PrefetchedWeight]:
+        """The projection's prefetched copies (None if none), removed from the pending ones."""
         return self.__dict__.get("_prefetched", {}).pop(projection, None)
 
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str = "") -> Tensor:

@@ -198,14 +198,18 @@ def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
 
 def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], *operands: Tensor) -> bool:
     """The delayed recipe's operands can take the one-read delayed casts (same numbers as the
-    generic path; ``kernels.fp8_delayed_triton``). Not for DTensors: a tensor-parallel shard's
-    amax is reduced over its shards by the generic path."""
+    generic path; ``kernels.fp8_delayed_triton``)."""
+    return recipe.name == "delayed" and state is not None and _local_triton_operands(*operands)
+
+
+def _local_triton_operands(*operands: Tensor) -> bool:
+    """Triton kernels can take the operands. Not DTensors: a tensor-parallel shard's amax is
+    reduced over its shards by the generic path."""
     from torch.distributed.tensor import DTensor
 
     from lightning_moe.kernels import use_triton
 
-    return (recipe.name == "delayed" and state is not None
-            and all(not isinstance(t, DTensor) and use_triton(t) for t in operands))
+    return all(not isinstance(t, DTensor) and use_triton(t) for t in operands)
 
 
 def _caching(cache: Optional[FP8WeightCache], weight_key: Optional[Hashable]) -> bool:
@@ -314,16 +318,19 @@ def _fused_weight_fprop(w_EKN: Tensor) -> tuple[Tensor, Tensor]:
     return q_ENK, group_column_quantize(rows, ends, q_ENK, stride_col, stride_group)
 
 
-def _fused_weight_both(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fused_weight_both(w_EKN: Tensor, launch_stream: Optional[torch.cuda.Stream] = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``w [E, K, N]`` quantized for both grouped GEMMs from two reads (one fused quantizer):
 
     - fprop: per (expert, output column) over K, stored ``[E, N, K]``, scales ``[E, N]``;
     - dgrad: per (expert, row k) over N, stored ``[E * K, N]``, scales ``[E * K]``.
+
+    ``launch_stream``: run the kernels there (the outputs are allocated on the current stream).
     """
     from lightning_moe.kernels.fp8_quant_triton import dual_quantize
 
     rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
-    q_dgrad, s_dgrad, s_EN = dual_quantize(rows, ends, q_ENK, stride_col, stride_group)
+    q_dgrad, s_dgrad, s_EN = dual_quantize(rows, ends, q_ENK, stride_col, stride_group, launch_stream)
     return q_ENK, s_EN, q_dgrad, s_dgrad
 
 
@@ -388,15 +395,19 @@ class _FusedGroupedOperands:
         q, s_EK, _ = delayed_cast(rows, _expert_row_ends(w_EKN), self._delayed("weight")[0], None)
         return q, s_EK
 
-    def weight_both(self, w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """`weight_fprop` and `weight_dgrad` from one kernel (the weight cache keeps both)."""
+    def weight_both(self, w_EKN: Tensor, launch_stream: Optional[torch.cuda.Stream] = None
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """`weight_fprop` and `weight_dgrad` from one kernel (the weight cache keeps both).
+        ``launch_stream``: run the kernels there; the outputs are allocated on the current
+        stream, which must wait for ``launch_stream`` before reading them."""
         if self.state is None:
-            return _fused_weight_both(w_EKN)
+            return _fused_weight_both(w_EKN, launch_stream)
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
         rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
-        q_dgrad, s_dgrad, s_EN = delayed_cast(rows, ends, *self._delayed("weight"), out_col=q_ENK,
-                                              stride_out_col=stride_col, stride_out_group=stride_group)
+        scale, record = self._delayed("weight")
+        q_dgrad, s_dgrad, s_EN = delayed_cast(rows, ends, scale, record, out_col=q_ENK, stride_out_col=stride_col,
+                                              stride_out_group=stride_group, launch_stream=launch_stream)
         return q_ENK, s_EN, q_dgrad, s_dgrad
 
 
@@ -482,10 +493,10 @@ def _weight_signature(w: Tensor) -> tuple:
     return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w._version
 
 
-_PREFETCH_STREAMS: dict[int, Any] = {}
+_PREFETCH_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _prefetch_stream(device: torch.device):
+def _prefetch_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PREFETCH_STREAMS:
         _PREFETCH_STREAMS[index] = torch.cuda.Stream(device=index)
@@ -498,55 +509,62 @@ class PrefetchedWeight:
 
     signature: the weight's `_weight_signature` when the cast started.
     layouts: ``(fprop [E, N, K], scales [E, N], dgrad [E * K, N], scales [E * K])``, as
-        ``_FusedGroupedOperands.weight_both`` returns them (made on the side stream).
+        ``_FusedGroupedOperands.weight_both`` returns them; allocated on the stream that
+        started the cast, written on the side stream.
     done: recorded on the side stream after the cast.
+    device: the weight's device.
     """
 
     signature: tuple
     layouts: tuple[Tensor, Tensor, Tensor, Tensor]
-    done: Any
+    done: torch.cuda.Event
     device: torch.device
 
     def release(self) -> None:
         """Make the current stream wait for the cast: nothing issued after this (an optimizer
-        step, say) may write the weight while the side stream still reads it."""
+        step, the delayed-scaling update) may touch the weight or the amax the cast records
+        while the side stream may still be at it."""
         torch.cuda.current_stream(self.device).wait_event(self.done)
 
     def take(self, w: Tensor) -> Optional[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """The layouts, ready on the current stream, if they are of ``w`` as it is now, else
+        """The layouts, ready on the current stream, if they are of ``w`` as it is now (an
+        in-place update through ``.data`` is not seen: it bypasses the version counter), else
         None; `release` either way."""
         self.release()
-        current = torch.cuda.current_stream(self.device)
-        if self.signature != _weight_signature(w):
-            return None
-        for t in self.layouts:
-            t.record_stream(current)  # made on the side stream, used and freed on this one
-        return self.layouts
+        return self.layouts if self.signature == _weight_signature(w) else None
+
+
+def can_prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe) -> bool:
+    """Whether the training forward of `scaled_grouped_mm` would cast both layouts of ``w`` itself
+    with the fused casts, so that `prefetch_weight_layouts` may start them early: CUDA, the
+    rowwise or delayed recipe (E4M3, no power-of-2 scales for rowwise),
+    ``FP8Recipe.quantize_weights_once``, no weight cache, gradients on, not under CUDA-graph
+    capture. Reads no delayed-scaling state."""
+    needs_backward = torch.is_grad_enabled() and w_EKN.requires_grad
+    if not (w_EKN.is_cuda and needs_backward and _both_weight_layouts_now(recipe, needs_backward)):
+        return False
+    if torch.cuda.is_current_stream_capturing() or training_cache(w_EKN) is not None:
+        return False
+    if recipe.name == "delayed":
+        return _local_triton_operands(w_EKN)
+    return _fused_rowwise(recipe, None, w_EKN)
 
 
 def prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe,
-                            state: Optional[DelayedState]) -> Optional[PrefetchedWeight]:
-    """Start casting both FP8 layouts of ``w [E, K, N]`` on a side stream, where the training
-    forward of `scaled_grouped_mm` would cast them itself: the fused casts on CUDA
-    (rowwise or delayed), ``FP8Recipe.quantize_weights_once``, no weight cache, gradients on,
-    not under CUDA-graph capture. Returns None elsewhere. Pass the result to
-    `scaled_grouped_mm` (``prefetched=``); its forward waits for it there, and casts again
-    if the weight changed since (the result is then only waited for)."""
-    needs_backward = torch.is_grad_enabled() and w_EKN.requires_grad
-    if not (w_EKN.is_cuda and needs_backward and _both_weight_layouts_now(recipe, needs_backward)):
-        return None
-    if torch.cuda.is_current_stream_capturing() or training_cache(w_EKN) is not None:
-        return None
-    if not (_fused_rowwise(recipe, state, w_EKN) or _fused_delayed(recipe, state, w_EKN)):
-        return None
-    current = torch.cuda.current_stream(w_EKN.device)
+                            state: Optional[DelayedState]) -> PrefetchedWeight:
+    """Start casting both FP8 layouts of ``w [E, K, N]`` on a side stream, where
+    `can_prefetch_weight_layouts` holds (``state``: the projection's delayed-scaling state, or
+    None for rowwise). Pass the result to `scaled_grouped_mm` (``prefetched=``): its forward
+    waits for it there, and casts again if the weight changed since. The layouts are allocated
+    on the current stream, so their memory returns to its pool when the backward frees them."""
     side = _prefetch_stream(w_EKN.device)
-    side.wait_stream(current)  # the weight's latest values (an optimizer step) first
-    with torch.cuda.stream(side):
-        layouts = _FusedGroupedOperands(recipe, state).weight_both(w_EKN.detach())
-        done = torch.cuda.Event()
-        done.record(side)
-    w_EKN.record_stream(side)  # read there: its memory must outlive the side stream's use
+    layouts = _FusedGroupedOperands(recipe, state).weight_both(w_EKN.detach(), launch_stream=side)
+    done = torch.cuda.Event()
+    done.record(side)
+    # Written / read there: if freed before the current stream waits for `done` (a module
+    # dropped with a copy pending), the allocator must not hand this memory out until then.
+    for t in (*layouts, w_EKN):
+        t.record_stream(side)
     return PrefetchedWeight(_weight_signature(w_EKN), layouts, done, w_EKN.device)
 
 
@@ -561,16 +579,18 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
-        # Waited for whatever path runs below (see PrefetchedWeight.take).
-        prefetched_layouts = prefetched.take(w) if prefetched is not None else None
         with no_autocast(x):
             fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x, w)
             assert fused or not input_swiglu, "scaled_grouped_mm_swiglu checks swiglu_fusable first"
+            if prefetched is not None and not fused:
+                prefetched.release()
             if fused:
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
                 quantizer = _FusedGroupedOperands(recipe, state)
                 qx, sx_R, qx_t, sx_t = quantizer.activation(x, offsets, "input", needs_backward, swiglu=input_swiglu)
+                # Waited for only now, so the input's cast above overlaps the weight's.
+                prefetched_layouts = prefetched.take(w) if prefetched is not None else None
                 if _caching(cache, weight_key):
                     qw_ENK, sw_EN, qw_dgrad, sw_EK = cached(cache, weight_key, w, f"grouped_fused_{recipe.name}",
                                                             lambda: quantizer.weight_both(w))

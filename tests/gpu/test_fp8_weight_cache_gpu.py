@@ -102,10 +102,11 @@ def test_prefetched_weights_train_identically(monkeypatch, recipe):
     streams = {"side": 0, "main": 0}
     weight_both = scaled_mm._FusedGroupedOperands.weight_both
 
-    def counting(self, w):
-        side = torch.cuda.current_stream() != torch.cuda.default_stream()
-        streams["side" if side else "main"] += 1
-        return weight_both(self, w)
+    def counting(self, w, launch_stream=None):
+        # the prefetch allocates on the current stream and launches on its side stream
+        streams["side" if launch_stream is not None else "main"] += 1
+        assert launch_stream is None or launch_stream != torch.cuda.current_stream()
+        return weight_both(self, w, launch_stream)
 
     monkeypatch.setattr(scaled_mm._FusedGroupedOperands, "weight_both", counting)
     losses, params, _ = _train(FP8Recipe(recipe), cache=False)
