@@ -85,6 +85,17 @@ def tune_dual() -> dict:
     return out
 
 
+def _timed(row: dict, launch) -> bool:
+    """``row["ms"]`` = median time of ``launch``; False, with ``row["error"]``, for a launch
+    configuration that does not compile (registers, shared memory)."""
+    try:
+        row["ms"], _ = cuda_time_ms(launch, warmup=2, iters=5)
+    except Exception as error:
+        row["error"] = str(error)[:100]
+        return False
+    return True
+
+
 # the delayed-scaling cast: name -> groups, rows per group, columns, copies written
 DELAYED = {"mixtral_w1_fprop": (8, 4096, 28672, "col"), "mixtral_dh1": (8, 2048, 28672, "both"),
            "qwen3_x": (128, 1024, 2048, "both"), "qwen3_w1_fprop": (128, 2048, 1536, "col")}
@@ -115,16 +126,11 @@ def tune_delayed() -> dict:
             def cast():
                 fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
                                               cols, groups, total, 0, WRITE_ROW=both, WRITE_COL=True, RECORD=True,
-                                              BR=br, BC=bc, num_warps=warps)
+                                              SWIGLU=False, BR=br, BC=bc, num_warps=warps)
             row = {"BR": br, "BC": bc, "warps": warps}
-            try:
-                row["ms"], _ = cuda_time_ms(cast, warmup=2, iters=5)
-            except Exception as error:  # a config that does not compile (registers, shared memory)
-                row["error"] = str(error)[:100]
-                rows_out.append(row)
-                continue
-            row["gb_s"] = nbytes / row["ms"] / 1e6
             rows_out.append(row)
+            if _timed(row, cast):
+                row["gb_s"] = nbytes / row["ms"] / 1e6
         rows_out.sort(key=lambda r: -r.get("gb_s", 0))
         out[name] = rows_out
         print(name, [(r["BR"], r["BC"], r["warps"], round(r.get("gb_s", 0))) for r in rows_out[:5]], flush=True)
@@ -189,18 +195,14 @@ def tune_delayed_variants() -> dict:
                                               AMAX_2D=amax_2d, GROUP_AXIS=group_axis, num_warps=warps)
             row = {"BR": br, "BC": bc, "warps": warps, "transpose": transpose, "stages": stages, "amax_2d": amax_2d,
                    "group_axis": group_axis}
-            try:
-                row["ms"], _ = cuda_time_ms(cast, warmup=2, iters=5)
-            except Exception as error:  # a config that does not compile (registers, shared memory)
-                row["error"] = str(error)[:100]
-                rows_out.append(row)
+            rows_out.append(row)
+            if not _timed(row, cast):
                 continue
             outputs = [q_row.view(torch.uint8), q_col.view(torch.uint8), s_row, s_col, record]
             if reference is None:
                 reference = [t.clone() for t in outputs]
             row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
             row["gb_s"] = nbytes / row["ms"] / 1e6
-            rows_out.append(row)
         rows_out.sort(key=lambda r: -r.get("gb_s", 0))
         # Which store costs: one copy at a time (GB/s over 3 bytes per element), best config's tile.
         best = next(r for r in rows_out if r.get("bytes_equal"))
