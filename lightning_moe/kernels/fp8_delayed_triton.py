@@ -274,20 +274,27 @@ def delayed_cast(
         return q_row, s_row, s_col
     offsets_G = offsets_G.contiguous()
     scale_G = scale_G.contiguous()
-    with on_launch_stream(launch_stream):
+    with on_launch_stream(launch_stream, x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col):
         _launch_delayed_cast(x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col, stride_out_col,
                              stride_out_group, e5m2, swiglu)
     return q_row, s_row, s_col
 
 
 @contextlib.contextmanager
-def on_launch_stream(stream: Optional[torch.cuda.Stream]) -> Iterator[None]:
+def on_launch_stream(stream: Optional[torch.cuda.Stream], *used: Optional[Tensor]) -> Iterator[None]:
     """Launch the enclosed kernels on ``stream`` (None: the current one), after the current
-    stream's work so far (the outputs were just allocated there, possibly in memory it freed)."""
+    stream's work so far (the outputs were just allocated there, possibly in memory it freed).
+    ``used``: the tensors those kernels read or write (None entries skipped). Their memory
+    belongs to the current stream's pool; each is marked as used on ``stream``, so the
+    allocator hands it out again only after ``stream`` is done with it, even if the caller
+    drops it first (a temporary such as the group offsets)."""
     if stream is None:
         yield
         return
     stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for t in used:
+        if t is not None:
+            t.record_stream(stream)
     with torch.cuda.stream(stream):
         yield
 

@@ -253,7 +253,7 @@ def dual_quantize(
     s_col = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
     if rows and cols:
         offsets_G = offsets_G.contiguous()
-        with on_launch_stream(launch_stream):
+        with on_launch_stream(launch_stream, x_RC, offsets_G, out_col, q_row, s_row, s_col):
             row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
             col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
             grid = (groups + 1, triton.cdiv(cols, 64))

@@ -127,10 +127,12 @@ class GroupedExperts(nn.Module):
         (``FP8GroupedGemm.prefetch_weights``) starts casting the expert weights on a side
         stream, to be taken by this module's next `forward`. Not when FSDP shards this module:
         its weights are gathered only when its own forward starts."""
+        start = getattr(self.quantization, "prefetch_weights", None)
+        if start is None:
+            return
         from torch.distributed.fsdp import FSDPModule
 
-        start = getattr(self.quantization, "prefetch_weights", None)
-        if start is not None and not isinstance(self, FSDPModule):
+        if not isinstance(self, FSDPModule):
             start({"fc1": fc1_matrix(local_tensor(self.fc1_weight)), "fc2": local_tensor(self.fc2_weight)})
 
     def release_prefetched(self) -> None:

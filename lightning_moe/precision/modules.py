@@ -166,8 +166,13 @@ class FP8GroupedGemm(nn.Module):
         """``projection`` ("fc1" / "fc2") names the weight for the FP8 weight cache and picks
         its delayed-scaling state (and its copies from `prefetch_weights`)."""
         state, key = self._state_and_key(projection, w_EKN)
-        return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key,
-                              prefetched=self._take_prefetched(projection))
+        prefetched = self._take_prefetched(projection)
+        try:
+            return fp8_grouped_mm(x_RK, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key,
+                                  prefetched=prefetched)
+        finally:
+            if prefetched is not None:
+                prefetched.release()  # taken, or dropped by a path that did not use it
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
                           projection: str = "") -> Optional[Tensor]:
@@ -179,8 +184,8 @@ class FP8GroupedGemm(nn.Module):
         prefetched = self.__dict__.get("_prefetched", {}).get(projection)
         y = fp8_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key,
                                   prefetched=prefetched)
-        if y is not None:
-            self._take_prefetched(projection)  # used; else `grouped_mm` takes it
+        if y is not None and prefetched is not None:
+            self._take_prefetched(projection).release()  # used; else `grouped_mm` takes it
         return y
 
     def extra_repr(self) -> str:

@@ -531,7 +531,14 @@ class PrefetchedWeight:
         in-place update through ``.data`` is not seen: it bypasses the version counter), else
         None; `release` either way."""
         self.release()
-        return self.layouts if self.signature == _weight_signature(w) else None
+        if self.signature != _weight_signature(w):
+            return None
+        current = torch.cuda.current_stream(self.device)
+        for t in self.layouts:
+            # No-op on the stream that allocated them; on another one (a pipelined dispatcher's
+            # chunk stream), their memory must not be handed out before that stream is done.
+            t.record_stream(current)
+        return self.layouts
 
 
 def can_prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe) -> bool:
@@ -561,10 +568,9 @@ def prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe,
     layouts = _FusedGroupedOperands(recipe, state).weight_both(w_EKN.detach(), launch_stream=side)
     done = torch.cuda.Event()
     done.record(side)
-    # Written / read there: if freed before the current stream waits for `done` (a module
-    # dropped with a copy pending), the allocator must not hand this memory out until then.
-    for t in (*layouts, w_EKN):
-        t.record_stream(side)
+    # Read there: if the weight's memory were freed before the current stream waits for
+    # `done`, the allocator must not hand it out until then (the casts mark their own operands).
+    w_EKN.record_stream(side)
     return PrefetchedWeight(_weight_signature(w_EKN), layouts, done, w_EKN.device)
 
 
