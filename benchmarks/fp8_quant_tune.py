@@ -3,7 +3,7 @@
     python benchmarks/fp8_quant_tune.py           # rowwise and group-column kernels
     python benchmarks/fp8_quant_tune.py --dual    # the dual quantizer's two kernels
     python benchmarks/fp8_quant_tune.py --delayed # the delayed-scaling cast
-    python benchmarks/fp8_quant_tune.py --delayed-variants  # its transposed-store and pipelining variants
+    python benchmarks/fp8_quant_tune.py --delayed-variants  # its tile, amax and grid-order variants
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the
@@ -148,27 +148,45 @@ DELAYED_BOTH = {
 
 
 def tune_delayed_variants() -> dict:
-    """`_delayed_cast_kernel` writing both copies, per (tile, warps, transposed-store mode,
-    pipelining stages, 2-D amax, grid order): GB/s over one bf16 read and two float8 writes,
-    beside a bf16 copy of the same tensor (read 2 + write 2 bytes per element, the bandwidth a
-    streaming kernel reaches). Every variant's bytes must equal the first configuration's (the
-    former launch shape). Groups here are 16-row aligned and all have a history scale, so the
-    head / tail tiles and the missing-amax pass are not timed.
+    """`_delayed_cast_kernel` writing both copies, per (tile, warps, 2-D amax, grid order): GB/s
+    over one bf16 read and two float8 writes, beside a bf16 copy of the same tensor (read 2 +
+    write 2 bytes per element, the bandwidth a streaming kernel reaches). Every variant's bytes
+    must equal the first configuration's (the former launch shape). Groups here are 16-row
+    aligned and all have a history scale, so the head / tail tiles and the missing-amax pass
+    are not timed.
 
-    The configurations below are the third sweep's; the first two (transposed-store modes x
-    pipelining stages with the per-tile amax, then the 2-D amax) are kept as
-    ``fp8_quant_tune_delayed_variants_{transpose_stages,amax2d}.json``, this one as ``..._grid_order.json``."""
+    The configurations below are the third sweep's (``..._grid_order.json``). The first two are
+    kept as ``fp8_quant_tune_delayed_variants_{transpose_stages,amax2d}.json``: explicitly
+    transposed tiles and 3-stage loop pipelining (no gain; those kernel options were removed
+    since), then the 2-D amax."""
     from lightning_moe.kernels import fp8_delayed_triton as fd
 
     out = {}
-    # (BR, BC, warps, transpose, stages, amax_2d, group_axis); the first is the old default and
-    # the byte-for-byte reference. The first sweep (transpose 0-2, stages 1 and 3, 64-128-row
-    # tiles, 2-D amax off) moved nothing by more than ~5%; the 2-D amax did, then the grid order.
-    configs = [(128, 64, 4, 0, 1, False, 0)] + [
-        (br, bc, warps, transpose, 1, True, group_axis)
+    # (BR, BC, warps, amax_2d, group_axis); the first is the old default and the reference.
+    configs = [(128, 64, 4, False, 0)] + [
+        (br, bc, warps, True, group_axis)
         for group_axis in (0, 1)
         for (br, bc) in ((64, 128), (32, 128), (32, 256), (16, 256), (128, 128), (64, 64))
-        for warps in (4, 8) for transpose in (0, 2)]
+        for warps in (4, 8)]
+    keys = ("BR", "BC", "warps", "amax_2d", "group_axis")
+
+    def cast_fn(x, offsets, scale, cur_amax, groups, config, write_row=True, write_col=True):
+        """(launch, outputs) of one configuration on fresh output buffers."""
+        br, bc, warps, amax_2d, group_axis = config
+        total, cols = x.shape
+        q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
+        q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
+        s_row, s_col = torch.empty(total, device="cuda"), torch.empty(groups, cols, device="cuda")
+        record = torch.zeros(groups, device="cuda")
+        grid = (groups + 1, triton.cdiv(cols, bc))[::-1 if group_axis else 1]
+
+        def launch():
+            fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
+                                          cols, groups, total, 0, WRITE_ROW=write_row, WRITE_COL=write_col,
+                                          RECORD=True, SWIGLU=False, BR=br, BC=bc, AMAX_2D=amax_2d,
+                                          GROUP_AXIS=group_axis, num_warps=warps)
+        return launch, [q_row.view(torch.uint8), q_col.view(torch.uint8), s_row, s_col, record]
+
     for name, (groups, rows, cols) in DELAYED_BOTH.items():
         total = groups * rows
         x = torch.randn(total, cols, device="cuda", dtype=torch.bfloat16)
@@ -180,25 +198,12 @@ def tune_delayed_variants() -> dict:
         copy_ms, _ = cuda_time_ms(lambda: copy_out.copy_(x), warmup=2, iters=5)
         reference = None
         rows_out = []
-        for br, bc, warps, transpose, stages, amax_2d, group_axis in configs:
-            q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
-            q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
-            s_row, s_col = torch.empty(total, device="cuda"), torch.empty(groups, cols, device="cuda")
-            record = torch.zeros(groups, device="cuda")
-            col_arg = q_col.view(torch.uint8) if transpose == 2 else q_col
-            grid = (groups + 1, triton.cdiv(cols, bc))[::-1 if group_axis else 1]
-
-            def cast():
-                fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, col_arg, s_col, record, total,
-                                              cols, groups, total, 0, WRITE_ROW=True, WRITE_COL=True, RECORD=True,
-                                              SWIGLU=False, BR=br, BC=bc, TRANSPOSE=transpose, STAGES=stages,
-                                              AMAX_2D=amax_2d, GROUP_AXIS=group_axis, num_warps=warps)
-            row = {"BR": br, "BC": bc, "warps": warps, "transpose": transpose, "stages": stages, "amax_2d": amax_2d,
-                   "group_axis": group_axis}
+        for config in configs:
+            launch, outputs = cast_fn(x, offsets, scale, cur_amax, groups, config)
+            row = dict(zip(keys, config))
             rows_out.append(row)
-            if not _timed(row, cast):
+            if not _timed(row, launch):
                 continue
-            outputs = [q_row.view(torch.uint8), q_col.view(torch.uint8), s_row, s_col, record]
             if reference is None:
                 reference = [t.clone() for t in outputs]
             row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
@@ -207,33 +212,18 @@ def tune_delayed_variants() -> dict:
         # Which store costs: one copy at a time (GB/s over 3 bytes per element), best config's tile.
         best = next(r for r in rows_out if r.get("bytes_equal"))
         one_copy = {}
-        for write_row, write_col in ((True, False), (False, True)):
-            q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
-            q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
-            s_row, s_col = torch.empty(total, device="cuda"), torch.empty(groups, cols, device="cuda")
-            record = torch.zeros(groups, device="cuda")
-            grid = (groups + 1, triton.cdiv(cols, best["BC"]))[::-1 if best["group_axis"] else 1]
-            col_arg = q_col.view(torch.uint8) if best["transpose"] == 2 else q_col
-
-            def one():
-                fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, col_arg, s_col, record, total,
-                                              cols, groups, total, 0, WRITE_ROW=write_row, WRITE_COL=write_col,
-                                              RECORD=True, SWIGLU=False, BR=best["BR"], BC=best["BC"],
-                                              TRANSPOSE=best["transpose"], STAGES=best["stages"],
-                                              AMAX_2D=best["amax_2d"], GROUP_AXIS=best["group_axis"],
-                                              num_warps=best["warps"])
-            ms, _ = cuda_time_ms(one, warmup=2, iters=5)
-            one_copy["row" if write_row else "col"] = x.numel() * 3 / ms / 1e6
+        for copy in ("row", "col"):
+            launch, _ = cast_fn(x, offsets, scale, cur_amax, groups, tuple(best[k] for k in keys),
+                                write_row=copy == "row", write_col=copy == "col")
+            ms, _ = cuda_time_ms(launch, warmup=2, iters=5)
+            one_copy[copy] = x.numel() * 3 / ms / 1e6
         out[name] = {"bf16_copy_gb_s": nbytes / copy_ms / 1e6, "one_copy_gb_s": one_copy, "configs": rows_out}
         print(name, "copy", round(out[name]["bf16_copy_gb_s"]), "one copy", {k: round(v) for k, v in one_copy.items()},
-              [(r["BR"], r["BC"], r["warps"], r["transpose"], r["amax_2d"], r["group_axis"],
-                round(r.get("gb_s", 0)), r.get("bytes_equal")) for r in rows_out[:6]],
-              "baseline 128x64 w4 t0 s1:", [round(r["gb_s"]) for r in rows_out
-                                            if (r["BR"], r["BC"], r["warps"], r["transpose"], r["stages"],
-                                                r["amax_2d"]) == (128, 64, 4, 0, 1, False) and "gb_s" in r],
+              [tuple(r[k] for k in keys) + (round(r.get("gb_s", 0)), r.get("bytes_equal")) for r in rows_out[:6]],
+              "baseline:", [round(r["gb_s"]) for r in rows_out
+                            if tuple(r[k] for k in keys) == configs[0] and "gb_s" in r],
               "errors:", [(r["BR"], r["BC"], r["warps"], r["error"][:40]) for r in rows_out if "error" in r],
-              "not equal:", [(r["BR"], r["BC"], r["warps"], r["transpose"], r["amax_2d"], r["group_axis"])
-                             for r in rows_out if r.get("bytes_equal") is False], flush=True)
+              "not equal:", [tuple(r[k] for k in keys) for r in rows_out if r.get("bytes_equal") is False], flush=True)
     return out
 
 

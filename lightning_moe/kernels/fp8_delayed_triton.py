@@ -92,7 +92,7 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, SWIGL
 @triton.jit
 def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
                        stride_qc, amax, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, SWIGLU: tl.constexpr,
-                       TRANSPOSE: tl.constexpr, BR: tl.constexpr, AMAX_2D: tl.constexpr = False):
+                       BR: tl.constexpr, AMAX_2D: tl.constexpr = False):
     # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
     # copies; returns the running amax (for the record): per column ``[BC]``, or with AMAX_2D
     # per element ``[BR, BC]``, which needs no reduction across the tile's rows (threads and
@@ -107,20 +107,10 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
         # row copy's float8 tile transposed: with fp32 input that transposed float8 store wrote
         # wrong bytes on the H200 (GPU test with fp32 input; bf16 was right).
         col_scale = tl.zeros_like(cols).to(tl.float32) + scale
-        if TRANSPOSE == 0:  # the store's pointers are transposed; the compiler reshuffles the tile
-            tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
-                     (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
-        else:
-            # The tile transposed explicitly ``[BC, BR]`` (1: the fp32 values before the cast;
-            # 2: the float8 bytes, as uint8, after it; ``q_col_ptr`` is then a uint8 view).
-            mt = ((rows >= lo) & (rows < hi))[None, :] & cmask[:, None] & in_group
-            ptrs = q_col_ptr + out_base + cols[:, None].to(tl.int64) * stride_qc + rows[None, :]
-            if TRANSPOSE == 1:
-                tl.store(ptrs, (tl.trans(x) * col_scale[:, None]).to(tl.float8e4nv), mask=mt)
-            else:
-                tl.static_assert(q_col_ptr.dtype.element_ty == tl.uint8, "TRANSPOSE=2 stores bytes: pass a uint8 view")
-                q = (x * col_scale[None, :]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-                tl.store(ptrs, tl.trans(q), mask=mt)
+        # Explicitly transposed tiles (the fp32 values, or the float8 bytes) measured no faster
+        # than letting the compiler reshuffle this one (fp8_quant_tune_delayed_variants_transpose_stages.json).
+        tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
+                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
     if AMAX_2D:
         return tl.maximum(amax, _abs_ignoring_nan(x))
     return tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
@@ -130,8 +120,7 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
                          record_ptr, R, C, G, stride_qc, stride_qg, WRITE_ROW: tl.constexpr,
                          WRITE_COL: tl.constexpr, RECORD: tl.constexpr, SWIGLU: tl.constexpr, BR: tl.constexpr,
-                         BC: tl.constexpr, TRANSPOSE: tl.constexpr = 0, STAGES: tl.constexpr = 1,
-                         AMAX_2D: tl.constexpr = False, GROUP_AXIS: tl.constexpr = 0):
+                         BC: tl.constexpr, AMAX_2D: tl.constexpr = False, GROUP_AXIS: tl.constexpr = 0):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
     group = tl.program_id(GROUP_AXIS)
@@ -146,22 +135,21 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     lo, hi = _aligned_body(start, end)
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
-                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, TRANSPOSE, 16)
-    # STAGES: the body loop's software-pipelining depth (1: none). 3 measured no faster
-    # (fp8_quant_tune_delayed_variants_transpose_stages.json), so the launcher keeps 1.
+                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
+    # No software pipelining of the body loop: 3 stages measured no faster
+    # (fp8_quant_tune_delayed_variants_transpose_stages.json).
     if AMAX_2D:
         body_amax = tl.zeros([BR, BC], dtype=tl.float32)
-        for r0 in tl.range(lo, hi, BR, num_stages=STAGES):
+        for r0 in tl.range(lo, hi, BR, num_stages=1):
             body_amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
-                                           out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, SWIGLU,
-                                           TRANSPOSE, BR, True)
+                                           out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, SWIGLU, BR, True)
         amax = tl.maximum(amax, tl.max(body_amax, 0))
     else:
-        for r0 in tl.range(lo, hi, BR, num_stages=STAGES):
+        for r0 in tl.range(lo, hi, BR, num_stages=1):
             amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
-                                      out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, TRANSPOSE, BR)
+                                      out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, BR)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
-                              stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, TRANSPOSE, 16)
+                              stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
     if WRITE_ROW:
         if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the group's row scales
             for r0 in range(start, end, 1024):
@@ -275,8 +263,8 @@ def delayed_cast(
     offsets_G = offsets_G.contiguous()
     scale_G = scale_G.contiguous()
     with on_launch_stream(launch_stream, x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col):
-        _launch_delayed_cast(x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col, stride_out_col,
-                             stride_out_group, e5m2, swiglu)
+        _launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
+                             stride_out_col, stride_out_group, e5m2, swiglu)
     return q_row, s_row, s_col
 
 
@@ -299,11 +287,11 @@ def on_launch_stream(stream: Optional[torch.cuda.Stream], *used: Optional[Tensor
         yield
 
 
-def _launch_delayed_cast(x_RC: Tensor, offsets_G: Tensor, scale_G: Tensor, record_G: Optional[Tensor],
-                         q_row: Optional[Tensor], s_row: Optional[Tensor], out_col: Optional[Tensor],
-                         s_col: Optional[Tensor], stride_out_col: int, stride_out_group: int, e5m2: bool,
-                         swiglu: bool) -> None:
-    rows, cols = x_RC.shape[0], x_RC.shape[1] // 2 if swiglu else x_RC.shape[1]
+def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, scale_G: Tensor,
+                         record_G: Optional[Tensor], q_row: Optional[Tensor], s_row: Optional[Tensor],
+                         out_col: Optional[Tensor], s_col: Optional[Tensor], stride_out_col: int,
+                         stride_out_group: int, e5m2: bool, swiglu: bool) -> None:
+    # The kernels of `delayed_cast` (the operand is ``rows x cols`` after the SwiGLU, if any).
     groups = offsets_G.numel()
     write_row = q_row is not None
     cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=x_RC.device)  # atomic-max target
