@@ -101,6 +101,26 @@ def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
     }
 
 
+def save_trace(step: Callable[[], None], path: str, steps: int = 3) -> None:
+    """Write a gzipped Chrome trace (with shapes and CPU stacks) of ``steps`` calls of ``step``
+    issued back to back, as a training loop issues them (after one warm-up call)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()  # host sync: the traced steps start on an idle GPU
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()  # host sync: every kernel of the traced steps inside the trace
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+
+
 def print_profile(profile: dict, rows: int = 20) -> None:
     """The heaviest kernels and the longest GPU idle gaps of a `profile_step` result."""
     print(f"    kernels {profile['kernel_ms']:.2f} ms of {profile['wall_ms']:.2f} ms GPU wall time")

@@ -32,14 +32,16 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import cuda_time_ms, cuda_time_pipelined_ms, relative_error, write_results  # noqa: E402
-from benchmarks._profile import profile_step  # noqa: E402
+from benchmarks._profile import profile_step, save_trace  # noqa: E402
 from benchmarks.moe_block import CASES, block_flops, build_layer  # noqa: E402
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
-def worker(rank: int, world: int, port: int, cases: list[str], iters: int, variant: dict, queue) -> None:
+def worker(
+    rank: int, world: int, port: int, cases: list[str], iters: int, variant: dict, queue, trace_dir: str | None = None
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
@@ -79,6 +81,9 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, varia
         median_ms, _ = cuda_time_ms(step, warmup=5, iters=iters)
         pipelined_ms = cuda_time_pipelined_ms(step, warmup=2, iters=iters)
         prof = profile_step(step, top_kernels=16)
+        if trace_dir is not None:
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            save_trace(step, str(Path(trace_dir) / f"{name}_{variant['key']}_rank{rank}.json.gz"))
         times = [torch.zeros(2, device="cuda") for _ in range(world)]
         dist.all_gather(times, torch.tensor([median_ms, pipelined_ms], device="cuda"))
         # The step ends when the slowest rank ends (host sync: read the gathered times).
@@ -101,7 +106,7 @@ def worker(rank: int, world: int, port: int, cases: list[str], iters: int, varia
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "rel_err_vs_ep1": err,
         }
-        del layer, x, dy
+        layer = x = dy = step = None  # free this case's tensors before the next one
         torch.cuda.empty_cache()
     if rank == 0:
         queue.put(out)
@@ -121,6 +126,8 @@ def main(argv=None) -> None:
     parser.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy_engine"],
                         help="MoEConfig.dispatch_transport values for the all-gather dispatcher")
     parser.add_argument("--tag", default=None, help="results file ep_scaling_<tag>.json (default ep_scaling.json)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="write a gzipped Chrome trace of 3 back-to-back steps per case, variant and rank here")
     args = parser.parse_args(argv)
     available = torch.cuda.device_count()
     results = {}
@@ -143,7 +150,9 @@ def main(argv=None) -> None:
             print(f"EP={ep}: skipped, {available} GPU(s) here")
             continue
         queue = ctx.Queue()
-        mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, variant, queue), nprocs=ep, join=True)
+        variant = {**variant, "key": key}
+        mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, variant, queue, args.trace_dir),
+                 nprocs=ep, join=True)
         results[key] = queue.get()
         for name, r in results[key].items():
             err = "" if r["rel_err_vs_ep1"] is None else f" err vs EP1 {r['rel_err_vs_ep1']:.2e}"
