@@ -158,12 +158,15 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
     return out
 
 
-def combine_to_peers(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor, slot_ptrs_G: Tensor, rank: int) -> None:
+def combine_to_peers(
+    y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor, slot_ptrs_G: Tensor, rank: int, load_only: bool = False
+) -> None:
     """The partial sums of :func:`combine` for the tokens of every other rank, stored into their
     symmetric buffers: ``dest_TK``/``w_TK`` cover ``G*T`` tokens ordered by owning rank (``T``
     each); rank ``b``'s buffer (base address ``slot_ptrs_G[b]``, int64, viewed as [G, T, D] in
     ``y``'s dtype) receives its tokens' partials in slot ``rank``. The caller orders the stores
-    with the peers' reads (symmetric-memory barriers)."""
+    with the peers' reads (symmetric-memory barriers). ``load_only``: compile and load the
+    kernel for exactly these arguments, launch nothing (see `combine_exchange`)."""
     y_RD = y_RD.contiguous()
     num_ranks = slot_ptrs_G.numel()
     per_rank = dest_TK.shape[0] // num_ranks
@@ -171,13 +174,15 @@ def combine_to_peers(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor, slot_ptrs_G: T
     if per_rank == 0 or num_ranks < 2 or d == 0:
         return
     bd = min(triton.next_power_of_2(d), 1024)
-    _combine_to_peers_kernel[((num_ranks - 1) * per_rank, triton.cdiv(d, bd))](
+    _combine_to_peers_kernel[(0 if load_only else (num_ranks - 1) * per_rank, triton.cdiv(d, bd))](
         y_RD, dest_TK.contiguous(), w_TK.contiguous(), slot_ptrs_G, y_RD.shape[0], d, per_rank, rank,
         K=dest_TK.shape[1], BD=bd, num_warps=4,
     )
 
 
-def combine_own(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor, slots_GTD: Tensor, rank: int) -> Tensor:
+def combine_own(
+    y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor, slots_GTD: Tensor, rank: int, load_only: bool = False
+) -> Tensor:
     """This rank's block of the reduce-scattered :func:`combine`: [T, D] in ``y``'s dtype.
 
     Its own partial sums (tokens ``rank*T ... rank*T+T-1`` of ``dest_TK``), rounded to ``y``'s
@@ -189,7 +194,7 @@ def combine_own(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor, slots_GTD: Tensor, 
     if per_rank == 0 or d == 0:
         return out
     bd = min(triton.next_power_of_2(d), 1024)
-    _combine_own_kernel[(per_rank, triton.cdiv(d, bd))](
+    _combine_own_kernel[(0 if load_only else per_rank, triton.cdiv(d, bd))](
         y_RD, dest_TK.contiguous(), w_TK.contiguous(), slots_GTD, out, y_RD.shape[0], d, per_rank, rank, num_ranks,
         K=dest_TK.shape[1], BD=bd, num_warps=4,
     )
@@ -198,7 +203,7 @@ def combine_own(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor, slots_GTD: Tensor, 
 
 def combine_backward(
     y_RD: Tensor | None, dest_TK: Tensor, w_TK: Tensor, g_TD: Tensor, num_rows: int, row_token_R: Tensor | None,
-    need_grad_w: bool, rows_end: Tensor | None = None, g_ptrs_G: Tensor | None = None,
+    need_grad_w: bool, rows_end: Tensor | None = None, g_ptrs_G: Tensor | None = None, load_only: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Gradients of :func:`combine`: ``grad_y`` [R, D] and ``grad_w`` [T, K] fp32 (when
     ``need_grad_w``). ``row_token_R`` (int64 [R], ``T`` for rows no assignment holds) is needed
@@ -208,7 +213,8 @@ def combine_backward(
     ``g_ptrs_G`` (int64 [G] base addresses of the ranks' symmetric buffers): the ``T = len(dest_TK)
     / G`` gradient rows of each rank's tokens are read from that rank's buffer, over the peer
     link; ``g_TD`` is then this rank's own rows (their dtype and width). The caller orders the
-    reads after the peers' writes (symmetric-memory barriers)."""
+    reads after the peers' writes (symmetric-memory barriers). ``load_only``: as in
+    :func:`combine_to_peers` (the results are then uninitialised)."""
     g_TD = g_TD.contiguous()
     num_tokens, k = dest_TK.shape
     d = g_TD.shape[1]
@@ -216,14 +222,14 @@ def combine_backward(
     grad_w = torch.empty(num_tokens, k, dtype=torch.float32, device=g_TD.device) if need_grad_w else None
     if row_token_R is not None and num_rows and d:
         block_rows = 64
-        _zero_unowned_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
+        _zero_unowned_rows_kernel[(0 if load_only else triton.cdiv(num_rows, block_rows),)](
             grad_y, row_token_R.contiguous(), row_token_R if rows_end is None else rows_end, num_tokens, num_rows,
             d, BR=block_rows, BD=min(triton.next_power_of_2(d), 256), HAS_END=rows_end is not None, num_warps=4,
         )
     if num_tokens == 0:
         return grad_y, grad_w
     kp, bd, warps = _meta(d, k)
-    _combine_bwd_kernel[(num_tokens,)](
+    _combine_bwd_kernel[(0 if load_only else num_tokens,)](
         y_RD.contiguous() if need_grad_w else g_TD, dest_TK.contiguous(), w_TK.contiguous(), g_TD, grad_y,
         grad_w if need_grad_w else g_TD, num_rows, d, g_TD if g_ptrs_G is None else g_ptrs_G,
         num_tokens if g_ptrs_G is None else num_tokens // g_ptrs_G.numel(),

@@ -75,6 +75,7 @@ class SymmetricBuffer:
         self._handle = symm_mem.rendezvous(self._buffer, self.group)
         addresses = [self._handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr() for r in range(self.size)]
         self.peer_ptrs = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.barrier()  # loads the barrier kernel now, before any exchange relies on it
 
     def view(self, rows: int, width: int, dtype: torch.dtype) -> Tensor:
         count = rows * width
@@ -96,11 +97,17 @@ class _FusedCombine(torch.autograd.Function):
         num_ranks, width = buffer.size, y_RD.shape[1]
         per_rank = plan.num_tokens // num_ranks
         buffer.ensure(num_ranks * per_rank * width * y_RD.element_size(), y_RD.device)
-        buffer.barrier()  # the peers are done reading what this buffer held before
-        combine_to_peers(y_RD, plan.dest_TK, probs_TK, buffer.peer_ptrs, buffer.rank)
-        buffer.barrier()  # every peer's partials for this rank's tokens have landed here
         slots = buffer.view(num_ranks * per_rank, width, y_RD.dtype).view(num_ranks, per_rank, width)
-        return combine_own(y_RD, plan.dest_TK, probs_TK, slots, buffer.rank)
+        args = (y_RD, plan.dest_TK, probs_TK)
+        # Kernels are compiled and loaded before the first barrier: loading a module while a
+        # barrier kernel spins for a peer can deadlock (measured: a rank hung loading a kernel
+        # compiled for a new shape after its barrier).
+        combine_to_peers(*args, buffer.peer_ptrs, buffer.rank, load_only=True)
+        combine_own(*args, slots, buffer.rank, load_only=True)
+        buffer.barrier()  # the peers are done reading what this buffer held before
+        combine_to_peers(*args, buffer.peer_ptrs, buffer.rank)
+        buffer.barrier()  # every peer's partials for this rank's tokens have landed here
+        return combine_own(*args, slots, buffer.rank)
 
     @staticmethod
     def backward(ctx, grad_TD: Tensor):
@@ -111,16 +118,21 @@ class _FusedCombine(torch.autograd.Function):
         y_RD, probs_TK = ctx.saved_tensors
         per_rank, width = grad_TD.shape
         own = buffer.view(per_rank, width, grad_TD.dtype)
+
+        def run(load_only: bool):
+            return combine_backward(
+                y_RD, plan.dest_TK, probs_TK, own, plan.num_rows,
+                row_token_R=plan.row_token_R if plan.padding_rows else None, need_grad_w=ctx.needs_input_grad[1],
+                # anomaly mode checks every gradient for NaN, so no row is left unwritten then
+                rows_end=None if torch.is_anomaly_enabled() else plan.rows_end,
+                g_ptrs_G=buffer.peer_ptrs, load_only=load_only,
+            )
+
+        run(load_only=True)  # compiled and loaded before the barriers, as in forward
         buffer.barrier()  # the peers are done reading what this buffer held before
         own.copy_(grad_TD)
         buffer.barrier()  # every rank's output gradient is in its buffer
-        grad_y, grad_w = combine_backward(
-            y_RD, plan.dest_TK, probs_TK, own, plan.num_rows,
-            row_token_R=plan.row_token_R if plan.padding_rows else None, need_grad_w=ctx.needs_input_grad[1],
-            # anomaly mode checks every gradient for NaN, so no row is left unwritten then
-            rows_end=None if torch.is_anomaly_enabled() else plan.rows_end,
-            g_ptrs_G=buffer.peer_ptrs,
-        )
+        grad_y, grad_w = run(load_only=False)
         # The peers read this buffer until their combine backward ends; the next use of the
         # buffer starts with a barrier, so nothing overwrites it before then.
         return grad_y, (grad_w.to(ctx.probs_dtype) if grad_w is not None else None), None, None
