@@ -58,7 +58,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         token_dispatcher: "alltoall" | "allgather" | None (None: each layer's config decides).
         dispatch_transport: "nccl" | "copy_engine" | None: how the all-gather dispatcher moves
             rows (``MoEConfig.dispatch_transport``; None: each layer's config decides).
-            "copy_engine" (GPUs of one host) measured fastest at EP=2 on 2 x H200.
+            "copy_engine" needs GPUs of one host; at EP=2 on 2 x H200 the two transports
+            measured within each other's run-to-run spread (benchmarks/NOTES.md).
         reshard_after_forward: FSDP2 ``reshard_after_forward`` for transformer blocks and experts.
         print_layout: print the layout/backends table once on rank 0.
         process_group_backend / timeout: passed to ``init_process_group``.
