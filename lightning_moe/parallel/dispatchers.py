@@ -549,6 +549,7 @@ class AllGatherDispatcher:
     ) -> None:
         _init_groups(self, cfg, ep_group, etp_group)
         self.first_local_expert = group_rank(ep_group) * self.num_local_experts
+        self._tables: dict = {}
         # Gather within the ETP group first, then across EP: the gathered rows are ordered
         # (EP rank, ETP rank, token); the reduce-scatter undoes it in reverse.
         self._gather_groups = [g for g in (self.etp_group, ep_group) if group_size(g) > 1]
@@ -558,6 +559,19 @@ class AllGatherDispatcher:
 
     def describe(self) -> str:
         return _describe("all-gather", self.ep_size, self.etp_size, self.transport)
+
+    def _local_expert_table(self, device: torch.device) -> Tensor:
+        """int32 [E + 1]: entry ``e`` is global expert ``e``'s local index on this rank, or
+        ``num_local_experts`` (the plan's sentinel) when another rank holds it; the last entry,
+        which index -1 (a dropped assignment) reads, is the sentinel too. Built once per device."""
+        table = self._tables.get(device)
+        if table is None:
+            ids = torch.arange(self.cfg.num_experts + 1, device=device)
+            local = ids - self.first_local_expert
+            mine = (local >= 0) & (local < self.num_local_experts) & (ids < self.cfg.num_experts)
+            table = torch.where(mine, local, self.num_local_experts).to(torch.int32)
+            self._tables[device] = table
+        return table
 
     def _gather(self, x: Tensor) -> Tensor:
         for group in self._gather_groups:
@@ -595,15 +609,15 @@ class AllGatherDispatcher:
         topk, meta_dtype = probs_TK.shape[1], torch.promote_types(probs_TK.dtype, torch.float32)
         meta_all = self._gather(torch.cat([probs_TK.to(meta_dtype), _kept_experts(routing).to(meta_dtype)], 1))
         probs_all = meta_all[:, :topk].to(probs_TK.dtype)
-        experts_TK = meta_all[:, topk:].detach().long()
-        local_TK = experts_TK - self.first_local_expert
-        mine_TK = (local_TK >= 0) & (local_TK < self.num_local_experts)
+        # Each gathered expert id as this rank's local expert, or the sentinel (the local expert
+        # count) for other ranks' and dropped (-1) assignments: one table lookup.
+        local_TK = self._local_expert_table(meta_all.device)[meta_all[:, topk:].detach().long()]
         pad_to_capacity = _pads_to_capacity(cfg, routing)
         group_ranks = self.ep_size * self.etp_size
         plan = plan_permutation(
-            torch.where(mine_TK, local_TK, 0),
+            local_TK,
             self.num_local_experts,
-            keep_TK=mine_TK,
+            dropped_marked=True,
             alignment=cfg.expert_alignment,
             capacity=routing.capacity * group_ranks if pad_to_capacity else None,
             pad_to_capacity=pad_to_capacity,

@@ -107,3 +107,24 @@ def test_aligned_buffer_ends_on_an_aligned_boundary(alignment):
     assert plan.num_rows >= int(plan.group_sizes_E.sum())
     ends = torch.cumsum(plan.group_sizes_E, 0)
     assert bool((ends % alignment == 0).all())
+
+
+@pytest.mark.parametrize("alignment,capacity", [(1, None), (8, None), (1, 5), (8, 5)])
+def test_dropped_marked_equals_keep_mask(alignment, capacity):
+    """Marking dropped assignments with the sentinel expert E (``dropped_marked``, int32 ids, as
+    the all-gather dispatcher's lookup table gives them) builds the same plan as a keep mask."""
+    T, K, E = 41, 3, 7
+    experts, _ = _random_routing(T, K, E, seed=alignment)
+    keep = torch.rand(T, K, generator=torch.Generator().manual_seed(5)) > 0.25
+    if capacity is not None:  # keep at most `capacity` assignments per expert, in token order
+        for e in range(E):
+            rows = ((experts == e) & keep).nonzero()[capacity:]
+            keep[rows[:, 0], rows[:, 1]] = False
+    kw = dict(alignment=alignment, capacity=capacity, pad_to_capacity=capacity is not None)
+    masked = plan_permutation(experts, E, keep_TK=keep, **kw)
+    marked = plan_permutation(torch.where(keep, experts, E).to(torch.int32), E, dropped_marked=True, **kw)
+    for field in ("row_assignment_R", "row_token_R", "dest_TK", "group_sizes_E", "tokens_per_expert_E"):
+        assert torch.equal(getattr(masked, field), getattr(marked, field)), field
+    assert (masked.num_rows, masked.dense_rows, masked.padding_rows) == (
+        marked.num_rows, marked.dense_rows, marked.padding_rows)
+    assert not marked.dense_rows
