@@ -102,10 +102,9 @@ def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
 
 
 def save_trace(step: Callable[[], None], path: str, steps: int = 3) -> None:
-    """Write a gzipped Chrome trace (with shapes and CPU stacks) of ``steps`` calls of ``step``
-    issued back to back, as a training loop issues them (after one warm-up call)."""
-    import gzip
-
+    """Write a Chrome trace (with shapes and CPU stacks) of ``steps`` calls of ``step`` issued
+    back to back, as a training loop issues them (after one warm-up call); gzipped when ``path``
+    ends in ``.gz``."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -114,11 +113,7 @@ def save_trace(step: Callable[[], None], path: str, steps: int = 3) -> None:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()  # host sync: every kernel of the traced steps inside the trace
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(raw)
-        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-            dst.write(src.read())
+    prof.export_chrome_trace(path)
 
 
 def print_profile(profile: dict, rows: int = 20) -> None:

@@ -83,7 +83,7 @@ def worker(
         prof = profile_step(step, top_kernels=16)
         if trace_dir is not None:
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
-            save_trace(step, str(Path(trace_dir) / f"{name}_{variant['key']}_rank{rank}.json.gz"))
+            save_trace(step, str(Path(trace_dir) / f"{variant['tag']}_{name}_{variant['key']}_rank{rank}.json.gz"))
         times = [torch.zeros(2, device="cuda") for _ in range(world)]
         dist.all_gather(times, torch.tensor([median_ms, pipelined_ms], device="cuda"))
         # The step ends when the slowest rank ends (host sync: read the gathered times).
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
             print(f"EP={ep}: skipped, {available} GPU(s) here")
             continue
         queue = ctx.Queue()
-        variant = {**variant, "key": key}
+        variant = {**variant, "key": key, "tag": args.tag or "untagged"}
         mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, variant, queue, args.trace_dir),
                  nprocs=ep, join=True)
         results[key] = queue.get()

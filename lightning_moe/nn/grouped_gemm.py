@@ -33,9 +33,9 @@ def group_offsets(group_sizes_E: Tensor, num_rows: int) -> Tensor:
     Padding rows beyond ``sum(group_sizes_E)`` are zero and join the last group: zero rows give
     zero outputs and zero weight gradients, and no output row is left unwritten.
     """
-    ends = torch.cumsum(group_sizes_E, 0)
-    ends = torch.cat([ends[:-1], ends.new_full((1,), num_rows)])
-    return ends.to(torch.int32)
+    ends = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
+    ends[-1:].fill_(num_rows)
+    return ends
 
 
 def zero_rows_from(y_RC: Tensor, end: Tensor) -> None:
@@ -102,7 +102,7 @@ def covered_offsets(group_sizes_E: Tensor, num_rows: int) -> Tensor:
     """Cumulative int32 group ends, the last one the covered row count (rows after it are
     padding). Clamped to the buffer: groups summing past it (a caller's bug) must not send the
     kernel past the end of the operand."""
-    return torch.cumsum(group_sizes_E, 0).clamp_(max=num_rows).to(torch.int32)
+    return torch.cumsum(group_sizes_E, 0, dtype=torch.int32).clamp_(max=num_rows)
 
 
 def grouped_mm_covered(

@@ -78,6 +78,9 @@ def plan_permutation(
 ) -> PermutationPlan:
     """Build the permutation plan for ``experts_TK`` (int64 or int32 [T, K]) on its device, sync-free.
 
+    Expert ids must lie in ``[0, num_experts)`` (``num_experts`` itself marks a dropped one under
+    ``dropped_marked``); they are not checked, since that would read the device.
+
     ``keep_TK`` (bool [T, K]) marks assignments that survived capacity dropping. Instead, with
     ``dropped_marked`` the caller has already set every dropped assignment's expert to
     ``num_experts`` (one elementwise op less). With ``pad_to_capacity`` every expert gets
@@ -109,7 +112,7 @@ def plan_permutation(
     sorted_expert_N, order_N = torch.sort(flat_expert_N.to(torch.int32), stable=True)
     # bounds[e]: sorted position of expert e's first assignment (e = E: of the first dropped one).
     bounds = torch.searchsorted(
-        sorted_expert_N, torch.arange(num_experts + 2, device=device, dtype=sorted_expert_N.dtype)
+        sorted_expert_N, torch.arange(num_experts + 1, device=device, dtype=sorted_expert_N.dtype)
     )
     tokens_per_expert_E = bounds[1 : num_experts + 1] - bounds[:num_experts]
 

@@ -31,12 +31,29 @@ def test_plan_groups_rows_by_expert_in_token_order(alignment, drop):
         rows = plan.row_token_R[starts[e] : starts[e] + plan.group_sizes_E[e]].tolist()
         assert rows[: len(tokens)] == tokens
         assert all(r == T for r in rows[len(tokens) :])  # padding rows point at the zero row
+    # Rows after the last group hold no token either (the zero row), never a dropped one.
+    assert torch.all(plan.row_token_R[int(plan.group_sizes_E.sum()):] == T)
     for t in range(T):
         for k in range(K):
             if kept[t, k]:
                 assert plan.row_token_R[plan.dest_TK[t, k]] == t
             else:
                 assert plan.dest_TK[t, k] == plan.num_rows
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_plan_with_exact_row_count(drop):
+    """A caller that knows the kept count (the expert-parallel dispatchers) gets a buffer of
+    exactly that many rows, every one holding a token, in expert and then token order."""
+    T, K, E = 29, 2, 5
+    experts, _ = _random_routing(T, K, E, seed=7 + drop)
+    keep = torch.rand(T, K, generator=torch.Generator().manual_seed(8)) > 0.4 if drop else None
+    kept = keep if keep is not None else torch.ones(T, K, dtype=torch.bool)
+    plan = plan_permutation(experts, E, keep_TK=keep, num_rows=int(kept.sum()))
+    assert plan.num_rows == int(kept.sum()) == len(plan.row_token_R)
+    pairs = sorted((int(experts[t, k]), t) for t in range(T) for k in range(K) if kept[t, k])
+    assert plan.row_token_R.tolist() == [t for _, t in pairs]
+    assert torch.all(plan.dest_TK[~kept] == plan.num_rows)
 
 
 def test_pad_to_capacity_gives_static_rows():
