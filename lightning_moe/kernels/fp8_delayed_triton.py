@@ -38,7 +38,6 @@ from torch import Tensor
 from lightning_moe.kernels.fp8_quant_triton import (
     _abs_ignoring_nan,
     _aligned_body,
-    _column_amax,
     _group_bounds,
     _scale_for_format,
     _scale_from_amax,
@@ -61,13 +60,14 @@ def _load_operand(x_ptr, rows, cols, m, C, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr):
-    # `_column_amax` of the SwiGLU output computed from ``h`` (see `_load_operand`).
+def _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr, SWIGLU: tl.constexpr):
+    # Per-column amax ``[BC]`` of rows [start, end) of the operand as `_load_operand` reads it
+    # (with SWIGLU: of the SwiGLU output computed from ``h``).
     amax = tl.zeros(cols.shape, dtype=tl.float32)
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
         m = (rows < end)[:, None] & cmask[None, :]
-        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(_load_operand(x_ptr, rows, cols, m, C, True)), 0))
+        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(_load_operand(x_ptr, rows, cols, m, C, SWIGLU)), 0))
     return amax
 
 
@@ -82,10 +82,7 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, SWIGL
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cols < C
         start, end = _group_bounds(offsets_ptr, group, G, R)
-        if SWIGLU:
-            amax = _swiglu_column_amax(x_ptr, start, end, cols, cmask, C, BR)
-        else:
-            amax = _column_amax(x_ptr, start, end, cols, cmask, C, BR)
+        amax = _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR, SWIGLU)
         tl.atomic_max(amax_ptr + group, tl.max(amax, 0))
 
 

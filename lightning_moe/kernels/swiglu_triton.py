@@ -34,31 +34,34 @@ def _block_live(R, end_ptr, BR: tl.constexpr, HAS_END: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(h_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
+    """This program's ``[BR, BF]`` tile: rows, columns, live mask (rows past the end are neither
+    read nor written), the offsets of its gate columns in ``h`` [R, 2F] and of its rows in a
+    [R, F] tensor, and gate and up in fp32."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BF + tl.arange(0, BF)
+    live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
+    base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+    half = rows.to(tl.int64)[:, None] * F + cols[None, :]
+    gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
+    return live, base, half, gate, up
+
+
+@triton.jit
 def _swiglu_fwd_kernel(h_ptr, out_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
     if _block_live(R, end_ptr, BR, HAS_END):
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        cols = tl.program_id(1) * BF + tl.arange(0, BF)
-        # rows past the end are neither read nor written
-        live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
-        base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-        gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
+        live, base, half, gate, up = _load_tile(h_ptr, end_ptr, R, F, HAS_END, BR, BF)
         out = gate * tl.sigmoid(gate) * up
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=live)
+        tl.store(out_ptr + half, out.to(out_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr,
                        BF: tl.constexpr):
     if _block_live(R, end_ptr, BR, HAS_END):
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        cols = tl.program_id(1) * BF + tl.arange(0, BF)
-        live = _live_rows(rows, R, end_ptr, HAS_END)[:, None] & (cols[None, :] < F)
-        base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-        gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        live, base, half, gate, up = _load_tile(h_ptr, end_ptr, R, F, HAS_END, BR, BF)
+        g = tl.load(g_ptr + half, mask=live, other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
         silu = gate * sig
         d_gate = g * up * (sig + silu * (1.0 - sig))
