@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_moe.kernels.launch import launch
+
 
 @triton.jit
 def _combine_fwd_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, num_rows, D, K: tl.constexpr, BD: tl.constexpr):
@@ -95,7 +97,8 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
     if num_tokens == 0:
         return out
     bd = min(triton.next_power_of_2(d), 1024)
-    _combine_fwd_kernel[(num_tokens, triton.cdiv(d, bd))](
+    launch(
+        _combine_fwd_kernel, (num_tokens, triton.cdiv(d, bd)),
         y_RD, dest_TK.contiguous(), w_TK.contiguous(), out, y_RD.shape[0], d, K=k, BD=bd, num_warps=4
     )
     return out
@@ -116,14 +119,16 @@ def combine_backward(
     grad_w = torch.empty(num_tokens, k, dtype=torch.float32, device=g_TD.device) if need_grad_w else None
     if row_token_R is not None and num_rows and d:
         block_rows = 64
-        _zero_unowned_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
+        launch(
+            _zero_unowned_rows_kernel, (triton.cdiv(num_rows, block_rows),),
             grad_y, row_token_R.contiguous(), row_token_R if rows_end is None else rows_end, num_tokens, num_rows,
             d, BR=block_rows, BD=min(triton.next_power_of_2(d), 256), HAS_END=rows_end is not None, num_warps=4,
         )
     if num_tokens == 0:
         return grad_y, grad_w
     kp, bd, warps = _meta(d, k)
-    _combine_bwd_kernel[(num_tokens,)](
+    launch(
+        _combine_bwd_kernel, (num_tokens,),
         y_RD.contiguous() if need_grad_w else g_TD, dest_TK.contiguous(), w_TK.contiguous(), g_TD, grad_y,
         grad_w if need_grad_w else g_TD, num_rows, d, K=k, KP=kp, BD=bd, NEED_GW=need_grad_w, NEED_GY=True,
         num_warps=warps,

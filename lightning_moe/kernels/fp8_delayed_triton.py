@@ -42,6 +42,7 @@ from lightning_moe.kernels.fp8_quant_triton import (
     _scale_for_format,
     _scale_from_amax,
 )
+from lightning_moe.kernels.launch import launch
 
 
 @triton.jit
@@ -294,14 +295,15 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=x_RC.device)  # atomic-max target
     # The tail group only exists for the row copy (no GEMM reads a transposed tail).
     cast_groups = groups + 1 if write_row else groups
-    _missing_amax_kernel[(cast_groups, triton.cdiv(cols, 64))](x_RC, offsets_G, scale_G, cur_amax, rows, cols, groups,
-                                                                SWIGLU=swiglu, BR=128, BC=64, num_warps=4)
+    launch(_missing_amax_kernel, (cast_groups, triton.cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
+           groups, SWIGLU=swiglu, BR=128, BC=64, num_warps=4)
     dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
         # shape: fp8_quant_tune.json), instead of per-group column tiles.
         block = min(triton.next_power_of_2(cols), 2048)
-        _delayed_row_kernel[(rows,)](
+        launch(
+            _delayed_row_kernel, (rows,),
             x_RC, offsets_G, scale_G, cur_amax, q_row, s_row, record_G if record_G is not None else dummy,
             cols, groups, SEARCH_STEPS=max(groups, 1).bit_length(), RECORD=record_G is not None, E5M2=e5m2,
             BL=block,
@@ -312,7 +314,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     # operands): 64 x 128 tiles whose amax is kept per element until the loop ends, column blocks
     # on the grid's fast axis; 2.5-3.0 TB/s against 2.1-2.6 for the former 128 x 64 tiles reduced
     # per tile (a bf16 copy of the same tensors: 4.0-4.25 TB/s).
-    _delayed_cast_kernel[(triton.cdiv(cols, 128), cast_groups)](
+    launch(
+        _delayed_cast_kernel, (triton.cdiv(cols, 128), cast_groups),
         x_RC, offsets_G, scale_G, cur_amax,
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,

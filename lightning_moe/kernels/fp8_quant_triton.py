@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_moe.kernels.launch import launch
+
 _E4M3_MAX = 448.0
 _FLT_MAX = 3.4028234663852886e38
 
@@ -205,7 +207,7 @@ def rowwise_quantize(x_PL: Tensor) -> tuple[Tensor, Tensor]:
     if rows and length:
         # fp8_quant_tune.json (H200): short rows want few warps, long rows many
         block = min(triton.next_power_of_2(length), 2048)
-        _rowwise_kernel[(rows,)](x_PL, q, scale_inv, length, BL=block, num_warps=2 if length <= 4096 else 16)
+        launch(_rowwise_kernel, (rows,), x_PL, q, scale_inv, length, BL=block, num_warps=2 if length <= 4096 else 16)
     elif rows:
         scale_inv.fill_(1.0)
     return q, scale_inv
@@ -225,7 +227,8 @@ def group_column_quantize(
     scale_inv = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
     if groups and cols:
         block_c = 64  # with 128-row tiles: 1.4x the bandwidth of 64 x 64 (fp8_quant_tune.json, H200)
-        _group_column_kernel[(groups, triton.cdiv(cols, block_c))](
+        launch(
+            _group_column_kernel, (groups, triton.cdiv(cols, block_c)),
             x_RC, offsets_G.contiguous(), out, scale_inv, cols, stride_out_col, stride_out_group,
             BR=128, BC=block_c, num_warps=4,
         )
@@ -258,10 +261,10 @@ def dual_quantize(
             col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
             grid = (groups + 1, triton.cdiv(cols, 64))
             # fp8_quant_tune_dual_vec.json (H200): 128-row tiles for the amax, 64-row for the cast
-            _dual_amax_kernel[grid](x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64,
-                                    num_warps=4)
-            _dual_cast_kernel[grid](x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows, cols,
-                                    groups, stride_out_col, stride_out_group, BR=64, BC=64, num_warps=4)
+            launch(_dual_amax_kernel, grid, x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64,
+                   num_warps=4)
+            launch(_dual_cast_kernel, grid, x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows,
+                   cols, groups, stride_out_col, stride_out_group, BR=64, BC=64, num_warps=4)
     else:  # nothing to scale
         s_row.fill_(1.0)
         s_col.fill_(1.0)

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_moe.kernels.launch import launch
+
 
 @triton.jit
 def _gather_rows_kernel(x_ptr, row_token_ptr, out_ptr, end_ptr, T, D, BD: tl.constexpr):
@@ -36,6 +38,6 @@ def gather_rows_until(x_TD: Tensor, row_token_R: Tensor, end: Tensor) -> Tensor:
     out = torch.empty(num_rows, d, dtype=x_TD.dtype, device=x_TD.device)
     if num_rows and d:
         block = min(triton.next_power_of_2(d), 2048)
-        _gather_rows_kernel[(num_rows,)](x_TD, row_token_R.contiguous(), out, end, x_TD.shape[0], d, BD=block,
-                                         num_warps=4)
+        launch(_gather_rows_kernel, (num_rows,), x_TD, row_token_R.contiguous(), out, end, x_TD.shape[0], d, BD=block,
+               num_warps=4)
     return out

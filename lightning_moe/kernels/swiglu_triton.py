@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_moe.kernels.launch import launch
+
 
 @triton.jit
 def _live_rows(rows, R, end_ptr, HAS_END: tl.constexpr):
@@ -86,8 +88,8 @@ class SwiGLUFunction(torch.autograd.Function):
         out = torch.empty(r, f, dtype=h_RF2.dtype, device=h_RF2.device)
         end = h_RF2 if rows_end is None else rows_end  # any pointer when unused
         if r:
-            _swiglu_fwd_kernel[_grid(r, f)](h_RF2, out, end, r, f, HAS_END=rows_end is not None, BR=_BR, BF=_BF,
-                                            num_warps=4)
+            launch(_swiglu_fwd_kernel, _grid(r, f), h_RF2, out, end, r, f, HAS_END=rows_end is not None, BR=_BR,
+                   BF=_BF, num_warps=4)
         ctx.save_for_backward(h_RF2, *(() if rows_end is None else (rows_end,)))
         ctx.has_end = rows_end is not None
         return out
@@ -111,8 +113,9 @@ def swiglu_backward(h_RF2: Tensor, g_RF: Tensor, rows_end: Tensor | None = None)
     r, f2 = h_RF2.shape
     grad_h = torch.empty_like(h_RF2)
     if r:
-        _swiglu_bwd_kernel[_grid(r, f2 // 2)](h_RF2, g_RF.contiguous(), grad_h, h_RF2 if rows_end is None else rows_end,
-                                              r, f2 // 2, HAS_END=rows_end is not None, BR=_BR, BF=_BF, num_warps=4)
+        launch(_swiglu_bwd_kernel, _grid(r, f2 // 2), h_RF2, g_RF.contiguous(), grad_h,
+               h_RF2 if rows_end is None else rows_end, r, f2 // 2, HAS_END=rows_end is not None, BR=_BR, BF=_BF,
+               num_warps=4)
     return grad_h
 
 

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_moe.kernels.launch import launch
+
 
 @triton.jit
 def _zero_tail_kernel(y_ptr, end_ptr, R, C, stride_r, BR: tl.constexpr, BC: tl.constexpr):
@@ -38,7 +40,8 @@ def zero_rows_from_triton(y_RC: Tensor, end: Tensor) -> None:
         return
     if y_RC.stride(1) != 1:
         raise ValueError("zero_rows_from_triton needs unit column stride")
-    _zero_tail_kernel[(triton.cdiv(r, _BR), triton.cdiv(c, _BC))](
+    launch(
+        _zero_tail_kernel, (triton.cdiv(r, _BR), triton.cdiv(c, _BC)),
         y_RC, end, r, c, y_RC.stride(0), BR=_BR, BC=_BC, num_warps=4
     )
 
