@@ -8,18 +8,27 @@ launch in a tight loop on the H200 machine's host and 50-75 us inside an MoE lay
 an FP8 MoE layer makes ~30 such launches per training step.
 
 `launch` keys each call on what can change Triton's choice of compiled kernel, conservatively:
-every tensor argument by dtype and 16-byte alignment of its address (all Triton specializes a
-pointer on), every other argument and option by its exact type and value (integers, bools,
-constexprs, ``num_warps``...). The first call with a new key goes through ``kernel[grid]``, which
-compiles or finds the kernel Triton would run, and that compiled kernel is kept for the key;
-later calls with the same key launch it directly with the arguments in signature order, as
-``JITFunction.run`` does after its lookup. A key never maps to a kernel compiled for different
-specializations, since everything Triton specializes on is in the key (integers exactly, a
-superset of their divisibility). The launch honours Triton's launch hooks (profilers).
 
-Under Triton's interpreter (``TRITON_INTERPRET=1``), with ``LIGHTNING_MOE_FAST_TRITON_LAUNCH=0``,
-for a grid given as a callable, or when the compiled kernel lacks the launcher this relies on
-(another Triton version), every call takes the plain ``kernel[grid](...)`` path.
+- every tensor argument by dtype and 16-byte alignment of its address (all Triton specializes a
+  pointer on);
+- every integer of a runtime parameter by what Triton specializes it on: equal to 1, divisible
+  by 16, and the range that picks its type (i32, u32, i64, u64), so row counts that change from
+  step to step still find the kept kernel;
+- every constexpr, bool, float, None, string or dtype argument and every option (``num_warps``...)
+  exactly;
+- the kernel's and Triton's compilation settings (``debug``, instrumentation mode).
+
+The first call with a new key goes through ``kernel[grid]``, which compiles or finds the kernel
+Triton would run, and that compiled kernel is kept for the key; later calls with the same key
+launch it directly with the arguments in signature order, as ``JITFunction.run`` does after its
+lookup. The launch honours Triton's launch hooks (profilers). Triton's check that the globals a
+kernel reads have not changed since it was compiled is not repeated: ours read constants only.
+
+Every call takes the plain ``kernel[grid](...)`` path under Triton's interpreter
+(``TRITON_INTERPRET=1``), with ``LIGHTNING_MOE_FAST_TRITON_LAUNCH=0``, while ``torch.compile``
+traces, for a grid given as a callable, for a kernel with pre-run hooks, for an argument of
+another kind (a tuple, a tensor wrapper), or when the compiled kernel lacks the launcher this
+relies on (another Triton version).
 """
 
 from __future__ import annotations
@@ -30,10 +39,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-_MAX_ENTRIES = 4096  # distinct (kernel, argument) keys kept; shapes that vary a lot start over
+_MAX_ENTRIES = 4096  # keys kept; beyond that (say, ever new constexpr values) start over
 
 _cache: dict[tuple, Optional["_CompiledLaunch"]] = {}
-_signatures: dict[Any, Optional[list[tuple[str, Any]]]] = {}
+# id(kernel) -> (kernel, signature): the reference keeps the id from being reused while keyed.
+_signatures: dict[int, tuple[Any, Optional[list[tuple[str, Any, bool]]]]] = {}
 
 
 def fast_launch_enabled() -> bool:
@@ -57,50 +67,102 @@ def _launch_hooks() -> tuple[Optional[Callable], Optional[Callable]]:
     return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 
-def _arg_key(value: Any) -> Any:
+def _compilation_state(kernel: Any) -> tuple:
+    """The kernel's and Triton's settings that ``JITFunction.run`` folds into its options."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return (getattr(kernel, "debug", None),)
+    return (getattr(kernel, "debug", None), knobs.runtime.debug,
+            getattr(knobs.compilation, "instrumentation_mode", None))
+
+
+class _Unkeyable(Exception):
+    """An argument of a kind `launch` does not key: the call takes the plain path."""
+
+
+_EXACT = (bool, str, type(None), torch.dtype)
+
+
+def _int_class(value: int) -> tuple:
+    """What Triton specializes an integer argument on: ``== 1``, divisibility by 16, and the
+    range that picks its type (i32, u32, i64, u64)."""
+    if -2**31 <= value < 2**31:
+        width = 0
+    elif 0 <= value < 2**32:
+        width = 1
+    elif -2**63 <= value < 2**63:
+        width = 2
+    else:
+        width = 3
+    return int, value == 1, value % 16 == 0, width
+
+
+def _arg_key(value: Any, exact: bool) -> Any:
     """What of ``value`` can change Triton's compiled kernel: a tensor's dtype and 16-byte
-    alignment; for anything else its type and value (``True`` and ``1`` compile differently)."""
+    alignment; an integer's specialization (its value when ``exact``: constexprs, options);
+    type and value for other scalars (``True`` and ``1`` compile differently; a float by its
+    bits, so NaN keys equal). Raises `_Unkeyable` for anything else."""
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
-    return type(value), value
-
-
-def _signature(kernel: Any) -> Optional[list[tuple[str, Any]]]:
-    """``(name, default)`` of every parameter of ``kernel``'s Python function, in order
-    (``inspect.Parameter.empty`` for none); None if it has no plain signature."""
-    if kernel not in _signatures:
+    kind = type(value)
+    if kind is int:
+        return (int, value) if exact else _int_class(value)
+    if kind is float:
+        return float, value.hex()
+    if isinstance(value, _EXACT) or kind.__module__.startswith("triton"):  # triton dtypes, constexpr
         try:
-            parameters = inspect.signature(kernel.fn).parameters.values()
+            hash(value)
+        except TypeError:
+            raise _Unkeyable from None
+        return kind, value
+    raise _Unkeyable
+
+
+def _signature(kernel: Any) -> Optional[list[tuple[str, Any, bool]]]:
+    """``(name, default, is_constexpr)`` of every parameter of ``kernel``'s Python function, in
+    order (``inspect.Parameter.empty``: no default; every parameter counts as a constexpr, keyed
+    exactly, when the kernel does not say); None if it has no plain signature."""
+    entry = _signatures.get(id(kernel))
+    if entry is None:
+        try:
+            parameters = list(inspect.signature(kernel.fn).parameters.values())
         except (AttributeError, TypeError, ValueError):
-            _signatures[kernel] = None
+            entry = (kernel, None)
         else:
             plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in parameters)
-            _signatures[kernel] = [(p.name, p.default) for p in parameters] if plain else None
-    return _signatures[kernel]
+            declared = getattr(kernel, "params", None)
+            if declared is not None and len(declared) == len(parameters):
+                constexpr = [bool(getattr(d, "is_constexpr", True)) for d in declared]
+            else:
+                constexpr = [True] * len(parameters)
+            described = [(p.name, p.default, c) for p, c in zip(parameters, constexpr)]
+            entry = (kernel, described if plain else None)
+        _signatures[id(kernel)] = entry
+    return entry[1]
 
 
 class _CompiledLaunch:
     """A compiled kernel and how to lay out a call's arguments for its launcher."""
 
-    __slots__ = ("compiled", "positional", "tail")
+    __slots__ = ("compiled", "tail")
 
-    def __init__(self, compiled: Any, positional: int, tail: list[tuple[str, Any]]) -> None:
+    def __init__(self, compiled: Any, tail: list[tuple[str, Any]]) -> None:
         self.compiled = compiled
-        self.positional = positional  # arguments passed by position
-        self.tail = tail  # the other parameters: (name, default), in signature order
+        self.tail = tail  # the parameters after the positional arguments: (name, default), in order
 
     @classmethod
-    def of(cls, compiled: Any, kernel: Any, args: tuple, kwargs: dict) -> Optional["_CompiledLaunch"]:
-        """None unless ``compiled`` has the launcher `__call__` uses and every parameter of
-        ``kernel`` gets a value (then such calls keep the plain path)."""
-        signature = _signature(kernel)
+    def of(cls, compiled: Any, signature: list[tuple[str, Any, bool]], args: tuple,
+           kwargs: dict) -> Optional["_CompiledLaunch"]:
+        """None unless ``compiled`` has the launcher `__call__` uses and every parameter gets a
+        value (then such calls keep the plain path)."""
         needed = ("run", "function", "packed_metadata", "launch_metadata")
-        if signature is None or not all(hasattr(compiled, name) for name in needed):
+        if not all(hasattr(compiled, name) for name in needed):
             return None
-        tail = signature[len(args):]
+        tail = [(name, default) for name, default, _ in signature[len(args):]]
         if any(name not in kwargs and default is inspect.Parameter.empty for name, default in tail):
             return None
-        return cls(compiled, len(args), tail)
+        return cls(compiled, tail)
 
     def __call__(self, grid: tuple, args: tuple, kwargs: dict, stream: int) -> None:
         values = list(args)
@@ -119,18 +181,28 @@ class _CompiledLaunch:
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)``, skipping the JIT's binding when an earlier call had
     the same key (see the module docstring). ``grid``: a tuple of 1-3 ints."""
-    if not fast_launch_enabled() or callable(grid):
+    # Under torch.compile the plain launch is what dynamo knows how to trace.
+    if not fast_launch_enabled() or callable(grid) or torch.compiler.is_compiling():
+        kernel[grid](*args, **kwargs)
+        return
+    signature = _signature(kernel)
+    if signature is None or getattr(kernel, "pre_run_hooks", None) or len(args) > len(signature):
         kernel[grid](*args, **kwargs)
         return
     device, stream = _device_and_stream()
-    key = (kernel, device, tuple(map(_arg_key, args)),
-           tuple((name, _arg_key(value)) for name, value in kwargs.items()))
+    try:
+        key = (id(kernel), device, _compilation_state(kernel),
+               tuple(_arg_key(value, signature[i][2]) for i, value in enumerate(args)),
+               tuple((name, _arg_key(value, True)) for name, value in kwargs.items()))
+    except _Unkeyable:
+        kernel[grid](*args, **kwargs)
+        return
     entry = _cache.get(key, False)
     if entry is False:
         compiled = kernel[grid](*args, **kwargs)
         if len(_cache) >= _MAX_ENTRIES:
             _cache.clear()
-        _cache[key] = _CompiledLaunch.of(compiled, kernel, args, kwargs)
+        _cache[key] = _CompiledLaunch.of(compiled, signature, args, kwargs)
     elif entry is None:
         kernel[grid](*args, **kwargs)
     else:

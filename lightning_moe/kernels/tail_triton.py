@@ -8,7 +8,6 @@ end returns after one scalar load, so the cost is the tail's bytes, not the buff
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -44,9 +43,3 @@ def zero_rows_from_triton(y_RC: Tensor, end: Tensor) -> None:
         _zero_tail_kernel, (triton.cdiv(r, _BR), triton.cdiv(c, _BC)),
         y_RC, end, r, c, y_RC.stride(0), BR=_BR, BC=_BC, num_warps=4
     )
-
-
-def zero_rows_from_torch(y_RC: Tensor, end: Tensor) -> None:
-    """The plain-torch twin (any device): one masked pass over the whole buffer."""
-    rows = torch.arange(y_RC.shape[0], device=y_RC.device)
-    y_RC.masked_fill_((rows >= end).unsqueeze(1), 0)

@@ -45,9 +45,14 @@ def zero_rows_from(y_RC: Tensor, end: Tensor) -> None:
 
         zero_rows_from_triton(y_RC, end)
     else:
-        from lightning_moe.kernels.tail_triton import zero_rows_from_torch
-
         zero_rows_from_torch(y_RC, end)
+
+
+def zero_rows_from_torch(y_RC: Tensor, end: Tensor) -> None:
+    """The plain-torch twin of ``kernels.tail_triton.zero_rows_from_triton`` (any device, no
+    Triton needed): one masked pass over the whole buffer."""
+    rows = torch.arange(y_RC.shape[0], device=y_RC.device)
+    y_RC.masked_fill_((rows >= end).unsqueeze(1), 0)
 
 
 class _GroupedMMCoveredRows(torch.autograd.Function):  # first-order only (in-place zeroing in backward)

@@ -27,17 +27,25 @@ class _Compiled:
         self.log.append(("direct", call))
 
 
+class _Param:
+    def __init__(self, is_constexpr: bool) -> None:
+        self.is_constexpr = is_constexpr
+
+
 class _Kernel:
-    """``fn``'s signature is the kernel's; ``kernel[grid](...)`` logs and returns the compiled one."""
+    """``fn``'s signature is the kernel's (``FLAG`` and ``BLOCK`` are constexprs, as ``params``
+    says); ``kernel[grid](...)`` logs and returns the compiled one."""
 
     def __init__(self, compiled_has_launcher: bool = True) -> None:
         self.log: list = []
         self.compiled_has_launcher = compiled_has_launcher
+        self.pre_run_hooks: list = []
 
         def fn(x_ptr, n, scale, FLAG: bool = False, BLOCK: int = 64):
             raise AssertionError("never called")
 
         self.fn = fn
+        self.params = [_Param(False), _Param(False), _Param(False), _Param(True), _Param(True)]
 
     def __getitem__(self, grid):
         def plain(*args, **kwargs):
@@ -53,6 +61,7 @@ def _fresh(monkeypatch):
     monkeypatch.delenv("LIGHTNING_MOE_FAST_TRITON_LAUNCH", raising=False)
     monkeypatch.setattr(launch_module, "_device_and_stream", lambda: (0, 1234))
     monkeypatch.setattr(launch_module, "_launch_hooks", lambda: ("enter-hook", None))
+    monkeypatch.setattr(launch_module, "_compilation_state", lambda kernel: ("settings",))
     clear_launch_cache()
     yield
     clear_launch_cache()
@@ -85,19 +94,74 @@ def test_other_tensors_of_the_same_dtype_and_alignment_reuse_it():
 @pytest.mark.parametrize(
     "second",
     [
-        dict(args=(torch.zeros(64), 101, 0.5)),  # an integer: Triton specializes on its divisibility
+        dict(args=(torch.zeros(64), 112, 0.5)),  # an integer that becomes divisible by 16
+        dict(args=(torch.zeros(64), 1, 0.5)),  # an integer that becomes 1
+        dict(args=(torch.zeros(64), 2**31, 0.5)),  # an integer past int32
         dict(args=(torch.zeros(64, dtype=torch.float64), 100, 0.5)),  # a dtype
         dict(args=(torch.zeros(65)[1:], 100, 0.5)),  # a pointer not 16-byte aligned
-        dict(args=(torch.zeros(64), 100, 0.25)),  # any other value, exactly
+        dict(args=(torch.zeros(64), 100, 0.25)),  # any float, exactly
         dict(args=(torch.zeros(64), 100, 0.5), kwargs=dict(FLAG=True)),  # a constexpr
+        dict(args=(torch.zeros(64), 100, 0.5), kwargs=dict(BLOCK=128)),  # a constexpr integer, exactly
         dict(args=(torch.zeros(64), 100, 0.5), kwargs=dict(num_warps=8)),  # a compile option
-        dict(args=(torch.zeros(64), True, 0.5)),  # True and 1 compile differently
+        dict(args=(torch.zeros(64), True, 0.5)),  # True and an integer compile differently
     ],
 )
 def test_anything_triton_may_specialize_on_takes_the_plain_path(second):
     kernel = _Kernel()
-    launch(kernel, (1,), torch.zeros(64), 1 if second["args"][1] is True else 100, 0.5)
-    launch(kernel, (1,), *second["args"], **second.get("kwargs", {}))
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=64)
+    kwargs = {"BLOCK": 64, **second.get("kwargs", {})}
+    launch(kernel, (1,), *second["args"], **kwargs)
+    assert _kinds(kernel) == ["plain", "plain"]
+
+
+def test_runtime_integers_with_the_same_specialization_reuse_it():
+    kernel = _Kernel()
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    launch(kernel, (1,), torch.zeros(64), 37, 0.5)  # neither 1 nor a multiple of 16, int32
+    launch(kernel, (1,), torch.zeros(64), 48, 0.5)  # a multiple of 16: another kernel
+    launch(kernel, (1,), torch.zeros(64), 4096, 0.5)
+    assert _kinds(kernel) == ["plain", "direct", "plain", "direct"]
+    assert kernel.log[1][1][10] == 37 and kernel.log[3][1][10] == 4096  # the values are passed
+
+
+def test_nan_floats_key_alike():
+    kernel = _Kernel()
+    launch(kernel, (1,), torch.zeros(64), 100, float("nan"))
+    launch(kernel, (1,), torch.zeros(64), 100, float("nan"))
+    assert _kinds(kernel) == ["plain", "direct"]
+
+
+@pytest.mark.parametrize("odd", [(1, 2), [1, 2], object()])
+def test_arguments_of_other_kinds_take_the_plain_path(odd):
+    kernel = _Kernel()
+    for _ in range(2):
+        launch(kernel, (1,), torch.zeros(64), 100, odd)
+    assert _kinds(kernel) == ["plain", "plain"]
+
+
+def test_another_device_or_compilation_setting_is_another_key(monkeypatch):
+    kernel = _Kernel()
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    monkeypatch.setattr(launch_module, "_device_and_stream", lambda: (1, 1234))
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    monkeypatch.setattr(launch_module, "_compilation_state", lambda kernel: ("debug on",))
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    assert _kinds(kernel) == ["plain", "plain", "plain"]
+
+
+def test_the_current_stream_is_launched_on(monkeypatch):
+    kernel = _Kernel()
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    monkeypatch.setattr(launch_module, "_device_and_stream", lambda: (0, 999))
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    assert kernel.log[1][0] == "direct" and kernel.log[1][1][3] == 999
+
+
+def test_kernel_with_pre_run_hooks_takes_the_plain_path():
+    kernel = _Kernel()
+    kernel.pre_run_hooks.append(lambda *a, **k: None)
+    for _ in range(2):
+        launch(kernel, (1,), torch.zeros(64), 100, 0.5)
     assert _kinds(kernel) == ["plain", "plain"]
 
 
@@ -135,4 +199,12 @@ def test_missing_required_parameter_keeps_the_plain_path():
     kernel = _Kernel()
     launch(kernel, (1,), torch.zeros(64), 100)
     launch(kernel, (1,), torch.zeros(64), 100)
+    assert _kinds(kernel) == ["plain", "plain"]
+
+
+def test_plain_path_while_torch_compile_traces(monkeypatch):
+    kernel = _Kernel()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
     assert _kinds(kernel) == ["plain", "plain"]
