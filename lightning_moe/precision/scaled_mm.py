@@ -294,10 +294,34 @@ def _fused_both(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor, Tensor
     return q_RC, s_R, q_CR, s_GC.reshape(-1)
 
 
+_ROW_ENDS: dict[tuple, Tensor] = {}
+
+
 def _expert_row_ends(w_EKN: Tensor) -> Tensor:
-    """int32 ``[E]`` cumulative row ends of ``w [E, K, N]`` viewed as ``[E * K, N]`` rows."""
+    """int32 ``[E]`` cumulative row ends of ``w [E, K, N]`` viewed as ``[E * K, N]`` rows.
+
+    They depend on the shape alone, so they are made once per (device, E, K) and shared (two
+    launches fewer per weight cast); read-only, like every offsets tensor the casts take. Not
+    kept when made under CUDA-graph capture, whose memory pool could outlive it wrongly."""
     experts, k, _ = w_EKN.shape
-    return torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
+    key = (w_EKN.device, experts, k)
+    ends = _ROW_ENDS.get(key)
+    if ends is None:
+        ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
+        if not (w_EKN.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _ROW_ENDS[key] = ends
+    return ends
+
+
+def _assert_groups_aligned(offsets: Tensor) -> None:
+    """Device-side check that every group end is a multiple of 16 (the grouped FP8 kernels'
+    requirement), once per offsets tensor and version: fc1 and fc2 share one (4 launches each)."""
+    version = None if offsets.is_inference() else offsets._version
+    if getattr(offsets, "_aligned_checked", object()) == version:
+        return
+    torch._assert_async((offsets % _ALIGN == 0).all(),
+                        "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
+    offsets._aligned_checked = version
 
 
 def _weight_as_groups(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, int, int]:
@@ -651,8 +675,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         # Unpacked once: activation checkpointing refuses a second unpack of a saved tensor.
         saved = ctx.saved_tensors
         offsets = saved[2]
-        torch._assert_async((offsets % _ALIGN == 0).all(),
-                            "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
+        _assert_groups_aligned(offsets)
         with no_autocast(dy):
             dy = dy.contiguous()
             if ctx.fused:

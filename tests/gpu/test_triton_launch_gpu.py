@@ -21,15 +21,25 @@ pytestmark = [
 
 @pytest.fixture
 def direct_launches(monkeypatch):
-    """Counts launches that took the kept kernel."""
-    count = {"direct": 0}
-    original = launch_module._CompiledLaunch.__call__
+    """Counts launches that took a kept kernel (``"direct"``), and names the kernels kept
+    (``"kept"``) and those launched directly (``"reused"``)."""
+    count = {"direct": 0, "kept": set(), "reused": set()}
+    original_call = launch_module._CompiledLaunch.__call__
+    original_of = launch_module._CompiledLaunch.of.__func__
 
     def counting(self, *args, **kwargs):
         count["direct"] += 1
-        return original(self, *args, **kwargs)
+        count["reused"].add(self.compiled.name)
+        return original_call(self, *args, **kwargs)
+
+    def recording(cls, compiled, *args, **kwargs):
+        entry = original_of(cls, compiled, *args, **kwargs)
+        if entry is not None:
+            count["kept"].add(compiled.name)
+        return entry
 
     monkeypatch.setattr(launch_module._CompiledLaunch, "__call__", counting)
+    monkeypatch.setattr(launch_module._CompiledLaunch, "of", classmethod(recording))
     launch_module.clear_launch_cache()
     yield count
     launch_module.clear_launch_cache()
@@ -80,7 +90,8 @@ def test_layer_steps_identical_with_and_without_kept_kernels(monkeypatch, direct
     assert direct_launches["direct"] == 0
     monkeypatch.setenv("LIGHTNING_MOE_FAST_TRITON_LAUNCH", "1")
     kept = _steps(twin, precision, x)
-    assert direct_launches["direct"] > 0  # later steps reuse the first step's kernels
+    # every kernel the first step kept is launched directly by the later ones
+    assert direct_launches["kept"] and direct_launches["reused"] == direct_launches["kept"]
     assert len(plain) == len(kept)
     for a, b in zip(plain, kept):
         assert torch.equal(a.view(torch.uint8) if a.is_floating_point() and a.element_size() == 1 else a,
