@@ -116,42 +116,66 @@ def plan_permutation(
     )
     tokens_per_expert_E = bounds[1 : num_experts + 1] - bounds[:num_experts]
 
+    rows_per_expert = None
     if pad_to_capacity:
         if capacity is None:
             raise ValueError("pad_to_capacity needs a capacity.")
         rows_per_expert = round_up(capacity, alignment)  # quantized GEMMs need aligned groups
-        group_sizes_E = torch.full((num_experts,), rows_per_expert, dtype=torch.long, device=device)
         num_rows = num_experts * rows_per_expert
     elif alignment > 1:
-        group_sizes_E = round_up(tokens_per_expert_E, alignment)
         # An upper bound, itself rounded up: padding rows join the last group, whose end must
         # stay aligned too (quantized grouped GEMMs check every group boundary).
         num_rows = round_up(num_assign + num_experts * (alignment - 1), alignment)
     else:
-        group_sizes_E = tokens_per_expert_E
         num_rows = num_assign
     if num_rows_override is not None:
         num_rows = num_rows_override
+    padding_rows = pad_to_capacity or alignment > 1 or num_rows_override is None
 
-    positions_N = torch.arange(num_assign, device=device)
+    def group_sizes() -> Tensor:
+        if rows_per_expert is not None:
+            return torch.full((num_experts,), rows_per_expert, dtype=torch.long, device=device)
+        return round_up(tokens_per_expert_E, alignment) if alignment > 1 else tokens_per_expert_E
+
     dense_rows = keep_TK is None and not dropped_marked and num_rows == num_assign and not pad_to_capacity
     if dense_rows:
         # Fast path: row j of the buffer is the j-th assignment in expert order.
+        positions_N = torch.arange(num_assign, device=device)
         dest_TK = torch.empty_like(order_N).scatter_(0, order_N, positions_N)
         return PermutationPlan(
             row_assignment_R=order_N,
             row_token_R=order_N // topk,
             dest_TK=dest_TK.view(num_tokens, topk),
-            group_sizes_E=group_sizes_E,
+            group_sizes_E=group_sizes(),
             tokens_per_expert_E=tokens_per_expert_E,
             num_tokens=num_tokens,
             num_rows=num_rows,
             dense_rows=True,
             padding_rows=False,
         )
+    by_group_start = pad_to_capacity or alignment > 1 or num_rows > num_assign
+    if by_group_start and use_triton(flat_expert_N):
+        # Two kernels for the rows by group start (below in torch: ~15 launches).
+        from lightning_moe.kernels.plan_triton import plan_rows
 
+        dest_N, row_assignment_R, group_sizes_E = plan_rows(sorted_expert_N, order_N, bounds, num_experts,
+                                                            alignment, rows_per_expert, num_rows)
+        return PermutationPlan(
+            row_assignment_R=row_assignment_R,
+            row_token_R=row_assignment_R // topk,
+            dest_TK=dest_N.view(num_tokens, topk),
+            group_sizes_E=group_sizes_E,
+            tokens_per_expert_E=tokens_per_expert_E,
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            dense_rows=False,
+            padding_rows=padding_rows,
+        )
+
+    group_sizes_E = group_sizes()
+    positions_N = torch.arange(num_assign, device=device)
     dropped_sorted_N = positions_N >= bounds[num_experts]  # dropped assignments sort last
-    if not pad_to_capacity and alignment == 1 and num_rows <= num_assign:
+    if not by_group_start:
         # Groups without padding start where their sorted assignments start, so every kept
         # assignment's row is its sorted position; rows from the kept count on hold no token.
         dest_sorted_N = positions_N.masked_fill(dropped_sorted_N, num_rows)
@@ -178,7 +202,7 @@ def plan_permutation(
         num_tokens=num_tokens,
         num_rows=num_rows,
         dense_rows=False,
-        padding_rows=pad_to_capacity or alignment > 1 or num_rows_override is None,
+        padding_rows=padding_rows,
     )
 
 

@@ -239,3 +239,51 @@ def test_grouped_experts_with_padding_rows_match_the_loop_backend():
     y_u.backward(g_nan)
     assert torch.equal(y_u[:used], y[:used]) and torch.equal(xx.grad[:used], gx[:used])
     assert torch.equal(fast.fc1_weight.grad, g1) and torch.equal(fast.fc2_weight.grad, g2)
+
+
+def _router_keep(experts, capacity, num_experts):
+    """At most ``capacity`` kept assignments per expert, in token order (as the router keeps)."""
+    keep = torch.zeros(experts.shape, dtype=torch.bool)
+    counts = [0] * num_experts
+    for i in range(experts.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[i, j])
+            if counts[e] < capacity:
+                keep[i, j] = True
+                counts[e] += 1
+    return keep
+
+
+@pytest.mark.parametrize("mode", ["align", "keep", "marked", "capacity", "override"])
+def test_padded_plan_kernels_equal_the_torch_plan(mode):
+    """The CUDA plan (Triton kernels for rows by group start) equals the CPU plan (torch) in
+    every field, over random routings: alignments 1/16/32, drops by mask or marked ids, capacity
+    padding, a buffer larger than the assignments."""
+    import random
+
+    gen = random.Random(mode)
+    for _ in range(12):
+        t, e = gen.choice([1, 37, 200, 1000]), gen.choice([1, 8, 40, 130])
+        k = min(gen.choice([1, 2, 8]), e)
+        experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        kw, alignment = {}, (gen.choice([1, 16, 32]) if mode != "override" else 1)
+        if mode == "keep":
+            kw["keep_TK"] = torch.rand(t, k) > 0.3
+        elif mode == "marked":
+            experts = torch.where(torch.rand(t, k) > 0.3, experts, e)
+            kw["dropped_marked"] = True
+        elif mode == "capacity":
+            capacity = max(1, t * k // e // 2)
+            kw.update(keep_TK=_router_keep(experts, capacity, e), capacity=capacity, pad_to_capacity=True)
+        elif mode == "override":
+            kw.update(num_rows=t * k + gen.choice([0, 3, 50]), keep_TK=torch.rand(t, k) > 0.2)
+        plans = []
+        for device in ("cpu", "cuda"):
+            on = {name: v.to(device) if isinstance(v, torch.Tensor) else v for name, v in kw.items()}
+            plans.append(plan_permutation(experts.to(device), e, alignment=alignment, **on))
+        cpu, cuda = plans
+        for name in ("row_assignment_R", "row_token_R", "dest_TK", "group_sizes_E", "tokens_per_expert_E"):
+            a, b = getattr(cpu, name), getattr(cuda, name).cpu()
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, t, e, k, alignment, kw.keys())
+        for name in ("num_tokens", "num_rows", "dense_rows", "padding_rows"):
+            assert getattr(cpu, name) == getattr(cuda, name), name
