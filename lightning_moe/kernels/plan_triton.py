@@ -53,7 +53,9 @@ def _plan_rows_kernel(sorted_expert_ptr, order_ptr, bounds_ptr, starts_ptr, dest
     first = tl.load(bounds_ptr + e, mask=m, other=0)
     dest = tl.where(kept, start + j - first, num_rows)
     tl.store(dest_ptr + order, dest, mask=m)
-    tl.store(row_assignment_ptr + dest, order, mask=m & kept)
+    # A row past the buffer (a caller's num_rows below the groups' total, against the contract)
+    # is never written: no write outside the table.
+    tl.store(row_assignment_ptr + dest, order, mask=m & kept & (dest < num_rows))
 
 
 def plan_rows(sorted_expert_N: Tensor, order_N: Tensor, bounds: Tensor, num_experts: int, alignment: int,
@@ -67,7 +69,8 @@ def plan_rows(sorted_expert_N: Tensor, order_N: Tensor, bounds: Tensor, num_expe
             of the first dropped one).
         alignment: groups are rounded up to a multiple of it (1: not padded).
         rows_per_expert: every group's size when padding to capacity (already aligned), else None.
-        num_rows: rows of the buffer, at least the padded groups' total.
+        num_rows: rows of the buffer, at least the padded groups' total (not checked, since
+            that would read the device; assignments past it get no row-table entry).
     Returns:
         int64 ``dest_N`` (row of each assignment in assignment order, ``num_rows`` when
         dropped), int64 ``row_assignment_R`` (the assignment each row holds, ``N`` for a

@@ -308,7 +308,12 @@ def _expert_row_ends(w_EKN: Tensor) -> Tensor:
     ends = _ROW_ENDS.get(key)
     if ends is None:
         ends = torch.arange(1, experts + 1, device=w_EKN.device, dtype=torch.int32) * k
-        if not (w_EKN.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not w_EKN.is_cuda:
+            _ROW_ENDS[key] = ends
+        elif not torch.cuda.is_current_stream_capturing():
+            # Host sync, once per shape: other streams (a pipelined dispatcher's chunks) will
+            # read the shared tensor without waiting for the stream that wrote it.
+            torch.cuda.current_stream(w_EKN.device).synchronize()
             _ROW_ENDS[key] = ends
     return ends
 

@@ -254,19 +254,30 @@ def _router_keep(experts, capacity, num_experts):
     return keep
 
 
-@pytest.mark.parametrize("mode", ["align", "keep", "marked", "capacity", "override"])
-def test_padded_plan_kernels_equal_the_torch_plan(mode):
+@pytest.mark.parametrize("mode", ["align", "keep", "marked", "capacity", "override", "aligned_override"])
+def test_padded_plan_kernels_equal_the_torch_plan(mode, monkeypatch):
     """The CUDA plan (Triton kernels for rows by group start) equals the CPU plan (torch) in
     every field, over random routings: alignments 1/16/32, drops by mask or marked ids, capacity
-    padding, a buffer larger than the assignments."""
+    padding, a buffer larger than the assignments (with and without alignment), no tokens."""
     import random
 
+    import lightning_moe.kernels.plan_triton as plan_triton
+
+    kernel_plans = []
+    real = plan_triton.plan_rows
+    monkeypatch.setattr(plan_triton, "plan_rows", lambda *a, **k: kernel_plans.append(1) or real(*a, **k))
     gen = random.Random(mode)
-    for _ in range(12):
-        t, e = gen.choice([1, 37, 200, 1000]), gen.choice([1, 8, 40, 130])
+    for case in range(12):
+        t, e = (0 if case == 0 else gen.choice([1, 37, 200, 1000])), gen.choice([1, 8, 40, 130])
         k = min(gen.choice([1, 2, 8]), e)
-        experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        experts = torch.stack([torch.randperm(e)[:k] for _ in range(t)]) if t else torch.zeros(0, k, dtype=torch.long)
+        if case % 2:
+            experts = experts.int()
         kw, alignment = {}, (gen.choice([1, 16, 32]) if mode != "override" else 1)
+        if mode == "aligned_override":
+            alignment = gen.choice([16, 32])
+            rows = -(-(t * k + e * (alignment - 1)) // alignment) * alignment
+            kw["num_rows"] = rows + gen.choice([0, 16, 64])
         if mode == "keep":
             kw["keep_TK"] = torch.rand(t, k) > 0.3
         elif mode == "marked":
@@ -287,3 +298,5 @@ def test_padded_plan_kernels_equal_the_torch_plan(mode):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, t, e, k, alignment, kw.keys())
         for name in ("num_tokens", "num_rows", "dense_rows", "padding_rows"):
             assert getattr(cpu, name) == getattr(cuda, name), name
+    if mode != "keep":  # keep with alignment 1 takes the sorted-position path
+        assert kernel_plans, "the CUDA plans never took the Triton kernels"
