@@ -155,44 +155,33 @@ def plan_permutation(
         )
     by_group_start = pad_to_capacity or alignment > 1 or num_rows > num_assign
     if by_group_start and use_triton(flat_expert_N):
-        # Two kernels for the rows by group start (below in torch: ~15 launches).
+        # Two kernels for the rows by group start (the torch branch below: ~15 launches).
         from lightning_moe.kernels.plan_triton import plan_rows
 
         dest_N, row_assignment_R, group_sizes_E = plan_rows(sorted_expert_N, order_N, bounds, num_experts,
                                                             alignment, rows_per_expert, num_rows)
-        return PermutationPlan(
-            row_assignment_R=row_assignment_R,
-            row_token_R=row_assignment_R // topk,
-            dest_TK=dest_N.view(num_tokens, topk),
-            group_sizes_E=group_sizes_E,
-            tokens_per_expert_E=tokens_per_expert_E,
-            num_tokens=num_tokens,
-            num_rows=num_rows,
-            dense_rows=False,
-            padding_rows=padding_rows,
-        )
-
-    group_sizes_E = group_sizes()
-    positions_N = torch.arange(num_assign, device=device)
-    dropped_sorted_N = positions_N >= bounds[num_experts]  # dropped assignments sort last
-    if not by_group_start:
-        # Groups without padding start where their sorted assignments start, so every kept
-        # assignment's row is its sorted position; rows from the kept count on hold no token.
-        dest_sorted_N = positions_N.masked_fill(dropped_sorted_N, num_rows)
-        row_assignment_R = order_N.masked_fill(dropped_sorted_N, num_assign)[:num_rows]
     else:
-        # Row of the j-th sorted assignment: start of its expert's (padded) group + rank in expert.
-        zero = torch.zeros(1, dtype=torch.long, device=device)
-        group_start = torch.cat([zero, torch.cumsum(group_sizes_E, 0)])  # [E+1]; entry E = rows used
-        expert_N = sorted_expert_N.clamp(max=num_experts - 1)  # dropped ones masked below
-        dest_sorted_N = group_start[expert_N] + positions_N - bounds[expert_N]
-        dest_sorted_N = dest_sorted_N.masked_fill(dropped_sorted_N, num_rows)
-        # One spare slot at index R absorbs the writes of dropped assignments; padding rows keep
-        # the sentinel assignment T*K, whose token (T*K) // K = T is the zero row.
-        row_assignment = torch.full((num_rows + 1,), num_assign, dtype=torch.long, device=device)
-        row_assignment.scatter_(0, dest_sorted_N, order_N)
-        row_assignment_R = row_assignment[:num_rows]
-    dest_N = torch.empty_like(dest_sorted_N).scatter_(0, order_N, dest_sorted_N)
+        group_sizes_E = group_sizes()
+        positions_N = torch.arange(num_assign, device=device)
+        dropped_sorted_N = positions_N >= bounds[num_experts]  # dropped assignments sort last
+        if not by_group_start:
+            # Groups without padding start where their sorted assignments start, so every kept
+            # assignment's row is its sorted position; rows from the kept count on hold no token.
+            dest_sorted_N = positions_N.masked_fill(dropped_sorted_N, num_rows)
+            row_assignment_R = order_N.masked_fill(dropped_sorted_N, num_assign)[:num_rows]
+        else:
+            # Row of the j-th sorted assignment: start of its expert's (padded) group + rank in expert.
+            zero = torch.zeros(1, dtype=torch.long, device=device)
+            group_start = torch.cat([zero, torch.cumsum(group_sizes_E, 0)])  # [E+1]; entry E = rows used
+            expert_N = sorted_expert_N.clamp(max=num_experts - 1)  # dropped ones masked below
+            dest_sorted_N = group_start[expert_N] + positions_N - bounds[expert_N]
+            dest_sorted_N = dest_sorted_N.masked_fill(dropped_sorted_N, num_rows)
+            # One spare slot at index R absorbs the writes of dropped assignments; padding rows
+            # keep the sentinel assignment T*K, whose token (T*K) // K = T is the zero row.
+            row_assignment = torch.full((num_rows + 1,), num_assign, dtype=torch.long, device=device)
+            row_assignment.scatter_(0, dest_sorted_N, order_N)
+            row_assignment_R = row_assignment[:num_rows]
+        dest_N = torch.empty_like(dest_sorted_N).scatter_(0, order_N, dest_sorted_N)
     return PermutationPlan(
         row_assignment_R=row_assignment_R,
         row_token_R=row_assignment_R // topk,
