@@ -26,8 +26,6 @@ follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -42,7 +40,7 @@ from lightning_moe.kernels.fp8_quant_triton import (
     _scale_for_format,
     _scale_from_amax,
 )
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import launch, on_launch_stream
 
 
 @triton.jit
@@ -264,25 +262,6 @@ def delayed_cast(
         _launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
                              stride_out_col, stride_out_group, e5m2, swiglu)
     return q_row, s_row, s_col
-
-
-@contextlib.contextmanager
-def on_launch_stream(stream: Optional[torch.cuda.Stream], *used: Optional[Tensor]) -> Iterator[None]:
-    """Launch the enclosed kernels on ``stream`` (None: the current one), after the current
-    stream's work so far (the outputs were just allocated there, possibly in memory it freed).
-    ``used``: the tensors those kernels read or write (None entries skipped). Their memory
-    belongs to the current stream's pool; each is marked as used on ``stream``, so the
-    allocator hands it out again only after ``stream`` is done with it, even if the caller
-    drops it first (a temporary such as the group offsets)."""
-    if stream is None:
-        yield
-        return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    for t in used:
-        if t is not None:
-            t.record_stream(stream)
-    with torch.cuda.stream(stream):
-        yield
 
 
 def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, scale_G: Tensor,

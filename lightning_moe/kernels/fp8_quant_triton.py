@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import launch, on_launch_stream
 
 _E4M3_MAX = 448.0
 _FLT_MAX = 3.4028234663852886e38
@@ -243,11 +243,9 @@ def dual_quantize(
 
     Returns (float8 ``[R, C]``, fp32 row ``scale_inv [R]``, fp32 group-column ``scale_inv
     [G, C]``); the group-column copy goes to ``out_col`` as in `group_column_quantize`. Rows
-    past the last offset get their rowwise copy only. ``launch_stream``: as in
-    ``fp8_delayed_triton.delayed_cast`` (kernels there, outputs allocated on the current stream).
+    past the last offset get their rowwise copy only. ``launch_stream``: run the kernels
+    there (`kernels.launch.on_launch_stream`; the outputs are allocated on the current stream).
     """
-    from lightning_moe.kernels.fp8_delayed_triton import on_launch_stream
-
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape
     groups = offsets_G.numel()

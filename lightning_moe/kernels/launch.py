@@ -1,4 +1,5 @@
-"""Triton launches without the JIT's per-call argument binding, for repeated calls.
+"""Triton launches without the JIT's per-call argument binding, for repeated calls; and
+`on_launch_stream`, which runs the enclosed launches on a side stream.
 
 ``kernel[grid](*args)`` binds every argument to the kernel's signature, computes Triton's
 specialization of each (dtype, 16-byte alignment of pointers, divisibility of integers), builds
@@ -33,8 +34,11 @@ relies on (another Triton version).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import os
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -58,20 +62,28 @@ def _device_and_stream() -> tuple[int, int]:
     return device, torch._C._cuda_getCurrentRawStream(device)
 
 
-def _launch_hooks() -> tuple[Optional[Callable], Optional[Callable]]:
-    """Triton's launch enter / exit hooks (set by profilers such as proton), or None."""
+@functools.lru_cache(maxsize=None)
+def _knobs() -> Any:
+    """Triton's runtime settings module (None for a Triton without it), imported once."""
     try:
         from triton import knobs
-    except ImportError:  # a Triton without knobs has no hooks to honour
+    except ImportError:
+        return None
+    return knobs
+
+
+def _launch_hooks() -> tuple[Optional[Callable], Optional[Callable]]:
+    """Triton's launch enter / exit hooks (set by profilers such as proton), or None."""
+    knobs = _knobs()
+    if knobs is None:  # a Triton without knobs has no hooks to honour
         return None, None
     return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 
 def _compilation_state(kernel: Any) -> tuple:
     """The kernel's and Triton's settings that ``JITFunction.run`` folds into its options."""
-    try:
-        from triton import knobs
-    except ImportError:
+    knobs = _knobs()
+    if knobs is None:
         return (getattr(kernel, "debug", None),)
     return (getattr(kernel, "debug", None), knobs.runtime.debug,
             getattr(knobs.compilation, "instrumentation_mode", None))
@@ -212,3 +224,22 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
 def clear_launch_cache() -> None:
     """Forget every kept kernel (the next call of each key takes ``kernel[grid]`` again)."""
     _cache.clear()
+
+
+@contextlib.contextmanager
+def on_launch_stream(stream: Optional[torch.cuda.Stream], *used: Optional[torch.Tensor]) -> Iterator[None]:
+    """Launch the enclosed kernels on ``stream`` (None: the current one), after the current
+    stream's work so far (the outputs were just allocated there, possibly in memory it freed).
+    ``used``: the tensors those kernels read or write (None entries skipped). Their memory
+    belongs to the current stream's pool; each is marked as used on ``stream``, so the
+    allocator hands it out again only after ``stream`` is done with it, even if the caller
+    drops it first (a temporary such as the group offsets)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for t in used:
+        if t is not None:
+            t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield

@@ -41,7 +41,7 @@ first projection run; each GEMM waits only for its own weight's copies.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -318,15 +318,24 @@ def _expert_row_ends(w_EKN: Tensor) -> Tensor:
     return ends
 
 
+def _once_per_version(offsets: Tensor, name: str, make: Callable[[], Any]) -> Any:
+    """``make()``, run once per offsets tensor and version and kept on the tensor as ``name``:
+    a layer's two projections and their backwards share one offsets tensor, and an in-place
+    update bumps the version. Inference tensors (Lightning's evaluation loops) have none."""
+    version = None if offsets.is_inference() else offsets._version
+    kept = getattr(offsets, name, None)
+    if kept is not None and kept[0] == version:
+        return kept[1]
+    value = make()
+    setattr(offsets, name, (version, value))
+    return value
+
+
 def _assert_groups_aligned(offsets: Tensor) -> None:
     """Device-side check that every group end is a multiple of 16 (the grouped FP8 kernels'
-    requirement), once per offsets tensor and version: fc1 and fc2 share one (4 launches each)."""
-    version = None if offsets.is_inference() else offsets._version
-    if getattr(offsets, "_aligned_checked", object()) == version:
-        return
-    torch._assert_async((offsets % _ALIGN == 0).all(),
-                        "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens")
-    offsets._aligned_checked = version
+    requirement), once per offsets tensor and version (4 launches each time)."""
+    message = "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens"
+    _once_per_version(offsets, "_aligned_checked", lambda: torch._assert_async((offsets % _ALIGN == 0).all(), message))
 
 
 def _weight_as_groups(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, int, int]:
@@ -461,19 +470,14 @@ PER_EXPERT_MAX_EXPERTS = 32
 def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
     """Row ends per expert on the host when per-expert GEMMs pay off, else None (grouped kernel).
 
-    The host list is kept on the offsets tensor (with its version, so an in-place update is
-    seen) for the layer's other projection and the backward, which share that tensor.
+    The host list is kept on the offsets tensor (`_once_per_version`) for the layer's other
+    projection and the backward, which share that tensor.
     """
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if experts > PER_EXPERT_MAX_EXPERTS or capturing:
         return None
-    # Inference tensors (Lightning's evaluation loops) have no version counter.
-    version = None if offsets_E.is_inference() else offsets_E._version
-    cached_version, ends = getattr(offsets_E, "_host_ends", (None, None))
-    if ends is None or cached_version != version:
-        ends = offsets_E.tolist()  # host sync: each expert's _scaled_mm call needs its row count
-        offsets_E._host_ends = (version, ends)
-    return ends
+    # host sync (once per offsets): each expert's _scaled_mm call needs its row count
+    return _once_per_version(offsets_E, "_host_ends", offsets_E.tolist)
 
 
 def _group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offsets_E: Tensor,
