@@ -2,7 +2,7 @@
 
     python benchmarks/ep_scaling.py --ep 1 2                      # needs 2 GPUs for EP=2
     python benchmarks/ep_scaling.py --ep 1 2 4 8 --cases qwen3_30b_a3b
-    python benchmarks/ep_scaling.py --ep 1 2 --dispatchers alltoall allgather --transports nccl copy_engine
+    python benchmarks/ep_scaling.py --ep 1 2 --dispatchers alltoall allgather --transports nccl copy_engine nvlink
 
 Each EP size runs in its own set of processes (one per GPU, NCCL): every GPU holds E/EP
 experts and routes the block's full token count (B x S of BENCHMARKS.md), so per-GPU work is
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def worker(
 
     out = {}
     for name in cases:
+        if variant.get("watchdog"):  # a case that hangs dumps every thread's stack and ends the run
+            faulthandler.dump_traceback_later(variant["watchdog"], exit=True)
         c = CASES[name]
         torch.manual_seed(0)
         layer = build_layer(c, "grouped_mm", torch.bfloat16)
@@ -106,6 +109,7 @@ def worker(
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "rel_err_vs_ep1": err,
         }
+        faulthandler.cancel_dump_traceback_later()
         layer = x = dy = step = None  # free this case's tensors before the next one
         torch.cuda.empty_cache()
     if rank == 0:
@@ -123,11 +127,14 @@ def main(argv=None) -> None:
                         help="MoEConfig.dispatch_chunks values to run at EP > 1 (all-to-all pipelining)")
     parser.add_argument("--dispatchers", nargs="+", default=["alltoall"], choices=["alltoall", "allgather"],
                         help="token dispatchers to run at EP > 1")
-    parser.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy_engine"],
+    parser.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy_engine", "nvlink"],
                         help="MoEConfig.dispatch_transport values for the all-gather dispatcher")
     parser.add_argument("--tag", default=None, help="results file ep_scaling_<tag>.json (default ep_scaling.json)")
     parser.add_argument("--trace-dir", default=None,
                         help="write a gzipped Chrome trace of 3 back-to-back steps per case, variant and rank here")
+    parser.add_argument("--watchdog", type=float, default=0.0,
+                        help="seconds a case may take on a rank before that rank prints every thread's Python "
+                             "stack and exits; the variant is then recorded as hung and the next one runs (0: off)")
     args = parser.parse_args(argv)
     available = torch.cuda.device_count()
     results = {}
@@ -150,9 +157,14 @@ def main(argv=None) -> None:
             print(f"EP={ep}: skipped, {available} GPU(s) here")
             continue
         queue = ctx.Queue()
-        variant = {**variant, "key": key, "tag": args.tag or "untagged"}
-        mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, variant, queue, args.trace_dir),
-                 nprocs=ep, join=True)
+        variant = {**variant, "key": key, "tag": args.tag or "untagged", "watchdog": args.watchdog}
+        try:
+            mp.spawn(worker, args=(ep, 29500 + i, args.cases, args.iters, variant, queue, args.trace_dir),
+                     nprocs=ep, join=True)
+        except mp.ProcessExitedException as error:  # the watchdog ended a rank: the stacks are on stderr
+            print(f"{key}: a rank exited ({error}); recorded as hung", flush=True)
+            results.setdefault("hung", []).append(key)
+            continue
         results[key] = queue.get()
         for name, r in results[key].items():
             err = "" if r["rel_err_vs_ep1"] is None else f" err vs EP1 {r['rel_err_vs_ep1']:.2e}"
@@ -165,6 +177,8 @@ def main(argv=None) -> None:
                 print(f"      {row['cuda_ms']:7.2f} ms x{row['calls']:<4d} {row['name']}")
     if "ep1" in results:
         for key, per_case in results.items():
+            if key == "hung":
+                continue
             for name, r in per_case.items():
                 r["vs_ep1"] = r["per_gpu_tflops"] / results["ep1"][name]["per_gpu_tflops"]
                 r["pipelined_vs_ep1"] = r["pipelined_per_gpu_tflops"] / results["ep1"][name]["pipelined_per_gpu_tflops"]

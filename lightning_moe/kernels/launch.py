@@ -183,6 +183,8 @@ class _CompiledLaunch:
         grid_0 = grid[0]
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
+        if grid_0 * grid_1 * grid_2 == 0:  # nothing to run (a call that only compiles and loads)
+            return
         compiled = self.compiled
         enter, exit_ = _launch_hooks()
         metadata = compiled.launch_metadata(grid, stream, *values)

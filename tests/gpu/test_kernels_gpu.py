@@ -300,3 +300,46 @@ def test_padded_plan_kernels_equal_the_torch_plan(mode, monkeypatch):
             assert getattr(cpu, name) == getattr(cuda, name), name
     if mode != "keep":  # keep with alignment 1 takes the sorted-position path
         assert kernel_plans, "the CUDA plans never took the Triton kernels"
+
+
+@pytest.mark.parametrize("ranks,tokens,d,k", [(2, 300, 1000, 8), (3, 70, 4096, 2), (4, 33, 200, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_exchange_kernels_equal_combine_then_reduce_scatter(ranks, tokens, d, k, dtype):
+    """The fused exchange kernels with ``ranks`` simulated on one GPU (each rank's symmetric
+    buffer is a plain tensor; the pointer table holds their addresses): forward bit-identical to
+    every rank's combine, each block's partials rounded to the row dtype and summed in fp32
+    (own first, then the peers in rank order); backward bit-identical to the combine backward
+    over the all-gathered output gradient."""
+    from lightning_moe.kernels.combine_triton import combine, combine_backward, combine_own, combine_to_peers
+
+    torch.manual_seed(ranks * tokens + d)
+    assignments = ranks * tokens * k
+    rows = assignments // ranks + 11  # about 1/ranks of the assignments are this rank's
+    ys = [torch.randn(rows, d, device="cuda").to(dtype) for _ in range(ranks)]
+    dests = []
+    for _ in range(ranks):  # each row held at most once; index `rows`: another rank's expert
+        dest = torch.randperm(assignments + rows, device="cuda")[:assignments]
+        dests.append(torch.where(dest < rows, dest, rows).view(ranks * tokens, k))
+    ws = [torch.rand(ranks * tokens, k, device="cuda") for _ in range(ranks)]
+    bufs = [torch.full((ranks, tokens, d), float("nan"), device="cuda", dtype=dtype) for _ in range(ranks)]
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
+    for r in range(ranks):
+        combine_to_peers(ys[r], dests[r], ws[r], ptrs, r)
+    partial = [combine(ys[r], dests[r], ws[r]) for r in range(ranks)]
+    for me in range(ranks):
+        expected = partial[me][me * tokens:(me + 1) * tokens].float()
+        for r in range(ranks):
+            if r != me:
+                expected = expected + partial[r][me * tokens:(me + 1) * tokens].float()
+        assert torch.equal(combine_own(ys[me], dests[me], ws[me], bufs[me], me), expected.to(dtype)), me
+
+    grads = [torch.randn(tokens, d, device="cuda").to(dtype) for _ in range(ranks)]
+    for r in range(ranks):
+        bufs[r].view(-1)[: tokens * d].view(tokens, d).copy_(grads[r])
+    for r in range(ranks):
+        exp_y, exp_w = combine_backward(ys[r], dests[r], ws[r], torch.cat(grads), rows, None, True)
+        own = bufs[r].view(-1)[: tokens * d].view(tokens, d)
+        got_y, got_w = combine_backward(ys[r], dests[r], ws[r], own, rows, None, True, g_ptrs_G=ptrs)
+        held = torch.zeros(rows, dtype=torch.bool, device="cuda")
+        held[dests[r][dests[r] < rows]] = True
+        assert torch.equal(got_w, exp_w) and torch.equal(got_y[held], exp_y[held]), r

@@ -83,6 +83,20 @@ def test_repeated_call_launches_the_kept_kernel_with_every_parameter_in_order():
     assert call == (3, 2, 1, 1234, "function-handle", ("packed",), None, "enter-hook", None, x, 100, 0.5, False, 128)
 
 
+def test_an_empty_grid_compiles_once_and_then_launches_nothing():
+    """A zero-size grid (a call that only compiles and loads the kernel) goes through the plain
+    path the first time; with the kernel kept, later empty calls launch nothing, and a call with
+    a real grid launches the kept kernel."""
+    kernel = _Kernel()
+    x = torch.zeros(64)
+    launch(kernel, (0, 4), x, 100, 0.5)
+    launch(kernel, (0, 4), x, 100, 0.5)
+    launch(kernel, (5, 0), x, 100, 0.5)
+    assert _kinds(kernel) == ["plain"]
+    launch(kernel, (5, 4), x, 100, 0.5)
+    assert _kinds(kernel) == ["plain", "direct"] and kernel.log[1][1][:3] == (5, 4, 1)
+
+
 def test_other_tensors_of_the_same_dtype_and_alignment_reuse_it():
     kernel = _Kernel()
     launch(kernel, (1,), torch.zeros(64), 100, 0.5)
