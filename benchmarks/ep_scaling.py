@@ -2,7 +2,7 @@
 
     python benchmarks/ep_scaling.py --ep 1 2                      # needs 2 GPUs for EP=2
     python benchmarks/ep_scaling.py --ep 1 2 4 8 --cases qwen3_30b_a3b
-    python benchmarks/ep_scaling.py --ep 1 2 --dispatchers alltoall allgather --transports nccl copy_engine nvlink
+    python benchmarks/ep_scaling.py --ep 1 2 --dispatchers alltoall allgather --transports nccl copy_engine
 
 Each EP size runs in its own set of processes (one per GPU, NCCL): every GPU holds E/EP
 experts and routes the block's full token count (B x S of BENCHMARKS.md), so per-GPU work is
@@ -127,7 +127,7 @@ def main(argv=None) -> None:
                         help="MoEConfig.dispatch_chunks values to run at EP > 1 (all-to-all pipelining)")
     parser.add_argument("--dispatchers", nargs="+", default=["alltoall"], choices=["alltoall", "allgather"],
                         help="token dispatchers to run at EP > 1")
-    parser.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy_engine", "nvlink"],
+    parser.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy_engine"],
                         help="MoEConfig.dispatch_transport values for the all-gather dispatcher")
     parser.add_argument("--tag", default=None, help="results file ep_scaling_<tag>.json (default ep_scaling.json)")
     parser.add_argument("--trace-dir", default=None,

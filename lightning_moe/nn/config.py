@@ -19,7 +19,7 @@ DROP_POLICIES = ("probs", "position")
 ACTIVATIONS = ("swiglu", "gelu", "relu", "squared_relu")
 EXPERT_BACKENDS = ("auto", "grouped_mm", "te", "loop")
 DISPATCHER_TYPES = ("alltoall", "allgather", "deepep")
-DISPATCH_TRANSPORTS = ("nccl", "copy_engine", "nvlink")
+DISPATCH_TRANSPORTS = ("nccl", "copy_engine")
 
 
 @dataclass
@@ -62,10 +62,7 @@ class MoEConfig:
         dispatch_transport: how the all-gather dispatcher moves rows: "nccl" (the process
             group's all-gather / reduce-scatter) or "copy_engine" (peer copies through
             symmetric memory, ``torch.ops.symm_mem``'s low-contention collectives: no NCCL
-            kernel, no SMs for the transfer; CUDA GPUs of one host with peer access) or
-            "nvlink" (the combine's reduce-scatter and its backward's all-gather fused into
-            the combine kernels, which store to and load from the peers' symmetric memory; the
-            token gathers stay NCCL; one group: EP or ETP, not both; same host).
+            kernel, no SMs for the transfer; CUDA GPUs of one host with peer access).
         apply_probs_on_input: multiply routing probabilities into the expert input instead of
             the expert output (``moe_apply_probs_on_input``; needs ``router_topk == 1``).
         activation: expert activation; "swiglu" fuses gate and up projections.
@@ -100,7 +97,7 @@ class MoEConfig:
     shared_expert_gate: bool = False
     token_dispatcher_type: Literal["alltoall", "allgather", "deepep"] = "alltoall"
     dispatch_chunks: int = 1
-    dispatch_transport: Literal["nccl", "copy_engine", "nvlink"] = "nccl"
+    dispatch_transport: Literal["nccl", "copy_engine"] = "nccl"
     apply_probs_on_input: bool = False
     activation: Literal["swiglu", "gelu", "relu", "squared_relu"] = "swiglu"
     expert_backend: Literal["auto", "grouped_mm", "te", "loop"] = "auto"

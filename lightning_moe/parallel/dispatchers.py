@@ -69,24 +69,17 @@ def _describe(kind: str, ep_size: int, etp_size: int, transport: str = "nccl") -
     return f"{kind} ({sizes})" if transport == "nccl" else f"{kind} ({sizes}, {transport.replace('_', ' ')})"
 
 
-def _check_symmetric_memory_groups(groups: list, transport: str) -> None:
-    """The symmetric-memory transports ("copy_engine", "nvlink") need groups with an NCCL backend
-    for CUDA (symmetric memory is CUDA-only; a mapping such as "cpu:gloo,cuda:nccl" qualifies).
-    That the ranks share one host is left to the symmetric-memory rendezvous, which fails on its
-    own otherwise. "nvlink" fuses one reduce-scatter into the combine, so it takes one group."""
+def _check_copy_engine_groups(groups: list) -> None:
+    """The copy-engine transport needs groups with an NCCL backend for CUDA (symmetric memory is
+    CUDA-only; a mapping such as "cpu:gloo,cuda:nccl" qualifies). That the ranks share one host
+    is left to the symmetric-memory rendezvous, which fails on its own otherwise."""
     for group in groups:
         backend = str(dist.get_backend(group))
         if "nccl" not in backend or not torch.cuda.is_available():
             raise ValueError(
-                f"MoEConfig.dispatch_transport={transport!r} needs CUDA GPUs of one host on an NCCL "
+                f"MoEConfig.dispatch_transport='copy_engine' needs CUDA GPUs of one host on an NCCL "
                 f"process group (this group's backend is {backend!r}): use dispatch_transport='nccl'."
             )
-    if transport == "nvlink" and len(groups) > 1:
-        raise ValueError(
-            "MoEConfig.dispatch_transport='nvlink' fuses the combine's exchange over one group, but both "
-            "the expert-parallel and the expert tensor-parallel size exceed 1 here: use "
-            "dispatch_transport='nccl' or 'copy_engine', or set expert_tensor_parallel_size=1."
-        )
 
 
 @dataclass
@@ -543,10 +536,7 @@ class AllGatherDispatcher:
     (:meth:`prefetch`, on a side stream). The expert buffer is sized for the worst case, ``G*T*K``
     rows, about ``(G-1)/G`` of it padding after the last group; the "grouped_mm" expert backend
     leaves that padding out of its GEMMs. Rows move over NCCL or, with
-    ``cfg.dispatch_transport="copy_engine"``, as peer copies through symmetric memory; with
-    ``"nvlink"`` the combine kernels store the partial outputs straight into the owners'
-    symmetric memory and its backward loads the peers' output gradients from theirs (see
-    `lightning_moe.parallel.combine_exchange`), while the token gathers stay on NCCL.
+    ``cfg.dispatch_transport="copy_engine"``, as peer copies through symmetric memory.
 
     Args: as `AllToAllDispatcher`.
     """
@@ -564,16 +554,8 @@ class AllGatherDispatcher:
         # (EP rank, ETP rank, token); the reduce-scatter undoes it in reverse.
         self._gather_groups = [g for g in (self.etp_group, ep_group) if group_size(g) > 1]
         self.transport = cfg.dispatch_transport
-        # "nvlink" moves the combine's rows inside its kernels; the token and routing gathers
-        # (and their backward) stay NCCL collectives.
-        self._gather_transport = "nccl" if self.transport == "nvlink" else self.transport
-        self._combine_buffer = None
-        if self.transport != "nccl":
-            _check_symmetric_memory_groups(self._gather_groups, self.transport)
-        if self.transport == "nvlink":
-            from lightning_moe.parallel.combine_exchange import buffer_for_group
-
-            self._combine_buffer = buffer_for_group(self._gather_groups[0])
+        if self.transport == "copy_engine":
+            _check_copy_engine_groups(self._gather_groups)
 
     def describe(self) -> str:
         return _describe("all-gather", self.ep_size, self.etp_size, self.transport)
@@ -593,7 +575,7 @@ class AllGatherDispatcher:
 
     def _gather(self, x: Tensor) -> Tensor:
         for group in self._gather_groups:
-            x = all_gather_rows(x, group, self._gather_transport)
+            x = all_gather_rows(x, group, self.transport)
         return x
 
     def prefetch(self, x_TD: Tensor) -> "PrefetchedTokens":
@@ -603,14 +585,8 @@ class AllGatherDispatcher:
         autograd runs its backward (the reduce-scatter of the token gradient) on that stream
         too, beside the router's backward. Pass the result to :meth:`dispatch` as ``prefetched``.
         On CPU the gather simply runs here.
-
-        Under ``dispatch_transport="nvlink"`` the gather runs on the current stream, so that every
-        wait on a peer (NCCL collectives and the exchange's barriers) is queued on one stream in
-        the same order on every rank: a GPU that spins in a barrier for a peer then never also
-        waits for that peer on another stream, which leaves the peers' hosts free to stall
-        (CUDA's lazy kernel loading waits for the GPU to drain) without blocking each other.
         """
-        streams = [] if self.transport == "nvlink" else _side_streams(x_TD.device, 1, purpose="prefetch")
+        streams = _side_streams(x_TD.device, 1, purpose="prefetch")
         if not streams:
             return PrefetchedTokens(self._gather(x_TD), None)
         (side,) = streams
@@ -655,12 +631,6 @@ class AllGatherDispatcher:
         return x_RD, plan.group_sizes_E, AllGatherDispatchState(plan, probs_all)
 
     def combine(self, expert_output_RD: Tensor, state: AllGatherDispatchState) -> Tensor:
-        if self._combine_buffer is not None:
-            from lightning_moe.parallel.combine_exchange import fused_combine_reduce_scatter
-
-            return fused_combine_reduce_scatter(
-                expert_output_RD, state.combine_probs_TK, state.plan, self._combine_buffer
-            )
         y_all = unpermute(expert_output_RD, state.combine_probs_TK, state.plan)
         for group in reversed(self._gather_groups):
             y_all = reduce_scatter_rows(y_all, group, self.transport)

@@ -56,10 +56,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         expert_sharding: "fsdp" (FSDP2 over EDP) or "ddp" for expert params.
         sequence_parallel: with TP > 1, keep activations between layers sharded over the sequence.
         token_dispatcher: "alltoall" | "allgather" | None (None: each layer's config decides).
-        dispatch_transport: "nccl" | "copy_engine" | "nvlink" | None: how the all-gather
-            dispatcher moves rows (``MoEConfig.dispatch_transport``; None: each layer's config
-            decides). "copy_engine" and "nvlink" need GPUs of one host; benchmarks/NOTES.md
-            compares them at EP=2 on 2 x H200.
+        dispatch_transport: "nccl" | "copy_engine" | None: how the all-gather dispatcher moves
+            rows (``MoEConfig.dispatch_transport``; None: each layer's config decides).
+            "copy_engine" needs GPUs of one host; at EP=2 on 2 x H200 the two transports
+            measured within each other's run-to-run spread (benchmarks/NOTES.md).
         reshard_after_forward: FSDP2 ``reshard_after_forward`` for transformer blocks and experts.
         print_layout: print the layout/backends table once on rank 0.
         process_group_backend / timeout: passed to ``init_process_group``.
@@ -80,7 +80,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         expert_sharding: ShardingMode = "fsdp",
         sequence_parallel: bool = True,
         token_dispatcher: Optional[Literal["alltoall", "allgather"]] = None,
-        dispatch_transport: Optional[Literal["nccl", "copy_engine", "nvlink"]] = None,
+        dispatch_transport: Optional[Literal["nccl", "copy_engine"]] = None,
         reshard_after_forward: bool = True,
         print_layout: bool = True,
         process_group_backend: Optional[str] = None,
@@ -98,10 +98,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 raise ValueError(f"{name}={value!r}: choose 'fsdp' or 'ddp'.")
         if token_dispatcher not in (None, "alltoall", "allgather"):
             raise ValueError(f"token_dispatcher={token_dispatcher!r}: choose 'alltoall', 'allgather' or None.")
-        if dispatch_transport not in (None, "nccl", "copy_engine", "nvlink"):
-            raise ValueError(
-                f"dispatch_transport={dispatch_transport!r}: choose 'nccl', 'copy_engine', 'nvlink' or None."
-            )
+        if dispatch_transport not in (None, "nccl", "copy_engine"):
+            raise ValueError(f"dispatch_transport={dispatch_transport!r}: choose 'nccl', 'copy_engine' or None.")
         self.sizes = dict(
             tensor_parallel_size=tensor_parallel_size,
             context_parallel_size=context_parallel_size,

@@ -55,4 +55,4 @@ def test_bad_sharding_modes():
     with pytest.raises(ValueError, match="alltoall"):
         MegatronMoEStrategy(token_dispatcher="deepep")
     with pytest.raises(ValueError, match="copy_engine"):
-        MegatronMoEStrategy(dispatch_transport="rdma")
+        MegatronMoEStrategy(dispatch_transport="nvlink")
