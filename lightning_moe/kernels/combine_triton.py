@@ -37,8 +37,7 @@ def _combine_fwd_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, num_rows, D, K: tl.cons
 @triton.jit
 def _combine_bwd_kernel(
     y_ptr, dest_ptr, w_ptr, g_ptr, grad_y_ptr, grad_w_ptr, num_rows, D,
-    K: tl.constexpr, KP: tl.constexpr, H: tl.constexpr, BD: tl.constexpr, NEED_GW: tl.constexpr,
-    NEED_GY: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, NEED_GW: tl.constexpr, NEED_GY: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_k = tl.arange(0, KP)
@@ -46,43 +45,12 @@ def _combine_bwd_kernel(
     dest = tl.load(dest_ptr + t * K + offs_k, mask=kmask, other=num_rows)
     w = tl.load(w_ptr + t * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
     valid = kmask & (dest < num_rows)
-    g_row = g_ptr + t.to(tl.int64) * D
-    if H == KP:
-        # Every slot in one pass over D: a [KP, BD] tile of the token's rows per step.
-        dot = _rows_pass(y_ptr, grad_y_ptr, g_row, dest, w, valid, D, KP, BD, NEED_GW, NEED_GY)
-    else:
-        # Most slots hold no row here (the all-gather dispatcher's other ranks' experts): pack
-        # the held slots to the front and visit them H at a time, so a token with n held slots
-        # makes cdiv(n, H) passes over D with full [H, BD] tiles, instead of one [KP, BD] pass
-        # whose masked lanes do no work but still take their threads.
-        held = valid.to(tl.int32)
-        count = tl.sum(held, 0)
-        position = tl.cumsum(held, 0) - 1  # of each held slot among the held ones
-        dot = tl.zeros([KP], dtype=tl.float32)
-        offs_h = tl.arange(0, H)
-        for p in tl.static_range(KP // H):
-            if count > p * H:
-                pick = valid[None, :] & (position[None, :] == (p * H + offs_h)[:, None])  # [H, KP]
-                dest_h = tl.sum(tl.where(pick, dest[None, :], 0), 1)
-                w_h = tl.sum(tl.where(pick, w[None, :], 0.0), 1)
-                dot_h = _rows_pass(y_ptr, grad_y_ptr, g_row, dest_h, w_h, p * H + offs_h < count, D, H, BD,
-                                   NEED_GW, NEED_GY)
-                dot += tl.sum(tl.where(pick, dot_h[:, None], 0.0), 0)  # back to the slots
-    if NEED_GW:
-        tl.store(grad_w_ptr + t * K + offs_k, dot, mask=kmask)
-
-
-@triton.jit
-def _rows_pass(y_ptr, grad_y_ptr, g_row, dest, w, valid, D, N: tl.constexpr, BD: tl.constexpr,
-               NEED_GW: tl.constexpr, NEED_GY: tl.constexpr):
-    """One pass over D for N of a token's rows (``dest`` [N], ``valid`` [N]): ``grad_y[dest] =
-    w * g`` and the fp32 dots ``<y[dest], g>`` ([N], zero where not valid)."""
     row_off = dest.to(tl.int64) * D
-    dot = tl.zeros([N], dtype=tl.float32)
+    dot = tl.zeros([KP], dtype=tl.float32)
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
         dmask = offs_d < D
-        g = tl.load(g_row + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t.to(tl.int64) * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
         m2 = valid[:, None] & dmask[None, :]
         if NEED_GW:
             y = tl.load(y_ptr + row_off[:, None] + offs_d[None, :], mask=m2, other=0.0)
@@ -90,7 +58,8 @@ def _rows_pass(y_ptr, grad_y_ptr, g_row, dest, w, valid, D, N: tl.constexpr, BD:
         if NEED_GY:
             gy = w[:, None] * g[None, :]
             tl.store(grad_y_ptr + row_off[:, None] + offs_d[None, :], gy.to(grad_y_ptr.dtype.element_ty), mask=m2)
-    return dot
+    if NEED_GW:
+        tl.store(grad_w_ptr + t * K + offs_k, dot, mask=kmask)
 
 
 @triton.jit
@@ -112,15 +81,11 @@ def _zero_unowned_rows_kernel(out_ptr, row_token_ptr, end_ptr, num_tokens, R, D,
                      mask=unowned[:, None] & (offs_d < D)[None, :])
 
 
-def _meta(D: int, K: int, slots_per_pass: int | None = None) -> tuple[int, int, int, int]:
-    """(KP, H, BD, warps): the padded slot count, the slots visited per pass (``slots_per_pass``
-    rounded up to a power of two; all KP when None), a D block that keeps a tile at about 4096
-    elements, and the warps for it."""
+def _meta(D: int, K: int) -> tuple[int, int, int]:
     kp = triton.next_power_of_2(K)
-    h = kp if slots_per_pass is None else min(kp, triton.next_power_of_2(max(1, slots_per_pass)))
-    bd = min(triton.next_power_of_2(D), max(128, 4096 // h))
-    warps = 4 if bd * h <= 2048 else 8
-    return kp, h, bd, warps
+    bd = min(triton.next_power_of_2(D), max(128, 4096 // kp))
+    warps = 4 if bd * kp <= 2048 else 8
+    return kp, bd, warps
 
 
 def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
@@ -141,14 +106,12 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
 
 def combine_backward(
     y_RD: Tensor | None, dest_TK: Tensor, w_TK: Tensor, g_TD: Tensor, num_rows: int, row_token_R: Tensor | None,
-    need_grad_w: bool, rows_end: Tensor | None = None, slots_per_pass: int | None = None,
+    need_grad_w: bool, rows_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Gradients of :func:`combine`: ``grad_y`` [R, D] and ``grad_w`` [T, K] fp32 (when
     ``need_grad_w``). ``row_token_R`` (int64 [R], ``T`` for rows no assignment holds) is needed
     when some rows are padding: those rows of ``grad_y`` are zeroed; None when every row is held.
-    ``rows_end`` (0-dim device index): rows from it on hold no token and are left unwritten.
-    ``slots_per_pass``: about how many of a token's K slots hold a row (None: all of them); the
-    held slots are then packed and visited that many at a time (see the kernel)."""
+    ``rows_end`` (0-dim device index): rows from it on hold no token and are left unwritten."""
     g_TD = g_TD.contiguous()
     num_tokens, k = dest_TK.shape
     d = g_TD.shape[1]
@@ -163,11 +126,11 @@ def combine_backward(
         )
     if num_tokens == 0:
         return grad_y, grad_w
-    kp, h, bd, warps = _meta(d, k, slots_per_pass)
+    kp, bd, warps = _meta(d, k)
     launch(
         _combine_bwd_kernel, (num_tokens,),
         y_RD.contiguous() if need_grad_w else g_TD, dest_TK.contiguous(), w_TK.contiguous(), g_TD, grad_y,
-        grad_w if need_grad_w else g_TD, num_rows, d, K=k, KP=kp, H=h, BD=bd, NEED_GW=need_grad_w, NEED_GY=True,
+        grad_w if need_grad_w else g_TD, num_rows, d, K=k, KP=kp, BD=bd, NEED_GW=need_grad_w, NEED_GY=True,
         num_warps=warps,
     )
     return grad_y, grad_w

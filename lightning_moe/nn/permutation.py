@@ -52,9 +52,6 @@ class PermutationPlan:
             are left unwritten by ``permute`` and by ``unpermute``'s backward (on CUDA). Set
             only when the experts never read those rows (see ``GroupedExperts.forward``'s
             ``tail_unwritten``); None: every row is written.
-        held_slots_per_token: about how many of a token's K slots hold a row, when most do not
-            (the all-gather dispatcher: about K/G of them are this rank's experts); the combine's
-            backward then visits the held slots packed, that many at a time. None: about all K.
     """
 
     row_assignment_R: Tensor
@@ -67,7 +64,6 @@ class PermutationPlan:
     dense_rows: bool
     padding_rows: bool = True
     rows_end: Optional[Tensor] = None
-    held_slots_per_token: Optional[int] = None
 
 
 def plan_permutation(
@@ -266,7 +262,6 @@ class _Unpermute(torch.autograd.Function):
                 row_token_R=plan.row_token_R if plan.padding_rows else None, need_grad_w=ctx.needs_input_grad[1],
                 # anomaly mode checks every gradient for NaN, so no row is left unwritten then
                 rows_end=None if torch.is_anomaly_enabled() else plan.rows_end,
-                slots_per_pass=plan.held_slots_per_token,
             )
             return grad_y, (grad_w.to(ctx.probs_dtype) if grad_w is not None else None), None
         y_TKD, weights_T1K = ctx.saved_tensors

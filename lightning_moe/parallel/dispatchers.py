@@ -624,8 +624,6 @@ class AllGatherDispatcher:
         )
         if tail_unwritten and not cfg.apply_probs_on_input:  # input-side probabilities multiply every row
             plan.rows_end = plan.group_sizes_E.sum()
-        if self.ep_size > 1:  # about K / EP of each gathered token's slots are this rank's experts
-            plan.held_slots_per_token = -(-topk // self.ep_size)
         x_RD = permute(x_all, plan)
         if cfg.apply_probs_on_input:
             x_RD = input_side_probs(x_RD, probs_all, plan)

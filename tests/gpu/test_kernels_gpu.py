@@ -33,39 +33,6 @@ def test_combine_forward_backward(k, d):
     torch.testing.assert_close(gy, ref_gy[:r], rtol=1e-6, atol=1e-6)  # unowned rows zero, not stale memory
 
 
-@pytest.mark.parametrize("slots_per_pass", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("k,d", [(8, 7168), (8, 1000), (6, 64), (2, 2048)])
-def test_combine_backward_with_packed_slots(k, d, slots_per_pass):
-    """Tokens whose K slots mostly hold no row (as under the all-gather dispatcher): visiting the
-    held slots packed, ``slots_per_pass`` at a time, gives the same row gradients bit for bit and
-    the same weight gradients (fp32 dots summed in other blocks) as one pass over all K slots;
-    tokens with no held slot, or with all K held, included."""
-    from lightning_moe.kernels.combine_triton import combine_backward
-
-    torch.manual_seed(k * d + slots_per_pass)
-    t, r = 700, 700 * k // 2 + 9
-    dest = torch.randperm(t * k, device="cuda").view(t, k)
-    held = torch.rand(t, k, device="cuda") < 0.5
-    held[:5] = False  # tokens with no row here
-    held[5:10] = True  # and with every slot held
-    dest = torch.where(held & (dest < r), dest, r)
-    y = torch.randn(r, d, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(t, k, device="cuda")
-    g = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    row_token = torch.full((r + 1,), t, dtype=torch.long, device="cuda")
-    row_token[dest.flatten()] = torch.arange(t * k, device="cuda") // k
-    gy_one, gw_one = combine_backward(y, dest, w, g, r, row_token[:r], need_grad_w=True)
-    gy, gw = combine_backward(y, dest, w, g, r, row_token[:r], need_grad_w=True, slots_per_pass=slots_per_pass)
-    assert torch.equal(gy, gy_one)
-    y_ext = torch.cat([y, y.new_zeros(1, d)]).float()
-    torch.testing.assert_close(gw, (y_ext[dest] * g.float().unsqueeze(1)).sum(-1), rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(gw, gw_one, rtol=1e-5, atol=1e-4)
-    assert torch.equal(gw[:5], torch.zeros_like(gw[:5]))
-    gy_only, no_gw = combine_backward(None, dest, w, g, r, row_token[:r], need_grad_w=False,
-                                      slots_per_pass=slots_per_pass)
-    assert no_gw is None and torch.equal(gy_only, gy_one)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_matches_torch(dtype):
     from lightning_moe.kernels.swiglu_triton import swiglu
