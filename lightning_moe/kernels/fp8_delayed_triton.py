@@ -44,11 +44,17 @@ from lightning_moe.kernels.launch import launch, on_launch_stream
 
 
 @triton.jit
-def _load_operand(x_ptr, rows, cols, m, C, SWIGLU: tl.constexpr):
+def _load_operand(x_ptr, rows, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
     # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is the fused projection output
     # ``h = [gate | up]`` ``[R, 2C]`` and the operand is ``silu(gate) * up`` computed and rounded
     # to ``h``'s dtype exactly as ``kernels.swiglu_triton`` does, so the cast sees the values the
-    # SwiGLU kernel would have written.
+    # SwiGLU kernel would have written. With GATHER ``x`` is ``[T, C]`` and operand row ``r`` is
+    # ``x[src[r]]``, zero where ``src[r] == T`` (a padding row): the permutation's gather, read
+    # straight into the cast instead of written out first.
+    if GATHER:
+        src = tl.load(src_ptr + rows, mask=tl.max(m.to(tl.int32), 1) > 0, other=T)
+        held = m & (src < T)[:, None]
+        return tl.load(x_ptr + src[:, None].to(tl.int64) * C + cols[None, :], mask=held, other=0.0).to(tl.float32)
     if SWIGLU:
         base = rows[:, None].to(tl.int64) * (2 * C) + cols[None, :]
         gate = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
@@ -59,20 +65,22 @@ def _load_operand(x_ptr, rows, cols, m, C, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr, SWIGLU: tl.constexpr):
+def _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr, SWIGLU: tl.constexpr, src_ptr, T,
+                         GATHER: tl.constexpr):
     # Per-column amax ``[BC]`` of rows [start, end) of the operand as `_load_operand` reads it
     # (with SWIGLU: of the SwiGLU output computed from ``h``).
     amax = tl.zeros(cols.shape, dtype=tl.float32)
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
         m = (rows < end)[:, None] & cmask[None, :]
-        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(_load_operand(x_ptr, rows, cols, m, C, SWIGLU)), 0))
+        x = _load_operand(x_ptr, rows, cols, m, C, SWIGLU, src_ptr, T, GATHER)
+        amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
     return amax
 
 
 @triton.jit
-def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, SWIGLU: tl.constexpr, BR: tl.constexpr,
-                         BC: tl.constexpr):
+def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_ptr, T, SWIGLU: tl.constexpr,
+                         GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     # Program (group, column block): the current amax of groups without a scale (and of the
     # tail group G), by atomic max over column blocks; groups with a scale return at once.
     group = tl.program_id(0)
@@ -81,21 +89,21 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, SWIGL
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cols < C
         start, end = _group_bounds(offsets_ptr, group, G, R)
-        amax = _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR, SWIGLU)
+        amax = _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR, SWIGLU, src_ptr, T, GATHER)
         tl.atomic_max(amax_ptr + group, tl.max(amax, 0))
 
 
 @triton.jit
 def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
-                       stride_qc, amax, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, SWIGLU: tl.constexpr,
-                       BR: tl.constexpr, AMAX_2D: tl.constexpr = False):
+                       stride_qc, amax, src_ptr, T, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
+                       SWIGLU: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, AMAX_2D: tl.constexpr = False):
     # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
     # copies; returns the running amax (for the record): per column ``[BC]``, or with AMAX_2D
     # per element ``[BR, BC]``, which needs no reduction across the tile's rows (threads and
     # warps) until the loop ends.
     rows = r0 + tl.arange(0, BR)
     m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
-    x = _load_operand(x_ptr, rows, cols, m, C, SWIGLU)
+    x = _load_operand(x_ptr, rows, cols, m, C, SWIGLU, src_ptr, T, GATHER)
     if WRITE_ROW:
         tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
     if WRITE_COL:
@@ -114,9 +122,10 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
 
 @triton.jit
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
-                         record_ptr, R, C, G, stride_qc, stride_qg, WRITE_ROW: tl.constexpr,
+                         record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, WRITE_ROW: tl.constexpr,
                          WRITE_COL: tl.constexpr, RECORD: tl.constexpr, SWIGLU: tl.constexpr, BR: tl.constexpr,
-                         BC: tl.constexpr, AMAX_2D: tl.constexpr = False, GROUP_AXIS: tl.constexpr = 0):
+                         BC: tl.constexpr, AMAX_2D: tl.constexpr = False, GROUP_AXIS: tl.constexpr = 0,
+                         GATHER: tl.constexpr = False):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
     group = tl.program_id(GROUP_AXIS)
@@ -131,21 +140,24 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     lo, hi = _aligned_body(start, end)
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
-                              in_group, out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
+                              in_group, out_base, C, stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU,
+                              GATHER, 16)
     # No software pipelining of the body loop: 3 stages measured no faster
     # (fp8_quant_tune_delayed_variants_transpose_stages.json).
     if AMAX_2D:
         body_amax = tl.zeros([BR, BC], dtype=tl.float32)
         for r0 in tl.range(lo, hi, BR, num_stages=1):
             body_amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
-                                           out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, SWIGLU, BR, True)
+                                           out_base, C, stride_qc, body_amax, src_ptr, T, WRITE_ROW, WRITE_COL,
+                                           SWIGLU, GATHER, BR, True)
         amax = tl.maximum(amax, tl.max(body_amax, 0))
     else:
         for r0 in tl.range(lo, hi, BR, num_stages=1):
             amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
-                                      out_base, C, stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, BR)
+                                      out_base, C, stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER,
+                                      BR)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
-                              stride_qc, amax, WRITE_ROW, WRITE_COL, SWIGLU, 16)
+                              stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16)
     if WRITE_ROW:
         if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the group's row scales
             for r0 in range(start, end, 1024):
@@ -159,8 +171,9 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
 
 
 @triton.jit
-def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_ptr, record_ptr, C, G,
-                        SEARCH_STEPS: tl.constexpr, RECORD: tl.constexpr, E5M2: tl.constexpr, BL: tl.constexpr):
+def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_ptr, record_ptr, C, G, src_ptr, T,
+                        SEARCH_STEPS: tl.constexpr, RECORD: tl.constexpr, E5M2: tl.constexpr, BL: tl.constexpr,
+                        GATHER: tl.constexpr = False):
     # Program per row: the row copy alone (no transposed store to shape the tiles around), read
     # as whole rows like the rowwise quantizer. The row's group by binary search of the ends.
     row = tl.program_id(0).to(tl.int64)
@@ -178,10 +191,16 @@ def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_pt
     current = _scale_for_format(tl.load(cur_amax_ptr + group), 57344.0 if E5M2 else 448.0)
     scale = tl.where(history > 0.0, history, current)
     base = row * C
+    source = base  # with GATHER: row src[row] of x [T, C], zeros for the padding sentinel T
+    held = True
+    if GATHER:
+        src = tl.load(src_ptr + row)
+        source = src.to(tl.int64) * C
+        held = src < T
     amax = tl.zeros([BL], dtype=tl.float32)
     for c0 in range(0, C, BL):
         cols = c0 + tl.arange(0, BL)
-        x = tl.load(x_ptr + base + cols, mask=cols < C, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + source + cols, mask=(cols < C) & held, other=0.0).to(tl.float32)
         if E5M2:
             q = (x * scale).to(tl.float8e5)
         else:
@@ -206,6 +225,7 @@ def delayed_cast(
     e5m2: bool = False,
     swiglu: bool = False,
     launch_stream: Optional[torch.cuda.Stream] = None,
+    gather_rows: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -228,6 +248,10 @@ def delayed_cast(
         launch_stream: run the kernels there (see `on_launch_stream`); the outputs are
             allocated on the current stream, which must wait for ``launch_stream`` before
             reading them.
+        gather_rows: int64 ``[R]``: ``x`` is then ``[T, C]`` and the operand's row ``r`` is
+            ``x[gather_rows[r]]``, zeros where it is ``T`` (a padding row): the permutation's
+            gather read straight into the cast, so the permuted rows are never written in
+            ``x``'s dtype. Not with ``swiglu``.
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -238,8 +262,13 @@ def delayed_cast(
         raise ValueError("delayed_cast: E5M2 is supported for the row copy alone")
     if swiglu and out_col is None:
         raise ValueError("delayed_cast: swiglu=True needs out_col (the transposed copy's buffer)")
+    if swiglu and gather_rows is not None:
+        raise ValueError("delayed_cast: gather_rows is for a permutation's rows, not with swiglu=True")
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape[0], x_RC.shape[1] // 2 if swiglu else x_RC.shape[1]
+    if gather_rows is not None:
+        gather_rows = gather_rows.contiguous()
+        rows = gather_rows.shape[0]
     groups = offsets_G.numel()
     device = x_RC.device
     row_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
@@ -258,25 +287,29 @@ def delayed_cast(
         return q_row, s_row, s_col
     offsets_G = offsets_G.contiguous()
     scale_G = scale_G.contiguous()
-    with on_launch_stream(launch_stream, x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col):
+    with on_launch_stream(launch_stream, x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
+                          gather_rows):
         _launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
-                             stride_out_col, stride_out_group, e5m2, swiglu)
+                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows)
     return q_row, s_row, s_col
 
 
 def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, scale_G: Tensor,
                          record_G: Optional[Tensor], q_row: Optional[Tensor], s_row: Optional[Tensor],
                          out_col: Optional[Tensor], s_col: Optional[Tensor], stride_out_col: int,
-                         stride_out_group: int, e5m2: bool, swiglu: bool) -> None:
-    # The kernels of `delayed_cast` (the operand is ``rows x cols`` after the SwiGLU, if any).
+                         stride_out_group: int, e5m2: bool, swiglu: bool, gather_rows: Optional[Tensor]) -> None:
+    # The kernels of `delayed_cast` (the operand is ``rows x cols`` after the SwiGLU or the
+    # gather, if any).
     groups = offsets_G.numel()
     write_row = q_row is not None
     cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=x_RC.device)  # atomic-max target
     # The tail group only exists for the row copy (no GEMM reads a transposed tail).
     cast_groups = groups + 1 if write_row else groups
-    launch(_missing_amax_kernel, (cast_groups, triton.cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
-           groups, SWIGLU=swiglu, BR=128, BC=64, num_warps=4)
     dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
+    gather = gather_rows is not None
+    src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
+    launch(_missing_amax_kernel, (cast_groups, triton.cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
+           groups, src, num_src, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, num_warps=4)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
         # shape: fp8_quant_tune.json), instead of per-group column tiles.
@@ -284,8 +317,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         launch(
             _delayed_row_kernel, (rows,),
             x_RC, offsets_G, scale_G, cur_amax, q_row, s_row, record_G if record_G is not None else dummy,
-            cols, groups, SEARCH_STEPS=max(groups, 1).bit_length(), RECORD=record_G is not None, E5M2=e5m2,
-            BL=block,
+            cols, groups, src, num_src, SEARCH_STEPS=max(groups, 1).bit_length(), RECORD=record_G is not None,
+            E5M2=e5m2, BL=block, GATHER=gather,
             num_warps=2 if cols <= 4096 else 16,
         )
         return
@@ -299,7 +332,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
-        rows, cols, groups, stride_out_col, stride_out_group,
+        rows, cols, groups, stride_out_col, stride_out_group, src, num_src,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=64, BC=128, AMAX_2D=True, GROUP_AXIS=1, num_warps=4,
+        BR=64, BC=128, AMAX_2D=True, GROUP_AXIS=1, GATHER=gather, num_warps=4,
     )

@@ -10,7 +10,10 @@ A dispatcher is a small protocol with explicit state passed from ``dispatch`` to
 ``group_sizes_E`` (int64, device) are the row counts of this rank's local experts in
 ``expert_input_RD``. A dispatcher may also offer ``prefetch(x_TD)``, which starts moving the
 tokens before the router runs; the layer then passes its result to
-``dispatch(x_TD, routing, prefetched=...)``. The local dispatcher below serves one rank;
+``dispatch(x_TD, routing, prefetched=...)``. A dispatcher with ``can_defer_permute = True``
+takes ``dispatch(..., defer_permute=True)`` and then returns a `PermutedTokens` (the tokens and
+the plan) instead of the permuted rows, for experts that read the permutation inside their
+first GEMM's input cast (``experts.takes_permuted_tokens``). The local dispatcher below serves one rank;
 expert-parallel dispatchers (all-to-all, all-gather) live in ``lightning_moe.parallel`` and
 are installed by the strategy.
 """
@@ -24,7 +27,14 @@ import torch
 from torch import Tensor
 
 from lightning_moe.nn.config import MoEConfig
-from lightning_moe.nn.permutation import PermutationPlan, permute, plan_permutation, row_probs, unpermute
+from lightning_moe.nn.permutation import (
+    PermutationPlan,
+    PermutedTokens,
+    permute,
+    plan_permutation,
+    row_probs,
+    unpermute,
+)
 from lightning_moe.nn.router import RoutingResult
 
 
@@ -64,11 +74,19 @@ def input_side_probs(x_RD: Tensor, probs_TK: Tensor, plan: PermutationPlan) -> T
 class LocalDispatcher:
     """Single-rank dispatch: sort assignments by expert (sync-free), run, and combine."""
 
+    # `MoELayer` may pass ``defer_permute=True`` to `dispatch`.
+    can_defer_permute = True
+
     def __init__(self, cfg: MoEConfig) -> None:
         self.cfg = cfg
 
-    def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, LocalDispatchState]:
+    def dispatch(self, x_TD: Tensor, routing: RoutingResult,
+                 defer_permute: bool = False) -> tuple[Tensor | PermutedTokens, Tensor, LocalDispatchState]:
+        """``defer_permute``: return the tokens and the plan as a `PermutedTokens` instead of
+        the permuted rows (not under ``apply_probs_on_input``, which scales the rows here)."""
         plan = plan_for(routing, self.cfg)
+        if defer_permute and not self.cfg.apply_probs_on_input:
+            return PermutedTokens(x_TD, plan), plan.group_sizes_E, LocalDispatchState(plan, routing.probs_TK)
         x_RD = permute(x_TD, plan)
         combine_probs_TK = routing.probs_TK
         if self.cfg.apply_probs_on_input:

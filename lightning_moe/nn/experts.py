@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from lightning_moe.kernels import use_triton
 from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
+from lightning_moe.nn.permutation import PermutedTokens
 
 
 def activate(h: Tensor, activation: str) -> Tensor:
@@ -40,7 +41,10 @@ class GroupedGemm(Protocol):
     ``projection`` ("fc1" / "fc2") names the weight: the FP8 weight cache keys on it and the
     delayed recipe keeps separate scales per projection. It may also offer
     ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second projection with the
-    SwiGLU fused in, returning None where it does not apply; and ``prefetch_weights({"fc1": w1,
+    SwiGLU fused in, returning None where it does not apply; ``takes_permuted_tokens(tokens_TK)``
+    with ``grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, projection)``: the first
+    projection of ``permute(tokens, plan)`` with the permutation read inside the quantized
+    GEMM's input cast (None where it does not apply); and ``prefetch_weights({"fc1": w1,
     "fc2": w2})`` / ``release_prefetched()``: start the weights' quantized copies before the
     tokens arrive, and drop what no GEMM took (see `GroupedExperts.prefetch`)."""
 
@@ -75,7 +79,9 @@ class GroupedExperts(nn.Module):
     ``tail_unwritten=True`` (only where `reads_only_grouped_rows`) the rows past the sum may
     hold anything and come out unspecified, in the output and in the input gradient.
     A precision plugin may set ``quantization`` to an object with
-    ``grouped_mm(x_RK, w_EKN, offsets_E, projection)`` to run quantized GEMMs instead.
+    ``grouped_mm(x_RK, w_EKN, offsets_E, projection)`` to run quantized GEMMs instead. Where
+    `takes_permuted_tokens`, ``x_RD`` may be a `PermutedTokens` (the tokens and the plan, not
+    yet permuted): the quantization then reads the permutation inside its first cast.
     """
 
     def __init__(
@@ -148,10 +154,25 @@ class GroupedExperts(nn.Module):
         that a caller that never reads the rest back may leave it unwritten (``tail_unwritten``)."""
         return self.quantization is None and self.backend == "grouped_mm" and dtype != torch.float64
 
-    def forward(self, x_RD: Tensor, group_sizes_E: Tensor, tail_unwritten: bool = False) -> Tensor:
+    def takes_permuted_tokens(self, tokens_TD: Tensor) -> bool:
+        """Whether `forward` can take these tokens as a `PermutedTokens` and read the
+        permutation inside the first projection's quantized input cast (FP8 delayed scaling on
+        the native backend), so the permuted rows are never written in the tokens' dtype."""
+        takes = getattr(self.quantization, "takes_permuted_tokens", None)
+        return (takes is not None and not torch.is_autocast_enabled(tokens_TD.device.type)
+                and takes(tokens_TD))
+
+    def forward(self, x_RD: Tensor | PermutedTokens, group_sizes_E: Tensor, tail_unwritten: bool = False) -> Tensor:
         """[R, D] -> [R, D]. ``tail_unwritten``: the caller left the rows after the groups
         unwritten and never reads them in the output or the input gradient, so they are not
-        zeroed either (the all-gather dispatcher's buffer is about half such rows)."""
+        zeroed either (the all-gather dispatcher's buffer is about half such rows).
+        ``x_RD`` may be a `PermutedTokens` (see `takes_permuted_tokens`); where the first
+        projection cannot read it, it is permuted here."""
+        permuted = x_RD if isinstance(x_RD, PermutedTokens) else None
+        if permuted is not None and (tail_unwritten or not self.takes_permuted_tokens(permuted.tokens_TD)):
+            x_RD, permuted = permuted.materialize(), None
+        if permuted is not None:
+            return self._forward_permuted(permuted, group_sizes_E)
         if tail_unwritten and not self.reads_only_grouped_rows(x_RD.dtype):
             raise ValueError(
                 "tail_unwritten=True needs experts that read only the grouped rows (backend 'grouped_mm', no FP8 "
@@ -179,6 +200,11 @@ class GroupedExperts(nn.Module):
         if self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
             return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
         h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
+        return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E)
+
+    def _second_projection(self, h_RF: Tensor, fc2: Tensor, group_sizes_E: Tensor,
+                           offsets_E: Optional[Tensor]) -> Tensor:
+        """The activation and fc2 of the first projection's output ``h_RF``."""
         fused_swiglu = getattr(self.quantization, "grouped_mm_swiglu", None) if self.activation == "swiglu" else None
         if fused_swiglu is not None:
             # the SwiGLU computed inside the FP8 cast of fc2's input, where that runs
@@ -186,6 +212,21 @@ class GroupedExperts(nn.Module):
             if y_RD is not None:
                 return y_RD
         return self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E)
+
+    def _forward_permuted(self, permuted: PermutedTokens, group_sizes_E: Tensor) -> Tensor:
+        """`forward` of tokens not yet permuted, the first projection reading the permutation
+        inside its quantized input cast (falling back to permuting them where it cannot)."""
+        from lightning_moe.nn.grouped_gemm import group_offsets
+
+        fc1 = fc1_matrix(local_tensor(self.fc1_weight))
+        if group_sizes_E.shape[0] != fc1.shape[0]:
+            raise ValueError(f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts")
+        offsets_E = group_offsets(group_sizes_E, permuted.num_rows)
+        assert self.quantization is not None  # takes_permuted_tokens said so
+        h_RF = self.quantization.grouped_mm_gathered(permuted.tokens_TD, permuted.plan, fc1, offsets_E, "fc1")
+        if h_RF is None:
+            return self.forward(permuted.materialize(), group_sizes_E)
+        return self._second_projection(h_RF, local_tensor(self.fc2_weight), group_sizes_E, offsets_E)
 
     @staticmethod
     def _swiglu_covered_rows(x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor,

@@ -113,6 +113,12 @@ class MoELayer(nn.Module):
             tail_unwritten = (getattr(self.dispatcher, "can_leave_tail_unwritten", False)
                               and reads_grouped is not None and reads_grouped(x_TD.dtype))
             tail = {"tail_unwritten": True} if tail_unwritten else {}  # only then: other experts lack it
+            # Experts that read the permutation inside their first quantized cast get the tokens
+            # and the plan, so the permuted rows are never written in the tokens' dtype.
+            takes_permuted = getattr(self.experts, "takes_permuted_tokens", None)
+            if (getattr(self.dispatcher, "can_defer_permute", False) and takes_permuted is not None
+                    and not tail_unwritten and takes_permuted(x_TD)):
+                extra["defer_permute"] = True
             expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra, **tail)
             y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E, **tail), state)
         if self.shared_experts is not None:

@@ -218,17 +218,21 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_RD: Tensor):
-        plan: PermutationPlan = ctx.plan
-        grad_RD = grad_RD.contiguous()
-        if use_triton(grad_RD):
-            from lightning_moe.kernels.combine_triton import combine
+        return permute_backward(grad_RD, ctx.plan), None
 
-            ones_TK = torch.ones(plan.dest_TK.shape, dtype=torch.float32, device=grad_RD.device)
-            return combine(grad_RD, plan.dest_TK, ones_TK), None
-        source = grad_RD if plan.dense_rows else _with_zero_row(grad_RD)
-        num_tokens, topk = plan.dest_TK.shape
-        grad_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, source.shape[1])
-        return grad_TKD.sum(1), None
+
+def permute_backward(grad_RD: Tensor, plan: PermutationPlan) -> Tensor:
+    """The gradient of :func:`permute`: each token's K row gradients summed, [R, D] -> [T, D]."""
+    grad_RD = grad_RD.contiguous()
+    if use_triton(grad_RD):
+        from lightning_moe.kernels.combine_triton import combine
+
+        ones_TK = torch.ones(plan.dest_TK.shape, dtype=torch.float32, device=grad_RD.device)
+        return combine(grad_RD, plan.dest_TK, ones_TK)
+    source = grad_RD if plan.dense_rows else _with_zero_row(grad_RD)
+    num_tokens, topk = plan.dest_TK.shape
+    grad_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, source.shape[1])
+    return grad_TKD.sum(1)
 
 
 class _Unpermute(torch.autograd.Function):
@@ -281,6 +285,25 @@ class _Unpermute(torch.autograd.Function):
 def permute(x_TD: Tensor, plan: PermutationPlan) -> Tensor:
     """Gather token rows into expert order: [T, D] -> [R, D] (padding rows are zero)."""
     return _Permute.apply(x_TD, plan)
+
+
+@dataclass
+class PermutedTokens:
+    """``permute(tokens_TD, plan)`` not yet carried out: what a dispatcher hands to experts that
+    can read the permutation's rows straight into their first GEMM's input cast
+    (``GroupedExperts.takes_permuted_tokens``), so the permuted rows are never written in the
+    tokens' dtype. `materialize` carries it out (with autograd) for every other consumer."""
+
+    tokens_TD: Tensor
+    plan: PermutationPlan
+
+    @property
+    def num_rows(self) -> int:
+        return self.plan.num_rows
+
+    def materialize(self) -> Tensor:
+        """``[R, D]``: the permuted rows, as `permute` makes them."""
+        return permute(self.tokens_TD, self.plan)
 
 
 def unpermute(y_RD: Tensor, probs_TK: Tensor, plan: PermutationPlan) -> Tensor:

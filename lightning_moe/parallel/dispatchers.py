@@ -41,7 +41,14 @@ from torch import Tensor
 from lightning_moe.nn.aux_losses import tokens_per_expert
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.dispatcher import input_side_probs
-from lightning_moe.nn.permutation import PermutationPlan, permute, plan_permutation, round_up, unpermute
+from lightning_moe.nn.permutation import (
+    PermutationPlan,
+    PermutedTokens,
+    permute,
+    plan_permutation,
+    round_up,
+    unpermute,
+)
 from lightning_moe.nn.router import RoutingResult
 from lightning_moe.parallel.dispatch_ops import (
     all_gather_plain,
@@ -541,8 +548,9 @@ class AllGatherDispatcher:
     Args: as `AllToAllDispatcher`.
     """
 
-    # `MoELayer` may pass ``tail_unwritten=True`` to `dispatch`.
+    # `MoELayer` may pass ``tail_unwritten=True`` and ``defer_permute=True`` to `dispatch`.
     can_leave_tail_unwritten = True
+    can_defer_permute = True
 
     def __init__(
         self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup] = None
@@ -596,11 +604,13 @@ class AllGatherDispatcher:
 
     def dispatch(
         self, x_TD: Tensor, routing: RoutingResult, prefetched: Optional["PrefetchedTokens"] = None,
-        tail_unwritten: bool = False,
-    ) -> tuple[Tensor, Tensor, AllGatherDispatchState]:
+        tail_unwritten: bool = False, defer_permute: bool = False,
+    ) -> tuple[Tensor | PermutedTokens, Tensor, AllGatherDispatchState]:
         """``tail_unwritten``: the experts read only the rows their groups cover, so the rows
         after the last group (about ``(G-1)/G`` of the buffer) are not written on CUDA, neither
-        by the permutation nor by the combine's backward (see ``PermutationPlan.rows_end``)."""
+        by the permutation nor by the combine's backward (see ``PermutationPlan.rows_end``).
+        ``defer_permute``: return the gathered tokens and the plan as a `PermutedTokens`
+        instead of the permuted rows (not under ``apply_probs_on_input``)."""
         cfg = self.cfg
         x_all = self._gather(x_TD) if prefetched is None else prefetched.wait()
         # One metadata gather: the routing weights with the expert ids beside them as exact
@@ -624,6 +634,8 @@ class AllGatherDispatcher:
         )
         if tail_unwritten and not cfg.apply_probs_on_input:  # input-side probabilities multiply every row
             plan.rows_end = plan.group_sizes_E.sum()
+        if defer_permute and not cfg.apply_probs_on_input:
+            return PermutedTokens(x_all, plan), plan.group_sizes_E, AllGatherDispatchState(plan, probs_all)
         x_RD = permute(x_all, plan)
         if cfg.apply_probs_on_input:
             x_RD = input_side_probs(x_RD, probs_all, plan)

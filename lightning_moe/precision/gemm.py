@@ -230,6 +230,39 @@ def fp8_grouped_mm(
     return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state)
 
 
+def fp8_grouped_mm_gathered(
+    tokens_TK: Tensor,
+    plan: Any,
+    w_EKN: Tensor,
+    offsets_E: Tensor,
+    recipe: Union[str, FP8Recipe] = "delayed",
+    backend: str = "torch",
+    state: Optional[DelayedState] = None,
+    weight_key: Optional[Hashable] = None,
+    prefetched: Optional[PrefetchedWeight] = None,
+) -> Optional[Tensor]:
+    """``permute(tokens, plan) @ w`` per group with the permutation's gather read straight into
+    the FP8 cast of the GEMM's input, so the permuted rows are never written in ``tokens``'
+    dtype and read back; the same bits as ``fp8_grouped_mm(permute(tokens, plan), w, ...)``.
+    Runs where the native delayed-scaling casts run (the "torch" backend on CUDA); returns None
+    elsewhere, and the caller permutes the tokens itself.
+
+    Args:
+        tokens_TK: the tokens ``[T, K]`` before the permutation.
+        plan: the `PermutationPlan` whose rows (``R = plan.num_rows``) the GEMM takes.
+        w_EKN / offsets_E / recipe / backend / state / weight_key / prefetched: as in
+            `fp8_grouped_mm`.
+    """
+    recipe = FP8Recipe.of(recipe)
+    if recipe.name != "delayed" or state is None or _backend(recipe, backend, tokens_TK, grouped=True) != "torch":
+        return None
+    from lightning_moe.precision.scaled_mm import gather_fusable, scaled_grouped_mm_gathered
+
+    if not gather_fusable(tokens_TK, w_EKN, recipe, state):
+        return None
+    return scaled_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
+
+
 def fp8_grouped_mm_swiglu(
     h_RF2: Tensor,
     w_EFN: Tensor,

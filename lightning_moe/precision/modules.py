@@ -24,11 +24,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import DelayedState, delayed_state, ensure_delayed_state, register_delayed_buffers
-from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_grouped_mm_swiglu, fp8_linear
+from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_grouped_mm_gathered, fp8_grouped_mm_swiglu, fp8_linear
 from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
 if TYPE_CHECKING:
+    from lightning_moe.nn.permutation import PermutationPlan
     from lightning_moe.precision.scaled_mm import PrefetchedWeight
 
 ModuleFilter = Callable[[str, nn.Module], bool]
@@ -173,6 +174,29 @@ class FP8GroupedGemm(nn.Module):
         finally:
             if prefetched is not None:
                 prefetched.release()  # taken, or dropped by a path that did not use it
+
+    def takes_permuted_tokens(self, tokens_TK: Tensor) -> bool:
+        """Whether `grouped_mm_gathered` can run on ``tokens_TK`` (the native delayed-scaling
+        casts: recipe "delayed" on the "torch" backend with Triton on CUDA)."""
+        from lightning_moe.precision.scaled_mm import _local_triton_operands
+
+        return (self.recipe.name == "delayed" and _local_triton_operands(tokens_TK)
+                and resolve_backend(self.recipe, self.backend, device=tokens_TK.device.type, grouped=True) == "torch")
+
+    def grouped_mm_gathered(self, tokens_TK: Tensor, plan: "PermutationPlan", w_EKN: Tensor, offsets_E: Tensor,
+                            projection: str = "") -> Optional[Tensor]:
+        """``permute(tokens, plan) @ w`` with the permutation read inside the FP8 cast
+        (`fp8_grouped_mm_gathered`), or None where that does not run (then the caller permutes
+        the tokens and calls `grouped_mm`)."""
+        if self.recipe.name != "delayed":
+            return None
+        state, key = self._state_and_key(projection, w_EKN)
+        prefetched = self.__dict__.get("_prefetched", {}).get(projection)
+        y = fp8_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, self.recipe, self.backend, state,
+                                    weight_key=key, prefetched=prefetched)
+        if y is not None and prefetched is not None:
+            self._take_prefetched(projection).release()  # used; else `grouped_mm` takes it
+        return y
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
                           projection: str = "") -> Optional[Tensor]:

@@ -229,11 +229,12 @@ def _both_weight_layouts_now(recipe: FP8Recipe, needs_backward: bool) -> bool:
     return needs_backward and recipe.quantize_weights_once is not False
 
 
-def _transposed_out(t_RC: Tensor, cols: Optional[int] = None) -> Tensor:
-    """Float8 ``[C, R]`` for ``t^T`` (``C`` = ``cols``, default ``t``'s) with ``R`` padded to 16 by
-    zero columns (the padding is the contraction the dense weight-gradient GEMM reads; the rest
-    is written by a quantizer)."""
-    rows, cols = t_RC.shape[0], t_RC.shape[1] if cols is None else cols
+def _transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int] = None) -> Tensor:
+    """Float8 ``[C, R]`` for ``t^T`` (``C`` = ``cols``, ``R`` = ``rows``, default ``t``'s) with
+    ``R`` padded to 16 by zero columns (the padding is the contraction the dense weight-gradient
+    GEMM reads; the rest is written by a quantizer)."""
+    rows = t_RC.shape[0] if rows is None else rows
+    cols = t_RC.shape[1] if cols is None else cols
     q_CR = torch.empty(cols, -(-rows // _ALIGN) * _ALIGN, dtype=torch.float8_e4m3fn, device=t_RC.device)
     q_CR[:, rows:].zero_()
     return q_CR
@@ -395,18 +396,23 @@ class _FusedGroupedOperands:
         return scale, amax_record_row(self.state, role)
 
     def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str, transposed: bool,
-                   swiglu: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+                   swiglu: bool = False, gather_rows: Optional[Tensor] = None
+                   ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
         """(row copy, ``[R]`` scales, transposed copy, ``[G * C]`` scales); the transposed pair
         only when ``transposed`` (a backward will run). ``swiglu`` (delayed, ``transposed``):
-        ``t`` is ``h = [gate | up]`` and the copies are of ``silu(gate) * up``."""
+        ``t`` is ``h = [gate | up]`` and the copies are of ``silu(gate) * up``. ``gather_rows``
+        (delayed): ``t`` is ``[T, C]`` and the operand is ``t[gather_rows]`` (a permutation's
+        rows, zeros for the padding sentinel ``T``)."""
         if self.state is None:
-            assert not swiglu, "the SwiGLU-fused cast is a delayed-scaling cast"
+            assert not swiglu and gather_rows is None, "the SwiGLU and gather casts are delayed-scaling casts"
             return _fused_input(t_RC, offsets_G, transposed)
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
-        q_CR = _transposed_out(t_RC, t_RC.shape[1] // 2 if swiglu else None) if transposed else None
+        rows = t_RC.shape[0] if gather_rows is None else gather_rows.shape[0]
+        q_CR = _transposed_out(t_RC, t_RC.shape[1] // 2 if swiglu else None, rows=rows) if transposed else None
         q_RC, s_R, s_GC = delayed_cast(t_RC, offsets_G, *self._delayed(role), out_col=q_CR,
-                                       stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu)
+                                       stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu,
+                                       gather_rows=gather_rows)
         return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
 
     def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -609,25 +615,31 @@ def prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe,
 
 class _ScaledGroupedMM(torch.autograd.Function):
     """``x @ w`` per group; with ``input_swiglu`` ``x`` is ``h = [gate | up]`` and the GEMM's
-    input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`)."""
+    input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`);
+    with ``gather`` (a `PermutationPlan`) ``x`` is the tokens ``[T, K]`` and the GEMM's input is
+    ``permute(x, gather)``, gathered inside the cast (see `scaled_grouped_mm_gathered`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
                 cache: Optional[FP8WeightCache], needs_backward: bool, input_swiglu: bool = False,
-                prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
+                prefetched: Optional[PrefetchedWeight] = None, gather: Any = None) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
             fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x, w)
             assert fused or not input_swiglu, "scaled_grouped_mm_swiglu checks swiglu_fusable first"
+            assert gather is None or (fused and state is not None and not input_swiglu), \
+                "scaled_grouped_mm_gathered checks gather_fusable first"
             if prefetched is not None and not fused:
                 prefetched.release()
             if fused:
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
                 quantizer = _FusedGroupedOperands(recipe, state)
-                qx, sx_R, qx_t, sx_t = quantizer.activation(x, offsets, "input", needs_backward, swiglu=input_swiglu)
+                qx, sx_R, qx_t, sx_t = quantizer.activation(
+                    x, offsets, "input", needs_backward, swiglu=input_swiglu,
+                    gather_rows=None if gather is None else gather.row_token_R)
                 # Waited for only now, so the input's cast above overlaps the weight's.
                 prefetched_layouts = prefetched.take(w) if prefetched is not None else None
                 if _caching(cache, weight_key):
@@ -672,7 +684,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             ctx.weight_dgrad = weight_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
-        ctx.input_swiglu = input_swiglu
+        ctx.input_swiglu, ctx.gather = input_swiglu, gather
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         ctx.fused, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = fused, x.dtype, w.dtype, w.shape
         return y.to(out_dtype)
@@ -723,8 +735,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
                 # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
                 return (swiglu_backward(saved[6], dx.to(ctx.x_dtype)), dw.to(ctx.w_dtype),
-                        None, None, None, None, None, None, None, None)
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None, None, None, None, None
+                        None, None, None, None, None, None, None, None, None)
+        dx = dx.to(ctx.x_dtype)
+        if ctx.gather is not None:
+            from lightning_moe.nn.permutation import permute_backward
+
+            dx = permute_backward(dx, ctx.gather)  # the gradient of the permutation the cast read
+        return dx, dw.to(ctx.w_dtype), None, None, None, None, None, None, None, None, None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
@@ -734,6 +751,23 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
     ``prefetched``: ``w``'s layouts from `prefetch_weight_layouts`."""
     return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w),
                                   _needs_backward(x, w), False, prefetched)
+
+
+def gather_fusable(tokens: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:
+    """Whether `scaled_grouped_mm_gathered` can take ``tokens``: the delayed recipe's one-read
+    casts on CUDA (training or evaluation: both cast kernels read through the row index)."""
+    return _fused_delayed(recipe, state, tokens, w)
+
+
+def scaled_grouped_mm_gathered(tokens: Tensor, plan: Any, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
+                               state: DelayedState, weight_key: Optional[Hashable] = None,
+                               prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
+    """``permute(tokens, plan) @ w`` per group, the permutation's gather read straight into the
+    FP8 cast of the GEMM's input: the permuted rows are never written in ``tokens``' dtype and
+    read back. The gradient flows to ``tokens`` through the permutation's backward. Same bits as
+    ``scaled_grouped_mm(permute(tokens, plan), w, ...)`` (GPU test); only where `gather_fusable`."""
+    return _ScaledGroupedMM.apply(tokens, w, offsets, recipe, state, weight_key, training_cache(w),
+                                  _needs_backward(tokens, w), False, prefetched, plan)
 
 
 def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:

@@ -257,3 +257,85 @@ def test_swiglu_fused_into_the_fc2_cast_trains_identically(monkeypatch, experts,
     assert len(fused_calls) == 9 and len(fused) == len(plain)
     for i, (a, b) in enumerate(zip(fused, plain)):
         assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("transposed", [True, False])  # both copies (tile kernel), the row copy alone
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gathered_cast_equals_the_cast_of_the_permuted_rows(dtype, transposed):
+    """``delayed_cast(x, gather_rows=src)`` writes the bits of casting ``x[src]`` (zero rows
+    where ``src`` is the padding sentinel): groups with and without history, empty and
+    unaligned groups, a tail, NaN and inf among the tokens."""
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+
+    torch.manual_seed(0)
+    tokens, rows, cols = 300, 700, 200
+    x = torch.randn(tokens, cols, device="cuda", dtype=dtype) * 3
+    x[5, 7], x[17, 3] = float("nan"), float("inf")
+    src = torch.randint(0, tokens + 1, (rows,), device="cuda")  # `tokens`: a padding row
+    permuted = torch.cat([x, x.new_zeros(1, cols)])[src]
+    offsets = torch.tensor([0, 37, 37, 350, 690], device="cuda", dtype=torch.int32)  # rows 690.. are the tail
+    scale = torch.tensor([0.0, 2.0, 0.0, 0.5, float("nan")], device="cuda")  # 0 / NaN: no history
+    results = []
+    for operand, gather in ((x, src), (permuted, None)):
+        q_col = torch.zeros(cols, 704, device="cuda", dtype=torch.float8_e4m3fn) if transposed else None
+        record = torch.zeros(5, device="cuda")
+        q, s_row, s_col = delayed_cast(operand, offsets, scale, record, out_col=q_col,
+                                       stride_out_col=704 if transposed else 0, gather_rows=gather)
+        results.append((q, s_row, s_col, q_col, record))
+    (q, s_row, s_col, q_col, record), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref) = results
+    assert _same(q, q_ref) and torch.equal(s_row, s_row_ref) and torch.equal(record, record_ref)
+    if transposed:
+        assert _same(q_col, q_col_ref) and torch.equal(s_col, s_col_ref)
+
+
+@pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_permutation_read_inside_the_fc1_cast_trains_identically(monkeypatch, experts, dtype):
+    """FP8 delayed experts reading the permutation inside fc1's input cast (the dispatcher hands
+    over the tokens and the plan) train bit for bit as with the permuted rows written first:
+    3 optimizer steps of 2 micro-batches (the second checkpointed), an evaluation forward, the
+    token gradients, the delayed scales and histories."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_moe.nn import MoEConfig, MoELayer
+    from lightning_moe.nn.experts import GroupedExperts
+    from lightning_moe.precision import FP8Precision, scaled_mm
+
+    gathered_calls = []
+    real = scaled_mm.scaled_grouped_mm_gathered
+    monkeypatch.setattr(scaled_mm, "scaled_grouped_mm_gathered",
+                        lambda *a, **k: gathered_calls.append(1) or real(*a, **k))
+
+    def train():
+        torch.manual_seed(0)
+        cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=experts, router_topk=2, expert_alignment=16)
+        layer = MoELayer(cfg).cuda().to(dtype)
+        plugin = FP8Precision(recipe="delayed", backend="torch")
+        plugin.convert_module(layer)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+        data = torch.randn(7, 2, 64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
+        seen = []
+        for step in range(3):
+            for micro in range(2):
+                x = data[2 * step + micro].clone().requires_grad_(True)
+                with plugin.forward_context():
+                    y = layer(x) if micro == 0 else checkpoint(layer, x, use_reentrant=False)
+                y.float().square().mean().backward()
+                seen += [y.detach(), x.grad]
+            seen += [p.grad.clone() for p in layer.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
+        with torch.no_grad(), plugin._eval_context():
+            seen.append(layer(data[6]))
+        seen += [b.clone() for name, b in layer.named_buffers() if "fp8" in name]
+        return seen
+
+    gathered = train()
+    assert len(gathered_calls) == 3 * 3 + 1  # plain and checkpointed forwards, the recompute, evaluation
+    with monkeypatch.context() as m:
+        m.setattr(GroupedExperts, "takes_permuted_tokens", lambda self, tokens: False)
+        plain = train()
+    assert len(gathered_calls) == 10 and len(gathered) == len(plain)
+    for i, (a, b) in enumerate(zip(gathered, plain)):
+        assert torch.equal(a, b), i

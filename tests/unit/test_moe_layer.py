@@ -171,3 +171,36 @@ def test_experts_with_an_unwritten_tail_never_read_it():
     assert not loop.reads_only_grouped_rows(torch.float32)
     with pytest.raises(ValueError, match="tail_unwritten=True needs experts that read only the grouped rows"):
         loop(x, sizes, tail_unwritten=True)
+
+
+@pytest.mark.parametrize("probs_on_input", [False, True])
+def test_deferred_permutation_is_the_permutation(probs_on_input):
+    """``dispatch(..., defer_permute=True)`` hands over the tokens and the plan (`PermutedTokens`)
+    whose `materialize` is the permuted rows, except under ``apply_probs_on_input`` (the rows are
+    scaled in the dispatcher, so they come permuted); experts that cannot read the permutation
+    inside a quantized cast (no quantization here) permute it themselves: the same output and
+    the same token gradient as from the permuted rows."""
+    from lightning_moe.nn.dispatcher import LocalDispatcher
+    from lightning_moe.nn.permutation import PermutedTokens
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=32, ffn_hidden_size=48, num_experts=6, router_topk=1 if probs_on_input else 2,
+                    expert_alignment=8, apply_probs_on_input=probs_on_input, router_pre_softmax=probs_on_input)
+    layer = MoELayer(cfg)
+    x = torch.randn(40, 32, requires_grad=True)
+    routing = layer.router(x)
+    dispatcher = LocalDispatcher(cfg)
+    deferred, sizes, _ = dispatcher.dispatch(x, routing, defer_permute=True)
+    rows, sizes_ref, _ = dispatcher.dispatch(x, routing)
+    assert torch.equal(sizes, sizes_ref)
+    if probs_on_input:
+        assert torch.is_tensor(deferred) and torch.equal(deferred, rows)
+        return
+    assert isinstance(deferred, PermutedTokens) and deferred.num_rows == rows.shape[0]
+    assert torch.equal(deferred.materialize(), rows)
+    assert not layer.experts.takes_permuted_tokens(x)
+    out = layer.experts(deferred, sizes)
+    (grad,) = torch.autograd.grad(out.square().sum(), x, retain_graph=True)
+    out_ref = layer.experts(rows, sizes)
+    (grad_ref,) = torch.autograd.grad(out_ref.square().sum(), x)
+    assert torch.equal(out, out_ref) and torch.equal(grad, grad_ref)
