@@ -159,8 +159,7 @@ class GroupedExperts(nn.Module):
         permutation inside the first projection's quantized input cast (FP8 delayed scaling on
         the native backend), so the permuted rows are never written in the tokens' dtype."""
         takes = getattr(self.quantization, "takes_permuted_tokens", None)
-        return (takes is not None and not torch.is_autocast_enabled(tokens_TD.device.type)
-                and takes(tokens_TD))
+        return takes is not None and takes(tokens_TD)
 
     def forward(self, x_RD: Tensor | PermutedTokens, group_sizes_E: Tensor, tail_unwritten: bool = False) -> Tensor:
         """[R, D] -> [R, D]. ``tail_unwritten``: the caller left the rows after the groups

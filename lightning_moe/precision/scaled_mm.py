@@ -637,8 +637,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
                 quantizer = _FusedGroupedOperands(recipe, state)
+                # The gathered cast reads the tokens in the GEMM's dtype, as the unfused path casts
+                # its permuted rows (autocast over an fp32 residual stream): the tokens are rounded
+                # here, one row per token instead of one per assignment.
+                source = x if gather is None or x.dtype == out_dtype else x.to(out_dtype)
                 qx, sx_R, qx_t, sx_t = quantizer.activation(
-                    x, offsets, "input", needs_backward, swiglu=input_swiglu,
+                    source, offsets, "input", needs_backward, swiglu=input_swiglu,
                     gather_rows=None if gather is None else gather.row_token_R)
                 # Waited for only now, so the input's cast above overlaps the weight's.
                 prefetched_layouts = prefetched.take(w) if prefetched is not None else None
