@@ -1,5 +1,6 @@
 """Delayed-scaling float8 casts for the native FP8 GEMMs, one read of the operand (two for
-token groups without history, see below).
+token groups without history, see below). The operand may also be computed on the way in: the
+SwiGLU of a fused projection output, or the rows of a permutation gathered from the tokens.
 
 Delayed scaling (TE's ``DelayedScaling``) quantizes each token group (or expert weight) with a
 scale derived from previous steps' amaxes, so unlike rowwise scaling no amax pass has to run
@@ -44,15 +45,15 @@ from lightning_moe.kernels.launch import launch, on_launch_stream
 
 
 @triton.jit
-def _load_operand(x_ptr, rows, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
+def _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
     # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is the fused projection output
     # ``h = [gate | up]`` ``[R, 2C]`` and the operand is ``silu(gate) * up`` computed and rounded
     # to ``h``'s dtype exactly as ``kernels.swiglu_triton`` does, so the cast sees the values the
     # SwiGLU kernel would have written. With GATHER ``x`` is ``[T, C]`` and operand row ``r`` is
     # ``x[src[r]]``, zero where ``src[r] == T`` (a padding row): the permutation's gather, read
-    # straight into the cast instead of written out first.
+    # straight into the cast instead of written out first. ``m`` is ``row_mask`` x the columns'.
     if GATHER:
-        src = tl.load(src_ptr + rows, mask=tl.max(m.to(tl.int32), 1) > 0, other=T)
+        src = tl.load(src_ptr + rows, mask=row_mask, other=T)
         held = m & (src < T)[:, None]
         return tl.load(x_ptr + src[:, None].to(tl.int64) * C + cols[None, :], mask=held, other=0.0).to(tl.float32)
     if SWIGLU:
@@ -61,7 +62,7 @@ def _load_operand(x_ptr, rows, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GAT
         up = tl.load(x_ptr + base + C, mask=m, other=0.0).to(tl.float32)
         a = gate * tl.sigmoid(gate) * up
         return a.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -72,8 +73,9 @@ def _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr, SW
     amax = tl.zeros(cols.shape, dtype=tl.float32)
     for r0 in range(start, end, BR):
         rows = r0 + tl.arange(0, BR)
-        m = (rows < end)[:, None] & cmask[None, :]
-        x = _load_operand(x_ptr, rows, cols, m, C, SWIGLU, src_ptr, T, GATHER)
+        row_mask = rows < end
+        m = row_mask[:, None] & cmask[None, :]
+        x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
         amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
     return amax
 
@@ -102,10 +104,11 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
     # per element ``[BR, BC]``, which needs no reduction across the tile's rows (threads and
     # warps) until the loop ends.
     rows = r0 + tl.arange(0, BR)
-    m = ((rows >= lo) & (rows < hi))[:, None] & cmask[None, :]
-    x = _load_operand(x_ptr, rows, cols, m, C, SWIGLU, src_ptr, T, GATHER)
+    row_mask = (rows >= lo) & (rows < hi)
+    m = row_mask[:, None] & cmask[None, :]
+    x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
     if WRITE_ROW:
-        tl.store(q_row_ptr + rows[:, None] * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
+        tl.store(q_row_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
     if WRITE_COL:
         # The same values, cast again from a per-column copy of the scale rather than storing the
         # row copy's float8 tile transposed: with fp32 input that transposed float8 store wrote

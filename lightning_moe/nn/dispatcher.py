@@ -11,9 +11,9 @@ A dispatcher is a small protocol with explicit state passed from ``dispatch`` to
 ``expert_input_RD``. A dispatcher may also offer ``prefetch(x_TD)``, which starts moving the
 tokens before the router runs; the layer then passes its result to
 ``dispatch(x_TD, routing, prefetched=...)``. A dispatcher with ``can_defer_permute = True``
-takes ``dispatch(..., defer_permute=True)`` and then returns a `PermutedTokens` (the tokens and
+takes ``dispatch(..., defer_permute=True)`` and then returns a `DeferredPermutation` (the tokens and
 the plan) instead of the permuted rows, for experts that read the permutation inside their
-first GEMM's input cast (``experts.takes_permuted_tokens``). The local dispatcher below serves one rank;
+first GEMM's input cast (``experts.takes_deferred_permutation``). The local dispatcher below serves one rank;
 expert-parallel dispatchers (all-to-all, all-gather) live in ``lightning_moe.parallel`` and
 are installed by the strategy.
 """
@@ -28,8 +28,8 @@ from torch import Tensor
 
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.permutation import (
+    DeferredPermutation,
     PermutationPlan,
-    PermutedTokens,
     permute,
     plan_permutation,
     row_probs,
@@ -41,7 +41,10 @@ from lightning_moe.nn.router import RoutingResult
 class TokenDispatcher(Protocol):
     """What ``MoELayer`` needs from a dispatcher."""
 
-    def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, Any]: ...
+    def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor | DeferredPermutation, Tensor, Any]:
+        """(expert input: permuted rows, or a `DeferredPermutation` when asked with
+        ``defer_permute=True`` by a dispatcher with ``can_defer_permute``; group sizes; state)."""
+        ...
 
     def combine(self, expert_output_RD: Tensor, state: Any) -> Tensor: ...
 
@@ -81,12 +84,12 @@ class LocalDispatcher:
         self.cfg = cfg
 
     def dispatch(self, x_TD: Tensor, routing: RoutingResult,
-                 defer_permute: bool = False) -> tuple[Tensor | PermutedTokens, Tensor, LocalDispatchState]:
-        """``defer_permute``: return the tokens and the plan as a `PermutedTokens` instead of
+                 defer_permute: bool = False) -> tuple[Tensor | DeferredPermutation, Tensor, LocalDispatchState]:
+        """``defer_permute``: return the tokens and the plan as a `DeferredPermutation` instead of
         the permuted rows (not under ``apply_probs_on_input``, which scales the rows here)."""
         plan = plan_for(routing, self.cfg)
         if defer_permute and not self.cfg.apply_probs_on_input:
-            return PermutedTokens(x_TD, plan), plan.group_sizes_E, LocalDispatchState(plan, routing.probs_TK)
+            return DeferredPermutation(x_TD, plan), plan.group_sizes_E, LocalDispatchState(plan, routing.probs_TK)
         x_RD = permute(x_TD, plan)
         combine_probs_TK = routing.probs_TK
         if self.cfg.apply_probs_on_input:

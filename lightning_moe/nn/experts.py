@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_moe.kernels import use_triton
 from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
-from lightning_moe.nn.permutation import PermutedTokens
+from lightning_moe.nn.permutation import DeferredPermutation
 
 
 def activate(h: Tensor, activation: str) -> Tensor:
@@ -41,7 +41,7 @@ class GroupedGemm(Protocol):
     ``projection`` ("fc1" / "fc2") names the weight: the FP8 weight cache keys on it and the
     delayed recipe keeps separate scales per projection. It may also offer
     ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second projection with the
-    SwiGLU fused in, returning None where it does not apply; ``takes_permuted_tokens(tokens_TK)``
+    SwiGLU fused in, returning None where it does not apply; ``takes_deferred_permutation(tokens_TK)``
     with ``grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, projection)``: the first
     projection of ``permute(tokens, plan)`` with the permutation read inside the quantized
     GEMM's input cast (None where it does not apply); and ``prefetch_weights({"fc1": w1,
@@ -49,6 +49,11 @@ class GroupedGemm(Protocol):
     tokens arrive, and drop what no GEMM took (see `GroupedExperts.prefetch`)."""
 
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str) -> Tensor: ...
+
+
+def _check_group_count(group_sizes_E: Tensor, fc1_EKN: Tensor) -> None:
+    if group_sizes_E.shape[0] != fc1_EKN.shape[0]:
+        raise ValueError(f"got {group_sizes_E.shape[0]} token groups for {fc1_EKN.shape[0]} local experts")
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -80,7 +85,7 @@ class GroupedExperts(nn.Module):
     hold anything and come out unspecified, in the output and in the input gradient.
     A precision plugin may set ``quantization`` to an object with
     ``grouped_mm(x_RK, w_EKN, offsets_E, projection)`` to run quantized GEMMs instead. Where
-    `takes_permuted_tokens`, ``x_RD`` may be a `PermutedTokens` (the tokens and the plan, not
+    `takes_deferred_permutation`, ``x_RD`` may be a `DeferredPermutation` (the tokens and the plan, not
     yet permuted): the quantization then reads the permutation inside its first cast.
     """
 
@@ -154,21 +159,37 @@ class GroupedExperts(nn.Module):
         that a caller that never reads the rest back may leave it unwritten (``tail_unwritten``)."""
         return self.quantization is None and self.backend == "grouped_mm" and dtype != torch.float64
 
-    def takes_permuted_tokens(self, tokens_TD: Tensor) -> bool:
-        """Whether `forward` can take these tokens as a `PermutedTokens` and read the
+    def takes_deferred_permutation(self, tokens_TD: Tensor) -> bool:
+        """Whether `forward` can take these tokens as a `DeferredPermutation` and read the
         permutation inside the first projection's quantized input cast (FP8 delayed scaling on
         the native backend), so the permuted rows are never written in the tokens' dtype."""
-        takes = getattr(self.quantization, "takes_permuted_tokens", None)
-        return takes is not None and takes(tokens_TD)
+        takes = getattr(self.quantization, "takes_deferred_permutation", None)
+        return takes is not None and not self._fsdp_casts_inputs(tokens_TD.dtype) and takes(tokens_TD)
 
-    def forward(self, x_RD: Tensor | PermutedTokens, group_sizes_E: Tensor, tail_unwritten: bool = False) -> Tensor:
+    def _fsdp_casts_inputs(self, dtype: torch.dtype) -> bool:
+        """Whether FSDP2 (sharding this module) casts its forward inputs away from ``dtype``. It
+        would cast the deferred tokens, not the permuted rows, and the token gradient would then
+        be summed over the assignments in the cast dtype instead of in ``dtype``. A policy that
+        cannot be read counts as casting."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self, FSDPModule):
+            return False
+        get_state = getattr(self, "_get_fsdp_state", None)  # FSDP2 keeps its policy there
+        policy = getattr(get_state(), "_mp_policy", None) if get_state is not None else None
+        if policy is None:
+            return True
+        return bool(policy.cast_forward_inputs) and policy.param_dtype not in (None, dtype)
+
+    def forward(self, x_RD: Tensor | DeferredPermutation, group_sizes_E: Tensor,
+                tail_unwritten: bool = False) -> Tensor:
         """[R, D] -> [R, D]. ``tail_unwritten``: the caller left the rows after the groups
         unwritten and never reads them in the output or the input gradient, so they are not
         zeroed either (the all-gather dispatcher's buffer is about half such rows).
-        ``x_RD`` may be a `PermutedTokens` (see `takes_permuted_tokens`); where the first
-        projection cannot read it, it is permuted here."""
-        permuted = x_RD if isinstance(x_RD, PermutedTokens) else None
-        if permuted is not None and (tail_unwritten or not self.takes_permuted_tokens(permuted.tokens_TD)):
+        ``x_RD`` may be a `DeferredPermutation` (see `takes_deferred_permutation`); where the
+        first projection cannot read it, it is permuted here."""
+        permuted = x_RD if isinstance(x_RD, DeferredPermutation) else None
+        if permuted is not None and (tail_unwritten or not self.takes_deferred_permutation(permuted.tokens_TD)):
             x_RD, permuted = permuted.materialize(), None
         if permuted is not None:
             return self._forward_permuted(permuted, group_sizes_E)
@@ -185,10 +206,7 @@ class GroupedExperts(nn.Module):
             # torch._grouped_mm is not on autocast's cast list: cast the operands ourselves, or an
             # fp32 residual stream would run the experts as fp32 GEMMs.
             x_RD = x_RD.to(torch.get_autocast_dtype(device_type))
-        if group_sizes_E.shape[0] != fc1.shape[0]:
-            raise ValueError(
-                f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts"
-            )
+        _check_group_count(group_sizes_E, fc1)
         offsets_E = None
         if self.quantization is not None:
             from lightning_moe.nn.grouped_gemm import group_offsets
@@ -212,19 +230,21 @@ class GroupedExperts(nn.Module):
                 return y_RD
         return self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E)
 
-    def _forward_permuted(self, permuted: PermutedTokens, group_sizes_E: Tensor) -> Tensor:
+    def _forward_permuted(self, permuted: DeferredPermutation, group_sizes_E: Tensor) -> Tensor:
         """`forward` of tokens not yet permuted, the first projection reading the permutation
-        inside its quantized input cast (falling back to permuting them where it cannot)."""
+        inside its quantized input cast (only where `takes_deferred_permutation`)."""
         from lightning_moe.nn.grouped_gemm import group_offsets
 
         fc1 = fc1_matrix(local_tensor(self.fc1_weight))
-        if group_sizes_E.shape[0] != fc1.shape[0]:
-            raise ValueError(f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts")
+        _check_group_count(group_sizes_E, fc1)
         offsets_E = group_offsets(group_sizes_E, permuted.num_rows)
-        assert self.quantization is not None  # takes_permuted_tokens said so
-        h_RF = self.quantization.grouped_mm_gathered(permuted.tokens_TD, permuted.plan, fc1, offsets_E, "fc1")
-        if h_RF is None:
-            return self.forward(permuted.materialize(), group_sizes_E)
+        gathered = getattr(self.quantization, "grouped_mm_gathered", None)
+        h_RF = None if gathered is None else gathered(permuted.tokens_TD, permuted.plan, fc1, offsets_E, "fc1")
+        if h_RF is None:  # the two predicates drifted apart: a bug, not a configuration to fall back from
+            raise RuntimeError(
+                f"{type(self.quantization).__name__}.takes_deferred_permutation accepted these tokens but its "
+                "grouped_mm_gathered declined them; the two must agree."
+            )
         return self._second_projection(h_RF, local_tensor(self.fc2_weight), group_sizes_E, offsets_E)
 
     @staticmethod

@@ -288,10 +288,10 @@ def permute(x_TD: Tensor, plan: PermutationPlan) -> Tensor:
 
 
 @dataclass
-class PermutedTokens:
+class DeferredPermutation:
     """``permute(tokens_TD, plan)`` not yet carried out: what a dispatcher hands to experts that
     can read the permutation's rows straight into their first GEMM's input cast
-    (``GroupedExperts.takes_permuted_tokens``), so the permuted rows are never written in the
+    (``GroupedExperts.takes_deferred_permutation``), so the permuted rows are never written in the
     tokens' dtype. `materialize` carries it out (with autograd) for every other consumer."""
 
     tokens_TD: Tensor

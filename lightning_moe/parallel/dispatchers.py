@@ -42,8 +42,8 @@ from lightning_moe.nn.aux_losses import tokens_per_expert
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.dispatcher import input_side_probs
 from lightning_moe.nn.permutation import (
+    DeferredPermutation,
     PermutationPlan,
-    PermutedTokens,
     permute,
     plan_permutation,
     round_up,
@@ -605,11 +605,11 @@ class AllGatherDispatcher:
     def dispatch(
         self, x_TD: Tensor, routing: RoutingResult, prefetched: Optional["PrefetchedTokens"] = None,
         tail_unwritten: bool = False, defer_permute: bool = False,
-    ) -> tuple[Tensor | PermutedTokens, Tensor, AllGatherDispatchState]:
+    ) -> tuple[Tensor | DeferredPermutation, Tensor, AllGatherDispatchState]:
         """``tail_unwritten``: the experts read only the rows their groups cover, so the rows
         after the last group (about ``(G-1)/G`` of the buffer) are not written on CUDA, neither
         by the permutation nor by the combine's backward (see ``PermutationPlan.rows_end``).
-        ``defer_permute``: return the gathered tokens and the plan as a `PermutedTokens`
+        ``defer_permute``: return the gathered tokens and the plan as a `DeferredPermutation`
         instead of the permuted rows (not under ``apply_probs_on_input``)."""
         cfg = self.cfg
         x_all = self._gather(x_TD) if prefetched is None else prefetched.wait()
@@ -635,7 +635,7 @@ class AllGatherDispatcher:
         if tail_unwritten and not cfg.apply_probs_on_input:  # input-side probabilities multiply every row
             plan.rows_end = plan.group_sizes_E.sum()
         if defer_permute and not cfg.apply_probs_on_input:
-            return PermutedTokens(x_all, plan), plan.group_sizes_E, AllGatherDispatchState(plan, probs_all)
+            return DeferredPermutation(x_all, plan), plan.group_sizes_E, AllGatherDispatchState(plan, probs_all)
         x_RD = permute(x_all, plan)
         if cfg.apply_probs_on_input:
             x_RD = input_side_probs(x_RD, probs_all, plan)

@@ -230,6 +230,11 @@ def fp8_grouped_mm(
     return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state)
 
 
+def _native_delayed(recipe: FP8Recipe, backend: str, state: Optional[DelayedState], x: Tensor) -> bool:
+    """Delayed scaling with its state, on the native ("torch") grouped backend for ``x``."""
+    return recipe.name == "delayed" and state is not None and _backend(recipe, backend, x, grouped=True) == "torch"
+
+
 def fp8_grouped_mm_gathered(
     tokens_TK: Tensor,
     plan: Any,
@@ -243,9 +248,9 @@ def fp8_grouped_mm_gathered(
 ) -> Optional[Tensor]:
     """``permute(tokens, plan) @ w`` per group with the permutation's gather read straight into
     the FP8 cast of the GEMM's input, so the permuted rows are never written in ``tokens``'
-    dtype and read back; the same bits as ``fp8_grouped_mm(permute(tokens, plan), w, ...)``.
-    Runs where the native delayed-scaling casts run (the "torch" backend on CUDA); returns None
-    elsewhere, and the caller permutes the tokens itself.
+    dtype and read back (``scaled_mm.scaled_grouped_mm_gathered`` says which path's bits it
+    matches). Runs where the native delayed-scaling casts run (the "torch" backend on CUDA);
+    returns None elsewhere, and the caller permutes the tokens itself.
 
     Args:
         tokens_TK: the tokens ``[T, K]`` before the permutation.
@@ -254,7 +259,7 @@ def fp8_grouped_mm_gathered(
             `fp8_grouped_mm`.
     """
     recipe = FP8Recipe.of(recipe)
-    if recipe.name != "delayed" or state is None or _backend(recipe, backend, tokens_TK, grouped=True) != "torch":
+    if not _native_delayed(recipe, backend, state, tokens_TK):
         return None
     from lightning_moe.precision.scaled_mm import gather_fusable, scaled_grouped_mm_gathered
 
@@ -285,7 +290,7 @@ def fp8_grouped_mm_swiglu(
         offsets_E / recipe / backend / state / weight_key / prefetched: as in `fp8_grouped_mm`.
     """
     recipe = FP8Recipe.of(recipe)
-    if recipe.name != "delayed" or state is None or _backend(recipe, backend, h_RF2, grouped=True) != "torch":
+    if not _native_delayed(recipe, backend, state, h_RF2):
         return None
     from lightning_moe.precision.scaled_mm import scaled_grouped_mm_swiglu, swiglu_fusable
 

@@ -127,7 +127,8 @@ class FP8GroupedGemm(nn.Module):
         """Start the FP8 copies of each projection's weight (``{"fc1": w1, "fc2": w2}``) on a
         side stream, before the tokens arrive, where the native backend's training forward
         would cast them (``scaled_mm.can_prefetch_weight_layouts``); nothing elsewhere. The
-        next `grouped_mm` / `grouped_mm_swiglu` of that projection takes them.
+        next `grouped_mm` / `grouped_mm_gathered` / `grouped_mm_swiglu` of that projection
+        takes them.
 
         The delayed recipe needs its scaling state already sized for these weights (the first
         forward allocates it); this never allocates or resizes it, so weights of another shape
@@ -175,12 +176,12 @@ class FP8GroupedGemm(nn.Module):
             if prefetched is not None:
                 prefetched.release()  # taken, or dropped by a path that did not use it
 
-    def takes_permuted_tokens(self, tokens_TK: Tensor) -> bool:
-        """Whether `grouped_mm_gathered` can run on ``tokens_TK`` (the native delayed-scaling
-        casts: recipe "delayed" on the "torch" backend with Triton on CUDA)."""
-        from lightning_moe.precision.scaled_mm import _local_triton_operands
+    def takes_deferred_permutation(self, tokens_TK: Tensor) -> bool:
+        """Whether `grouped_mm_gathered` runs on ``tokens_TK`` (the native delayed-scaling casts:
+        recipe "delayed" on the "torch" backend with Triton on CUDA)."""
+        from lightning_moe.precision.scaled_mm import native_delayed_casts
 
-        return (self.recipe.name == "delayed" and _local_triton_operands(tokens_TK)
+        return (native_delayed_casts(self.recipe, tokens_TK)
                 and resolve_backend(self.recipe, self.backend, device=tokens_TK.device.type, grouped=True) == "torch")
 
     def grouped_mm_gathered(self, tokens_TK: Tensor, plan: "PermutationPlan", w_EKN: Tensor, offsets_E: Tensor,
@@ -188,28 +189,30 @@ class FP8GroupedGemm(nn.Module):
         """``permute(tokens, plan) @ w`` with the permutation read inside the FP8 cast
         (`fp8_grouped_mm_gathered`), or None where that does not run (then the caller permutes
         the tokens and calls `grouped_mm`)."""
-        if self.recipe.name != "delayed":
-            return None
-        state, key = self._state_and_key(projection, w_EKN)
-        prefetched = self.__dict__.get("_prefetched", {}).get(projection)
-        y = fp8_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, self.recipe, self.backend, state,
-                                    weight_key=key, prefetched=prefetched)
-        if y is not None and prefetched is not None:
-            self._take_prefetched(projection).release()  # used; else `grouped_mm` takes it
-        return y
+        return self._fused_delayed_call(projection, w_EKN, lambda state, key, prefetched: fp8_grouped_mm_gathered(
+            tokens_TK, plan, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key, prefetched=prefetched))
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
                           projection: str = "") -> Optional[Tensor]:
         """``swiglu(h) @ w`` with the SwiGLU fused into the FP8 cast (`fp8_grouped_mm_swiglu`),
         or None where that does not run (then the caller applies the SwiGLU and `grouped_mm`)."""
+        return self._fused_delayed_call(projection, w_EFN, lambda state, key, prefetched: fp8_grouped_mm_swiglu(
+            h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key, prefetched=prefetched))
+
+    def _fused_delayed_call(self, projection: str, w: Tensor,
+                            run: Callable[[DelayedState, Optional[tuple], Optional["PrefetchedWeight"]],
+                                          Optional[Tensor]]) -> Optional[Tensor]:
+        """A delayed-scaling GEMM with a cast fused in, ``run(state, weight key, prefetched
+        copies)``, or None (not delayed, or ``run`` declined). The projection's prefetched weight
+        copies are handed over and dropped only when ``run`` used them; else `grouped_mm` takes
+        them."""
         if self.recipe.name != "delayed":
             return None
-        state, key = self._state_and_key(projection, w_EFN)
+        state, key = self._state_and_key(projection, w)
         prefetched = self.__dict__.get("_prefetched", {}).get(projection)
-        y = fp8_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key,
-                                  prefetched=prefetched)
+        y = run(state, key, prefetched)
         if y is not None and prefetched is not None:
-            self._take_prefetched(projection).release()  # used; else `grouped_mm` takes it
+            self._take_prefetched(projection).release()  # used
         return y
 
     def extra_repr(self) -> str:

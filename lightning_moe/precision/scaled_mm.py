@@ -196,10 +196,15 @@ def _fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) 
             and not isinstance(t, DTensor) and use_triton(t))
 
 
+def native_delayed_casts(recipe: FP8Recipe, *operands: Tensor) -> bool:
+    """The recipe is delayed scaling and Triton can take the operands: the one-read delayed casts
+    of ``kernels.fp8_delayed_triton`` (same numbers as the generic path) run."""
+    return recipe.name == "delayed" and _local_triton_operands(*operands)
+
+
 def _fused_delayed(recipe: FP8Recipe, state: Optional[DelayedState], *operands: Tensor) -> bool:
-    """The delayed recipe's operands can take the one-read delayed casts (same numbers as the
-    generic path; ``kernels.fp8_delayed_triton``)."""
-    return recipe.name == "delayed" and state is not None and _local_triton_operands(*operands)
+    """The delayed recipe's operands take the one-read delayed casts (`native_delayed_casts`)."""
+    return state is not None and native_delayed_casts(recipe, *operands)
 
 
 def _local_triton_operands(*operands: Tensor) -> bool:
@@ -768,8 +773,10 @@ def scaled_grouped_mm_gathered(tokens: Tensor, plan: Any, w: Tensor, offsets: Te
                                prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
     """``permute(tokens, plan) @ w`` per group, the permutation's gather read straight into the
     FP8 cast of the GEMM's input: the permuted rows are never written in ``tokens``' dtype and
-    read back. The gradient flows to ``tokens`` through the permutation's backward. Same bits as
-    ``scaled_grouped_mm(permute(tokens, plan), w, ...)`` (GPU test); only where `gather_fusable`."""
+    read back. The gradient flows to ``tokens`` through the permutation's backward. Under
+    autocast the tokens are first rounded to its dtype, as ``GroupedExperts`` rounds permuted
+    rows before a quantized GEMM: the same bits as that path (GPU test); without autocast the
+    same bits as ``scaled_grouped_mm(permute(tokens, plan), w, ...)``. Only where `gather_fusable`."""
     return _ScaledGroupedMM.apply(tokens, w, offsets, recipe, state, weight_key, training_cache(w),
                                   _needs_backward(tokens, w), False, prefetched, plan)
 

@@ -407,3 +407,64 @@ def test_bf16_reduce_scatters_equal_the_fp32_sum_cast_back(world_size):
     bf16 only where that equals the fp32 sum rounded once: over two ranks; over three they
     travel as fp32."""
     assert run_distributed(_bf16_reduce_scatters, world_size) == [(True, True)] * world_size
+
+
+def _deferred_permutation_parity(rank, world_size, dispatcher):
+    """Outputs and every gradient of a layer whose experts read the deferred permutation equal
+    those with the permutation carried out by the dispatcher; the deferred path ran."""
+    from _deferred_gemm import GatheringGemm
+
+    from lightning_moe.nn.experts import GroupedExperts
+
+    results = []
+    for defer in (True, False):
+        torch.manual_seed(0)
+        layer = MoELayer(MoEConfig(**BASE, expert_alignment=8, aux_loss_coeff=1e-2))
+        if dispatcher != "local":
+            expert_parallel_layer(layer, _make_mesh(world_size, 1), dispatcher)
+        gemm = GatheringGemm()
+        layer.experts.quantization = gemm
+        original = GroupedExperts.takes_deferred_permutation
+        GroupedExperts.takes_deferred_permutation = original if defer else (lambda self, tokens: False)
+        try:
+            x = _tokens(rank, 24, starve=False).requires_grad_(True)
+            for _ in range(2):
+                out = layer(x)
+                out.square().sum().backward()
+        finally:
+            GroupedExperts.takes_deferred_permutation = original
+        results.append((gemm.gathered, [out.detach(), x.grad] + [p.grad for p in layer.parameters()]))
+    (deferred_calls, deferred), (plain_calls, plain) = results
+    assert deferred_calls == 2 and plain_calls == 0, (deferred_calls, plain_calls)
+    for i, (a, b) in enumerate(zip(deferred, plain)):
+        a, b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
+        assert torch.equal(a, b), i
+    return True
+
+
+@pytest.mark.parametrize("dispatcher,world_size", [("local", 1), ("allgather", 2)])
+def test_deferred_permutation_trains_identically(dispatcher, world_size):
+    """The local dispatcher and the all-gather dispatcher (EP=2) hand experts that take it the
+    tokens and the plan instead of the permuted rows (`DeferredPermutation`): two training
+    steps give the same outputs and gradients, bit for bit, as with the rows permuted first."""
+    assert run_distributed(_deferred_permutation_parity, world_size, dispatcher) == [True] * world_size
+
+
+def _fsdp_input_casts(rank, world_size):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lightning_moe.nn.experts import GroupedExperts
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    casting, plain, unwrapped = (GroupedExperts(4, 16, 8) for _ in range(3))
+    fully_shard(casting, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(plain, mesh=mesh)
+    return [casting._fsdp_casts_inputs(torch.float32), casting._fsdp_casts_inputs(torch.bfloat16),
+            plain._fsdp_casts_inputs(torch.float32), unwrapped._fsdp_casts_inputs(torch.float32)]
+
+
+def test_fsdp_input_casts_turn_the_deferred_permutation_off():
+    """FSDP2 casting the experts' inputs to bf16 would cast the deferred tokens, so the token
+    gradient would be summed over assignments in bf16: such experts do not take the deferred
+    permutation of fp32 tokens (bf16 tokens are not cast, so they still do)."""
+    assert run_distributed(_fsdp_input_casts, 1) == [[True, False, False, False]]

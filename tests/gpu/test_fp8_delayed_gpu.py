@@ -334,7 +334,7 @@ def test_permutation_read_inside_the_fc1_cast_trains_identically(monkeypatch, ex
     gathered = train()
     assert len(gathered_calls) == 3 * 3 + 1  # plain and checkpointed forwards, the recompute, evaluation
     with monkeypatch.context() as m:
-        m.setattr(GroupedExperts, "takes_permuted_tokens", lambda self, tokens: False)
+        m.setattr(GroupedExperts, "takes_deferred_permutation", lambda self, tokens: False)
         plain = train()
     assert len(gathered_calls) == 10 and len(gathered) == len(plain)
     for i, (a, b) in enumerate(zip(gathered, plain)):

@@ -175,13 +175,13 @@ def test_experts_with_an_unwritten_tail_never_read_it():
 
 @pytest.mark.parametrize("probs_on_input", [False, True])
 def test_deferred_permutation_is_the_permutation(probs_on_input):
-    """``dispatch(..., defer_permute=True)`` hands over the tokens and the plan (`PermutedTokens`)
+    """``dispatch(..., defer_permute=True)`` hands over the tokens and the plan (`DeferredPermutation`)
     whose `materialize` is the permuted rows, except under ``apply_probs_on_input`` (the rows are
     scaled in the dispatcher, so they come permuted); experts that cannot read the permutation
     inside a quantized cast (no quantization here) permute it themselves: the same output and
     the same token gradient as from the permuted rows."""
     from lightning_moe.nn.dispatcher import LocalDispatcher
-    from lightning_moe.nn.permutation import PermutedTokens
+    from lightning_moe.nn.permutation import DeferredPermutation
 
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=32, ffn_hidden_size=48, num_experts=6, router_topk=1 if probs_on_input else 2,
@@ -196,9 +196,9 @@ def test_deferred_permutation_is_the_permutation(probs_on_input):
     if probs_on_input:
         assert torch.is_tensor(deferred) and torch.equal(deferred, rows)
         return
-    assert isinstance(deferred, PermutedTokens) and deferred.num_rows == rows.shape[0]
+    assert isinstance(deferred, DeferredPermutation) and deferred.num_rows == rows.shape[0]
     assert torch.equal(deferred.materialize(), rows)
-    assert not layer.experts.takes_permuted_tokens(x)
+    assert not layer.experts.takes_deferred_permutation(x)
     out = layer.experts(deferred, sizes)
     (grad,) = torch.autograd.grad(out.square().sum(), x, retain_graph=True)
     out_ref = layer.experts(rows, sizes)
