@@ -209,54 +209,69 @@ def test_swiglu_fused_cast_equals_the_cast_of_the_swiglu_output(dtype):
     assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
 
 
+def _train_delayed_layer(experts: int, dtype: torch.dtype) -> list:
+    """Everything a delayed-FP8 MoE layer produces over 3 optimizer steps of 2 micro-batches (the
+    second checkpointed) and an evaluation forward: outputs, token and parameter gradients, and
+    the FP8 buffers (scales, amax histories)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_moe.nn import MoEConfig, MoELayer
+    from lightning_moe.precision import FP8Precision
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=experts, router_topk=2, expert_alignment=16)
+    layer = MoELayer(cfg).cuda().to(dtype)
+    plugin = FP8Precision(recipe="delayed", backend="torch")
+    plugin.convert_module(layer)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    data = torch.randn(7, 2, 64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
+    seen = []
+    for step in range(3):
+        for micro in range(2):
+            x = data[2 * step + micro].clone().requires_grad_(True)
+            with plugin.forward_context():
+                y = layer(x) if micro == 0 else checkpoint(layer, x, use_reentrant=False)
+            y.float().square().mean().backward()
+            seen += [y.detach(), x.grad]
+        seen += [p.grad.clone() for p in layer.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+        update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
+    with torch.no_grad(), plugin._eval_context():
+        seen.append(layer(data[6]))
+    seen += [b.clone() for name, b in layer.named_buffers() if "fp8" in name]
+    return seen
+
+
+def _counting(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` by a wrapper that appends to the returned list on each call."""
+    calls: list = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _assert_all_equal(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), i
+
+
 @pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_swiglu_fused_into_the_fc2_cast_trains_identically(monkeypatch, experts, dtype):
     """FP8 delayed experts with the SwiGLU computed inside fc2's input cast train bit for bit as
-    with the SwiGLU kernel's output cast separately: 3 optimizer steps of 2 micro-batches (the
-    second checkpointed), an evaluation forward, the delayed scales and histories."""
-    from torch.utils.checkpoint import checkpoint
+    with the SwiGLU kernel's output cast separately (`_train_delayed_layer`)."""
+    from lightning_moe.precision import scaled_mm
 
-    from lightning_moe.nn import MoEConfig, MoELayer
-    from lightning_moe.precision import FP8Precision, scaled_mm
-
-    fused_calls = []
-    real = scaled_mm.scaled_grouped_mm_swiglu
-    monkeypatch.setattr(scaled_mm, "scaled_grouped_mm_swiglu", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
-
-    def train():
-        torch.manual_seed(0)
-        cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=experts, router_topk=2, expert_alignment=16)
-        layer = MoELayer(cfg).cuda().to(dtype)
-        plugin = FP8Precision(recipe="delayed", backend="torch")
-        plugin.convert_module(layer)
-        optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
-        data = torch.randn(7, 2, 64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
-        seen = []
-        for step in range(3):
-            for micro in range(2):
-                x = data[2 * step + micro]
-                with plugin.forward_context():
-                    y = layer(x) if micro == 0 else checkpoint(layer, x, use_reentrant=False)
-                y.float().square().mean().backward()
-                seen.append(y.detach())
-            seen += [p.grad.clone() for p in layer.parameters()]
-            optimizer.step()
-            optimizer.zero_grad()
-            update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
-        with torch.no_grad(), plugin._eval_context():
-            seen.append(layer(data[6]))
-        seen += [b.clone() for name, b in layer.named_buffers() if "fp8" in name]
-        return seen
-
-    fused = train()
+    fused_calls = _counting(monkeypatch, scaled_mm, "scaled_grouped_mm_swiglu")
+    fused = _train_delayed_layer(experts, dtype)
     assert len(fused_calls) == 3 * 3  # the plain and the checkpointed forward, and its recompute; not evaluation
     with monkeypatch.context() as m:
         m.setattr(FP8GroupedGemm, "grouped_mm_swiglu", lambda self, *args, **kwargs: None)
-        plain = train()
-    assert len(fused_calls) == 9 and len(fused) == len(plain)
-    for i, (a, b) in enumerate(zip(fused, plain)):
-        assert torch.equal(a, b), i
+        plain = _train_delayed_layer(experts, dtype)
+    assert len(fused_calls) == 9
+    _assert_all_equal(fused, plain)
 
 
 @pytest.mark.parametrize("transposed", [True, False])  # both copies (tile kernel), the row copy alone
@@ -292,50 +307,16 @@ def test_gathered_cast_equals_the_cast_of_the_permuted_rows(dtype, transposed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_permutation_read_inside_the_fc1_cast_trains_identically(monkeypatch, experts, dtype):
     """FP8 delayed experts reading the permutation inside fc1's input cast (the dispatcher hands
-    over the tokens and the plan) train bit for bit as with the permuted rows written first:
-    3 optimizer steps of 2 micro-batches (the second checkpointed), an evaluation forward, the
-    token gradients, the delayed scales and histories."""
-    from torch.utils.checkpoint import checkpoint
-
-    from lightning_moe.nn import MoEConfig, MoELayer
+    over the tokens and the plan) train bit for bit as with the permuted rows written first
+    (`_train_delayed_layer`, token gradients included)."""
     from lightning_moe.nn.experts import GroupedExperts
-    from lightning_moe.precision import FP8Precision, scaled_mm
+    from lightning_moe.precision import scaled_mm
 
-    gathered_calls = []
-    real = scaled_mm.scaled_grouped_mm_gathered
-    monkeypatch.setattr(scaled_mm, "scaled_grouped_mm_gathered",
-                        lambda *a, **k: gathered_calls.append(1) or real(*a, **k))
-
-    def train():
-        torch.manual_seed(0)
-        cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=experts, router_topk=2, expert_alignment=16)
-        layer = MoELayer(cfg).cuda().to(dtype)
-        plugin = FP8Precision(recipe="delayed", backend="torch")
-        plugin.convert_module(layer)
-        optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
-        data = torch.randn(7, 2, 64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype)
-        seen = []
-        for step in range(3):
-            for micro in range(2):
-                x = data[2 * step + micro].clone().requires_grad_(True)
-                with plugin.forward_context():
-                    y = layer(x) if micro == 0 else checkpoint(layer, x, use_reentrant=False)
-                y.float().square().mean().backward()
-                seen += [y.detach(), x.grad]
-            seen += [p.grad.clone() for p in layer.parameters()]
-            optimizer.step()
-            optimizer.zero_grad()
-            update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
-        with torch.no_grad(), plugin._eval_context():
-            seen.append(layer(data[6]))
-        seen += [b.clone() for name, b in layer.named_buffers() if "fp8" in name]
-        return seen
-
-    gathered = train()
+    gathered_calls = _counting(monkeypatch, scaled_mm, "scaled_grouped_mm_gathered")
+    gathered = _train_delayed_layer(experts, dtype)
     assert len(gathered_calls) == 3 * 3 + 1  # plain and checkpointed forwards, the recompute, evaluation
     with monkeypatch.context() as m:
         m.setattr(GroupedExperts, "takes_deferred_permutation", lambda self, tokens: False)
-        plain = train()
-    assert len(gathered_calls) == 10 and len(gathered) == len(plain)
-    for i, (a, b) in enumerate(zip(gathered, plain)):
-        assert torch.equal(a, b), i
+        plain = _train_delayed_layer(experts, dtype)
+    assert len(gathered_calls) == 10
+    _assert_all_equal(gathered, plain)
