@@ -115,9 +115,9 @@ class MoELayer(nn.Module):
             tail = {"tail_unwritten": True} if tail_unwritten else {}  # only then: other experts lack it
             # Experts that read the permutation inside their first quantized cast get the tokens
             # and the plan, so the permuted rows are never written in the tokens' dtype.
-            takes_permuted = getattr(self.experts, "takes_deferred_permutation", None)
-            if (getattr(self.dispatcher, "can_defer_permute", False) and takes_permuted is not None
-                    and not tail_unwritten and takes_permuted(x_TD)):
+            takes_deferred = getattr(self.experts, "takes_deferred_permutation", None)
+            if (getattr(self.dispatcher, "can_defer_permute", False) and takes_deferred is not None
+                    and not tail_unwritten and takes_deferred(x_TD)):
                 extra["defer_permute"] = True
             expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra, **tail)
             y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E, **tail), state)

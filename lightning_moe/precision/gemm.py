@@ -261,9 +261,9 @@ def fp8_grouped_mm_gathered(
     recipe = FP8Recipe.of(recipe)
     if not _native_delayed(recipe, backend, state, tokens_TK):
         return None
-    from lightning_moe.precision.scaled_mm import gather_fusable, scaled_grouped_mm_gathered
+    from lightning_moe.precision.scaled_mm import native_delayed_casts, scaled_grouped_mm_gathered
 
-    if not gather_fusable(tokens_TK, w_EKN, recipe, state):
+    if not native_delayed_casts(recipe, tokens_TK, w_EKN):  # state and recipe checked just above
         return None
     return scaled_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
 

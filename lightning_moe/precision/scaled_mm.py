@@ -635,7 +635,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             fused = _fused_rowwise(recipe, state, x) or _fused_delayed(recipe, state, x, w)
             assert fused or not input_swiglu, "scaled_grouped_mm_swiglu checks swiglu_fusable first"
             assert gather is None or (fused and state is not None and not input_swiglu), \
-                "scaled_grouped_mm_gathered checks gather_fusable first"
+                "scaled_grouped_mm_gathered needs the native delayed casts"
             if prefetched is not None and not fused:
                 prefetched.release()
             if fused:
@@ -762,12 +762,6 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                                   _needs_backward(x, w), False, prefetched)
 
 
-def gather_fusable(tokens: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:
-    """Whether `scaled_grouped_mm_gathered` can take ``tokens``: the delayed recipe's one-read
-    casts on CUDA (training or evaluation: both cast kernels read through the row index)."""
-    return _fused_delayed(recipe, state, tokens, w)
-
-
 def scaled_grouped_mm_gathered(tokens: Tensor, plan: Any, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                                state: DelayedState, weight_key: Optional[Hashable] = None,
                                prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
@@ -776,7 +770,8 @@ def scaled_grouped_mm_gathered(tokens: Tensor, plan: Any, w: Tensor, offsets: Te
     read back. The gradient flows to ``tokens`` through the permutation's backward. Under
     autocast the tokens are first rounded to its dtype, as ``GroupedExperts`` rounds permuted
     rows before a quantized GEMM: the same bits as that path (GPU test); without autocast the
-    same bits as ``scaled_grouped_mm(permute(tokens, plan), w, ...)``. Only where `gather_fusable`."""
+    same bits as ``scaled_grouped_mm(permute(tokens, plan), w, ...)``. Only with a delayed state where
+    `native_delayed_casts` (training or evaluation: both cast kernels read through the row index)."""
     return _ScaledGroupedMM.apply(tokens, w, offsets, recipe, state, weight_key, training_cache(w),
                                   _needs_backward(tokens, w), False, prefetched, plan)
 
