@@ -41,6 +41,7 @@ first projection run; each GEMM waits only for its own weight's copies.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -477,6 +478,24 @@ def _per_group_rows(scale_inv: Tensor, rows: Axis, groups: int) -> Tensor:
 # small (qwen3, 128 experts: 143 vs 939): per-expert launches then dominate.
 PER_EXPERT_MAX_EXPERTS = 32
 
+# Our Triton grouped GEMM (``kernels.fp8_grouped_gemm_triton``) for the forward and data-gradient
+# products with fast accumulation on Hopper: faster than both torch paths at every benchmark shape
+# (fp8_grouped_tune_s19b.json: qwen3 1.08-1.39x torch's grouped kernel, mixtral / deepseek
+# 0.98-1.21x the per-expert products) and without their host sync. Off with
+# ``LIGHTNING_MOE_TRITON_GROUPED_GEMM=0`` (read at each call) or by setting this False.
+TRITON_GROUPED_GEMM = True
+
+
+def _triton_grouped(t: Tensor, fast: bool) -> bool:
+    """Whether a grouped product on ``t``'s device takes the Triton kernel: fast accumulation (the
+    kernel's only mode), a Hopper GPU (sm90: the FP8 tensor-core path it was built and measured
+    on), Triton present and not switched off."""
+    from lightning_moe.kernels import use_triton
+
+    return (fast and TRITON_GROUPED_GEMM and use_triton(t)
+            and os.environ.get("LIGHTNING_MOE_TRITON_GROUPED_GEMM", "1") != "0"
+            and torch.cuda.get_device_capability(t.device) == (9, 0))
+
 
 def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
     """Row ends per expert on the host when per-expert GEMMs pay off, else None (grouped kernel).
@@ -491,11 +510,25 @@ def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
     return _once_per_version(offsets_E, "_host_ends", offsets_E.tolist)
 
 
+def _host_ends_for(recipe: FP8Recipe, t: Tensor, offsets_E: Tensor, experts: int) -> Optional[list[int]]:
+    """`_host_group_ends` when one of the layer's grouped products will run per expert, None
+    when the Triton kernel takes the forward and data-gradient products (the weight gradient
+    then takes torch's grouped kernel: no host sync at all)."""
+    if _triton_grouped(t, recipe.fast("fprop")) and _triton_grouped(t, recipe.fast("dgrad")):
+        return None
+    return _host_group_ends(offsets_E, experts)
+
+
 def _group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offsets_E: Tensor,
                 ends: Optional[list[int]], fast: bool) -> Tensor:
     """``out[rows of e] = a[rows of e] @ b[e]^T`` (fprop / dgrad): ``a`` row-major ``[R, K]`` with
     per-row scales ``[R]``, ``b`` stored ``[E, O, K]`` with per-output scales ``[E, O]``.
     Returns bf16 ``[R, O]``; rows past the last group are zero (per-expert) or unspecified."""
+    if _triton_grouped(qa_RK, fast):
+        from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop, tma_operands
+
+        if tma_operands(qa_RK, qb_EOK):
+            return grouped_mm_fprop(qa_RK, sa_R.contiguous(), qb_EOK, sb_EO.contiguous(), offsets_E)
     if ends is None:
         return torch._scaled_grouped_mm(qa_RK, qb_EOK.transpose(1, 2), sa_R, sb_EO, offs=offsets_E,
                                         out_dtype=torch.bfloat16, use_fast_accum=fast)
@@ -684,7 +717,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
                 sx_R = _per_row(sx, rx)
                 qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop", weight_fprop)
-            ends = _host_group_ends(offsets, experts)
+            ends = _host_ends_for(recipe, qx, offsets, experts)
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward). Under

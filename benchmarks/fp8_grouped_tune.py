@@ -1,0 +1,136 @@
+"""Our Triton FP8 grouped GEMM (``kernels.fp8_grouped_gemm_triton``) against
+``torch._scaled_grouped_mm`` on the MoE block's forward and data-gradient shapes, over a sweep
+of tile configurations. Checks each configuration's output against torch's (relative error:
+both accumulate in fp32 in a different order, then round to bf16) and times both back to back.
+
+    python benchmarks/fp8_grouped_tune.py [--cases qwen3_fc1 ...] [--tag s19a]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks._common import cuda_time_pipelined_ms, relative_error, write_results
+
+# (experts, total rows, K, O): rows are the routed assignments of the block's benchmark batch
+# (B * S * top-k), split unevenly over the experts as a router would.
+# Weight-gradient cases ("_wgrad"): dw [E, K, O] over the rows of each group.
+CASES = {
+    "qwen3_fc1": (128, 131072, 2048, 1536),
+    "qwen3_fc2": (128, 131072, 768, 2048),
+    "qwen3_fc1_dgrad": (128, 131072, 1536, 2048),
+    "qwen3_fc2_dgrad": (128, 131072, 2048, 768),
+    "qwen3_fc1_wgrad": (128, 131072, 2048, 1536),
+    "qwen3_fc2_wgrad": (128, 131072, 768, 2048),
+    "mixtral_fc1": (8, 16384, 4096, 28672),
+    "mixtral_fc2": (8, 16384, 14336, 4096),
+    "mixtral_fc1_wgrad": (8, 16384, 4096, 28672),
+    "deepseek_fc1": (32, 65536, 7168, 4096),
+    "deepseek_fc2": (32, 65536, 2048, 7168),
+    "deepseek_fc1_wgrad": (32, 65536, 7168, 4096),
+}
+
+# (block_m, block_n, block_k, num_warps, num_stages)
+CONFIGS = [
+    (128, 256, 128, 8, 3),
+    (128, 256, 128, 8, 4),
+    (128, 256, 64, 8, 5),
+    (128, 128, 128, 4, 4),
+    (256, 128, 128, 8, 3),
+    (256, 128, 64, 8, 4),
+]
+
+
+def _groups(experts: int, rows: int, align: int = 16, seed: int = 0) -> torch.Tensor:
+    """int32 cumulative ends of ``experts`` groups of about ``rows / experts`` rows each (+-50%),
+    each padded up to ``align`` rows."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 0.5 + torch.rand(experts, generator=g)
+    sizes = (weights / weights.sum() * rows).floor().long()
+    sizes = (sizes + align - 1) // align * align
+    return sizes.cumsum(0).to(torch.int32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop, grouped_mm_wgrad
+
+    results = {}
+    for name in args.cases:
+        experts, rows, k, o = CASES[name]
+        wgrad = name.endswith("_wgrad")
+        ends = _groups(experts, rows).cuda()
+        total = int(ends[-1])
+        torch.manual_seed(0)
+        if wgrad:  # both operands [features, rows], rows contiguous (padded to 16)
+            a = torch.randn(k, total, device="cuda").to(torch.float8_e4m3fn)
+            b = torch.randn(o, total, device="cuda").to(torch.float8_e4m3fn)
+            sa = torch.rand(experts, k, device="cuda") + 0.5
+        else:
+            a = torch.randn(total, k, device="cuda").to(torch.float8_e4m3fn)
+            b = (torch.randn(experts, o, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+            sa = torch.rand(total, device="cuda") + 0.5
+        sb = torch.rand(experts, o, device="cuda") + 0.5
+        flops = 2.0 * total * k * o
+        host_ends = ends.tolist()
+
+        def torch_mm() -> torch.Tensor:
+            if wgrad:
+                return torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1), sb.reshape(-1), offs=ends,
+                                                out_dtype=torch.bfloat16, use_fast_accum=True)
+            return torch._scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs=ends, out_dtype=torch.bfloat16,
+                                            use_fast_accum=True)
+
+        def per_expert_mm() -> None:  # what the native backend runs for <= 32 experts
+            start = 0
+            for e, end in enumerate(host_ends):
+                if wgrad:
+                    torch._scaled_mm(a[:, start:end], b[:, start:end].t(), scale_a=sa[e][:, None],
+                                     scale_b=sb[e][None], out_dtype=torch.bfloat16, use_fast_accum=True)
+                else:
+                    torch._scaled_mm(a[start:end], b[e].t(), scale_a=sa[start:end, None], scale_b=sb[e][None],
+                                     out_dtype=torch.bfloat16, use_fast_accum=True)
+                start = end
+
+        ref = torch_mm()
+        ms = cuda_time_pipelined_ms(torch_mm, iters=args.iters)
+        case = {"shape_E_R_K_O": [experts, total, k, o],
+                "torch_scaled_grouped_mm": {"ms": ms, "tflops": flops / ms / 1e9}}
+        print(f"{name}: torch {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        if experts <= 32:
+            ms = cuda_time_pipelined_ms(per_expert_mm, iters=args.iters)
+            case["torch_scaled_mm_per_expert"] = {"ms": ms, "tflops": flops / ms / 1e9}
+            print(f"  per-expert _scaled_mm {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        for bm, bn, bk, warps, stages in CONFIGS:
+            key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
+
+            def ours() -> torch.Tensor:
+                if wgrad:
+                    return grouped_mm_wgrad(a, sa, b, sb, ends, block_m=bm, block_n=bn, block_k=bk,
+                                            num_warps=warps, num_stages=stages)
+                return grouped_mm_fprop(a, sa, b, sb, ends, block_m=bm, block_n=bn, block_k=bk,
+                                        num_warps=warps, num_stages=stages)
+
+            try:
+                out = ours()
+                err = relative_error(out.float(), ref.float())
+                ms = cuda_time_pipelined_ms(ours, iters=args.iters)
+            except Exception as exc:  # a configuration the compiler or the GPU refuses
+                case[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                print(f"  {key}: {case[key]['error']}", flush=True)
+                continue
+            case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err}
+            print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e}", flush=True)
+        results[name] = case
+    write_results("fp8_grouped_tune" + (f"_{args.tag}" if args.tag else ""), {"cases": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""FP8 grouped GEMM for many small experts (Hopper, Triton): the forward and data-gradient
+products of a grouped expert layer with rowwise scales.
+
+``out[rows of e] = (a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``
+
+- ``a``: float8 ``[R, K]`` row-major, its rows grouped by expert (``ends``, int32 cumulative
+  row ends ``[E]``; rows past the last end are not read into any output);
+- ``b``: float8 ``[E, O, K]`` (K contiguous): each expert's weight in the layout the tensor cores
+  read (both wgmma operands of an FP8 product must be K-major);
+- ``scale_a`` fp32 ``[R]``, ``scale_b`` fp32 ``[E, O]``; output bf16 ``[R, O]``.
+
+This is what ``torch._scaled_grouped_mm`` computes for the 2-D x 3-D case. torch's kernel runs
+the qwen3 shapes (128 experts of ~1,024 rows, K 768-2,048) at 770-940 TFLOP/s
+(``fp8_gemm_ceiling.json``). Here one persistent program per multiprocessor walks the tiles of
+every group in turn; operands come in by TMA descriptors (rows of the next group in a tile's
+last rows are read and never stored, rows past ``R`` read as zeros); the epilogue applies both
+scales and stores the group's rows only.
+
+Accumulation: fast (the tensor cores' own fp32 accumulator, no periodic promotion), as
+``use_fast_accum=True``; the recipe's split accumulation is torch's kernel's job (callers check).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_moe.kernels.launch import launch
+
+
+@triton.jit
+def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr,
+                          E, N_OUT, stride_out,
+                          K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+    k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    tile_base = 0
+    start = 0
+    for g in range(E):
+        end = tl.load(ends_ptr + g)
+        m_tiles = tl.cdiv(end - start, BLOCK_M)
+        g_tiles = m_tiles * n_tiles
+        # This program's first tile at or past tile_base: tiles are dealt round-robin.
+        first = tile_base + (pid - tile_base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+        for t in range(first, tile_base + g_tiles, NUM_PROGRAMS):
+            local = t - tile_base
+            m_blk = local % m_tiles  # rows fastest: the tiles running together share b's block
+            n_blk = local // m_tiles
+            row0 = start + m_blk * BLOCK_M
+            col0 = n_blk * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+                a = a_desc.load([row0, ki * BLOCK_K])
+                b = b_desc.load([g * N_OUT + col0, ki * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            cols = col0 + tl.arange(0, BLOCK_N)
+            row_ok = rows < end
+            col_ok = cols < N_OUT
+            sa = tl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)
+            sb = tl.load(scale_b_ptr + g * N_OUT + cols, mask=col_ok, other=0.0)
+            out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
+            ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+            tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+        tile_base += g_tiles
+        start = end
+
+
+def tma_operands(*tensors: Tensor) -> bool:
+    """Whether every tensor can back a TMA descriptor as these kernels build them: row-major
+    2-D (or contiguous 3-D) with 16-byte aligned base and row stride."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+        if t.dim() == 3 and not t.is_contiguous():
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO: Tensor, ends_E: Tensor,
+                     block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
+                     num_stages: int = 3, programs: Optional[int] = None) -> Tensor:
+    """bf16 ``[R, O]``: ``(a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``; rows past
+    the last group end are left unwritten (uninitialized)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, k = a_RK.shape
+    experts, o, k_b = b_EOK.shape
+    assert k == k_b and a_RK.dtype == b_EOK.dtype == torch.float8_e4m3fn
+    out = torch.empty(rows, o, dtype=torch.bfloat16, device=a_RK.device)
+    if rows == 0:
+        return out
+    a_desc = TensorDescriptor(a_RK, [rows, k], [a_RK.stride(0), 1], [block_m, block_k])
+    b_rows = b_EOK.reshape(experts * o, k)
+    b_desc = TensorDescriptor(b_rows, [experts * o, k], [b_rows.stride(0), 1], [block_n, block_k])
+    programs = programs or _multiprocessors(a_RK.device.index or 0)
+    launch(_grouped_fprop_kernel, (programs,),
+        a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, o, out.stride(0),
+        K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
+        NUM_STAGES=num_stages, num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr,
+                          E, M, N,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_expert = m_tiles * n_tiles
+    for t in range(pid, E * per_expert, NUM_PROGRAMS):
+        e = t // per_expert
+        local = t % per_expert
+        row0 = (local % m_tiles) * BLOCK_M
+        col0 = (local // m_tiles) * BLOCK_N
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+        full = (end - start) // BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in tl.range(0, full, num_stages=NUM_STAGES):
+            a = a_desc.load([row0, start + ki * BLOCK_K])
+            b = b_desc.load([col0, start + ki * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        k_tail = start + full * BLOCK_K
+        if k_tail < end:
+            # The group's last, partial block of tokens: a TMA box cannot stop at the group's end,
+            # so the next group's tokens are zeroed in registers (in both operands: 0 * NaN).
+            k_ok = (k_tail + tl.arange(0, BLOCK_K)) < end
+            a = a_desc.load([row0, k_tail])
+            b = b_desc.load([col0, k_tail])
+            a = tl.where(k_ok[None, :], a, tl.zeros_like(a))
+            b = tl.where(k_ok[None, :], b, tl.zeros_like(b))
+            acc = tl.dot(a, b.T, acc)
+        sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
+        sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
+        out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
+        ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN: Tensor, ends_E: Tensor,
+                     block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
+                     num_stages: int = 4, programs: Optional[int] = None) -> Tensor:
+    """bf16 ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
+    scale_b[e, j]``, both operands float8 with the token dimension contiguous; an expert without
+    tokens gets zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, r = a_MR.shape
+    n, r_b = b_NR.shape
+    experts = ends_E.shape[0]
+    assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
+    out = torch.empty(experts, m, n, dtype=torch.bfloat16, device=a_MR.device)
+    a_desc = TensorDescriptor(a_MR, [m, r], [a_MR.stride(0), 1], [block_m, block_k])
+    b_desc = TensorDescriptor(b_NR, [n, r], [b_NR.stride(0), 1], [block_n, block_k])
+    programs = programs or _multiprocessors(a_MR.device.index or 0)
+    launch(_grouped_wgrad_kernel, (programs,),
+        a_desc, b_desc, out, scale_a_EM, scale_b_EN, ends_E, experts, m, n,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
+        NUM_STAGES=num_stages, num_warps=num_warps)
+    return out
