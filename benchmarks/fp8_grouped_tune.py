@@ -16,20 +16,17 @@ from benchmarks._common import cuda_time_pipelined_ms, relative_error, write_res
 
 # (experts, total rows, K, O): rows are the routed assignments of the block's benchmark batch
 # (B * S * top-k), split unevenly over the experts as a router would.
-# Weight-gradient cases ("_wgrad"): dw [E, K, O] over the rows of each group.
+# A Triton weight-gradient kernel (dw [E, K, O] over each group's rows) was measured with this
+# script at 5b5a0ed (fp8_grouped_tune_s19b/c.json: 0.6-0.85x torch's grouped kernel) and dropped.
 CASES = {
     "qwen3_fc1": (128, 131072, 2048, 1536),
     "qwen3_fc2": (128, 131072, 768, 2048),
     "qwen3_fc1_dgrad": (128, 131072, 1536, 2048),
     "qwen3_fc2_dgrad": (128, 131072, 2048, 768),
-    "qwen3_fc1_wgrad": (128, 131072, 2048, 1536),
-    "qwen3_fc2_wgrad": (128, 131072, 768, 2048),
     "mixtral_fc1": (8, 16384, 4096, 28672),
     "mixtral_fc2": (8, 16384, 14336, 4096),
-    "mixtral_fc1_wgrad": (8, 16384, 4096, 28672),
     "deepseek_fc1": (32, 65536, 7168, 4096),
     "deepseek_fc2": (32, 65536, 2048, 7168),
-    "deepseek_fc1_wgrad": (32, 65536, 7168, 4096),
 }
 
 # (block_m, block_n, block_k, num_warps, num_stages)
@@ -60,43 +57,30 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
 
-    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop, grouped_mm_wgrad
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
 
     results = {}
     for name in args.cases:
         experts, rows, k, o = CASES[name]
-        wgrad = name.endswith("_wgrad")
         ends = _groups(experts, rows).cuda()
         total = int(ends[-1])
         torch.manual_seed(0)
-        if wgrad:  # both operands [features, rows], rows contiguous (padded to 16)
-            a = torch.randn(k, total, device="cuda").to(torch.float8_e4m3fn)
-            b = torch.randn(o, total, device="cuda").to(torch.float8_e4m3fn)
-            sa = torch.rand(experts, k, device="cuda") + 0.5
-        else:
-            a = torch.randn(total, k, device="cuda").to(torch.float8_e4m3fn)
-            b = (torch.randn(experts, o, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-            sa = torch.rand(total, device="cuda") + 0.5
+        a = torch.randn(total, k, device="cuda").to(torch.float8_e4m3fn)
+        b = (torch.randn(experts, o, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+        sa = torch.rand(total, device="cuda") + 0.5
         sb = torch.rand(experts, o, device="cuda") + 0.5
         flops = 2.0 * total * k * o
         host_ends = ends.tolist()
 
         def torch_mm() -> torch.Tensor:
-            if wgrad:
-                return torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1), sb.reshape(-1), offs=ends,
-                                                out_dtype=torch.bfloat16, use_fast_accum=True)
             return torch._scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs=ends, out_dtype=torch.bfloat16,
                                             use_fast_accum=True)
 
         def per_expert_mm() -> None:  # what the native backend runs for <= 32 experts
             start = 0
             for e, end in enumerate(host_ends):
-                if wgrad:
-                    torch._scaled_mm(a[:, start:end], b[:, start:end].t(), scale_a=sa[e][:, None],
-                                     scale_b=sb[e][None], out_dtype=torch.bfloat16, use_fast_accum=True)
-                else:
-                    torch._scaled_mm(a[start:end], b[e].t(), scale_a=sa[start:end, None], scale_b=sb[e][None],
-                                     out_dtype=torch.bfloat16, use_fast_accum=True)
+                torch._scaled_mm(a[start:end], b[e].t(), scale_a=sa[start:end, None], scale_b=sb[e][None],
+                                 out_dtype=torch.bfloat16, use_fast_accum=True)
                 start = end
 
         ref = torch_mm()
@@ -112,9 +96,6 @@ def main() -> None:
             key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
 
             def ours() -> torch.Tensor:
-                if wgrad:
-                    return grouped_mm_wgrad(a, sa, b, sb, ends, block_m=bm, block_n=bn, block_k=bk,
-                                            num_warps=warps, num_stages=stages)
                 return grouped_mm_fprop(a, sa, b, sb, ends, block_m=bm, block_n=bn, block_k=bk,
                                         num_warps=warps, num_stages=stages)
 
