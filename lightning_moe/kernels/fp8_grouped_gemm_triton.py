@@ -37,40 +37,48 @@ from lightning_moe.kernels.launch import launch
 def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr,
                           E, N_OUT, stride_out,
                           K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                          BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                          NUM_STAGES: tl.constexpr):
+    """Tiles are dealt round-robin to the persistent programs: group by group, each group's tiles
+    row block fastest (the tiles running together share ``b``'s block). One loop over all tiles,
+    a tile's group found from the groups' tile counts held in registers, which the compiler
+    flattens with the K loop: the next tile's loads are issued during this tile's epilogue
+    (1.04-1.27x a loop over groups with a tile loop inside, fp8_grouped_tune_s19d.json)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    tile_base = 0
-    start = 0
-    for g in range(E):
+    groups = tl.arange(0, BLOCK_E)
+    ends = tl.load(ends_ptr + groups, mask=groups < E, other=0)
+    starts = tl.load(ends_ptr + groups - 1, mask=(groups > 0) & (groups < E), other=0)
+    tiles = tl.cdiv(tl.where(groups < E, ends - starts, 0), BLOCK_M) * n_tiles
+    tile_ends = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+    for t in tl.range(pid, total, NUM_PROGRAMS, flatten=True):
+        g = tl.sum((tile_ends <= t).to(tl.int32), 0)
+        tile_base = tl.sum(tl.where(groups < g, tiles, 0), 0)
+        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
         end = tl.load(ends_ptr + g)
         m_tiles = tl.cdiv(end - start, BLOCK_M)
-        g_tiles = m_tiles * n_tiles
-        # This program's first tile at or past tile_base: tiles are dealt round-robin.
-        first = tile_base + (pid - tile_base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
-        for t in range(first, tile_base + g_tiles, NUM_PROGRAMS):
-            local = t - tile_base
-            m_blk = local % m_tiles  # rows fastest: the tiles running together share b's block
-            n_blk = local // m_tiles
-            row0 = start + m_blk * BLOCK_M
-            col0 = n_blk * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in tl.range(0, k_tiles, num_stages=NUM_STAGES):
-                a = a_desc.load([row0, ki * BLOCK_K])
-                b = b_desc.load([g * N_OUT + col0, ki * BLOCK_K])
-                acc = tl.dot(a, b.T, acc)
-            rows = row0 + tl.arange(0, BLOCK_M)
-            cols = col0 + tl.arange(0, BLOCK_N)
-            row_ok = rows < end
-            col_ok = cols < N_OUT
-            sa = tl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)
-            sb = tl.load(scale_b_ptr + g * N_OUT + cols, mask=col_ok, other=0.0)
-            out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
-            ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
-            tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
-        tile_base += g_tiles
-        start = end
+        local = t - tile_base
+        row0 = start + (local % m_tiles) * BLOCK_M
+        col0 = (local // m_tiles) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in tl.range(0, k_tiles, num_stages=NUM_STAGES):
+            a = a_desc.load([row0, ki * BLOCK_K])
+            b = b_desc.load([g * N_OUT + col0, ki * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < end
+        col_ok = cols < N_OUT
+        sa = tl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)
+        sb = tl.load(scale_b_ptr + g * N_OUT + cols, mask=col_ok, other=0.0)
+        out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
+        ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+        tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+MAX_EXPERTS = 4096  # the kernel holds every group's tile count in registers
 
 
 def tma_operands(*tensors: Tensor) -> bool:
@@ -91,7 +99,7 @@ def _multiprocessors(device_index: int) -> int:
 
 def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO: Tensor, ends_E: Tensor,
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
-                     num_stages: int = 3, programs: Optional[int] = None) -> Tensor:
+                     num_stages: Optional[int] = None, programs: Optional[int] = None) -> Tensor:
     """bf16 ``[R, O]``: ``(a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``; rows past
     the last group end are left unwritten (uninitialized)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -106,9 +114,12 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     b_rows = b_EOK.reshape(experts * o, k)
     b_desc = TensorDescriptor(b_rows, [experts * o, k], [b_rows.stride(0), 1], [block_n, block_k])
     programs = programs or _multiprocessors(a_RK.device.index or 0)
+    if num_stages is None:
+        # Deeper pipelines paid off at short contractions only (fp8_grouped_tune_s19d.json).
+        num_stages = 4 if k < 2048 else 3
     launch(_grouped_fprop_kernel, (programs,),
-        a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, o, out.stride(0),
-        K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
-        NUM_STAGES=num_stages, num_warps=num_warps)
+           a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, o, out.stride(0),
+           K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(experts),
+           NUM_PROGRAMS=programs, NUM_STAGES=num_stages, num_warps=num_warps)
     return out
 

@@ -525,9 +525,9 @@ def _group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offs
     per-row scales ``[R]``, ``b`` stored ``[E, O, K]`` with per-output scales ``[E, O]``.
     Returns bf16 ``[R, O]``; rows past the last group are zero (per-expert) or unspecified."""
     if _triton_grouped(qa_RK, fast):
-        from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop, tma_operands
+        from lightning_moe.kernels.fp8_grouped_gemm_triton import MAX_EXPERTS, grouped_mm_fprop, tma_operands
 
-        if tma_operands(qa_RK, qb_EOK):
+        if qb_EOK.shape[0] <= MAX_EXPERTS and tma_operands(qa_RK, qb_EOK):
             return grouped_mm_fprop(qa_RK, sa_R.contiguous(), qb_EOK, sb_EO.contiguous(), offsets_E)
     if ends is None:
         return torch._scaled_grouped_mm(qa_RK, qb_EOK.transpose(1, 2), sa_R, sb_EO, offs=offsets_E,
