@@ -123,3 +123,64 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
            NUM_PROGRAMS=programs, NUM_STAGES=num_stages, num_warps=num_warps)
     return out
 
+
+
+@triton.jit
+def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr,
+                          E, M, N,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, MASK_B: tl.constexpr):
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_expert = m_tiles * n_tiles
+    for t in tl.range(pid, E * per_expert, NUM_PROGRAMS, flatten=True):
+        e = t // per_expert
+        local = t % per_expert
+        row0 = (local % m_tiles) * BLOCK_M
+        col0 = (local // m_tiles) * BLOCK_N
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in tl.range(0, tl.cdiv(end - start, BLOCK_K), num_stages=NUM_STAGES):
+            k0 = start + ki * BLOCK_K
+            a = a_desc.load([row0, k0])
+            b = b_desc.load([col0, k0])
+            # A TMA box cannot stop at the group's end: the next group's tokens are zeroed here.
+            k_ok = (k0 + tl.arange(0, BLOCK_K)) < end
+            a = tl.where(k_ok[None, :], a, tl.zeros_like(a))
+            if MASK_B:
+                b = tl.where(k_ok[None, :], b, tl.zeros_like(b))
+            acc = tl.dot(a, b.T, acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
+        sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
+        out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
+        ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN: Tensor, ends_E: Tensor,
+                     block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
+                     num_stages: int = 3, programs: Optional[int] = None, mask_b: bool = True) -> Tensor:
+    """bf16 ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
+    scale_b[e, j]``, both operands float8 with the token dimension contiguous; an expert without
+    tokens gets zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, r = a_MR.shape
+    n, r_b = b_NR.shape
+    experts = ends_E.shape[0]
+    assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
+    out = torch.empty(experts, m, n, dtype=torch.bfloat16, device=a_MR.device)
+    a_desc = TensorDescriptor(a_MR, [m, r], [a_MR.stride(0), 1], [block_m, block_k])
+    b_desc = TensorDescriptor(b_NR, [n, r], [b_NR.stride(0), 1], [block_n, block_k])
+    programs = programs or _multiprocessors(a_MR.device.index or 0)
+    launch(_grouped_wgrad_kernel, (programs,),
+           a_desc, b_desc, out, scale_a_EM, scale_b_EN, ends_E, experts, m, n,
+           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
+           NUM_STAGES=num_stages, MASK_B=mask_b, num_warps=num_warps)
+    return out
