@@ -16,6 +16,10 @@ float8 cast instead of the reference rounding, bit-identical), then:
   the grouped kernel (faster for few large experts; costs one host sync per layer forward for
   the group sizes, none in the backward unless activation checkpointing recomputes the
   forward). Under CUDA-graph capture the grouped kernel is used.
+- on Hopper with Triton, the grouped forward and data-gradient products with fast accumulation
+  run on our own kernel instead (``kernels.fp8_grouped_gemm_triton``: torch's bits, faster than
+  both torch paths at the benchmark shapes, no host sync; `TRITON_GROUPED_GEMM`). When it takes
+  both, no host list of group ends is made and the weight gradient takes the grouped kernel.
 
 Accumulation per GEMM follows ``recipe.fast_accumulation`` (default: fast fprop, split dgrad /
 wgrad, as Transformer Engine).

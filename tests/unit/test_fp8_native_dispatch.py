@@ -2,6 +2,9 @@
 it) against a reference ``torch._scaled_grouped_mm`` (CUDA only, so a dequantizing stand-in
 here), the accumulation flag each GEMM receives, and the weight cache inside training."""
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -197,3 +200,42 @@ def test_fused_quantizers_leave_dtensor_operands_to_the_generic_path(monkeypatch
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fast, triton_calls, grouped_calls, host_lists", [
+    (("fprop", "dgrad", "wgrad"), 2, 1, 0),  # the Triton kernel takes both; no host list at all
+    (("fprop",), 1, 0, 1),  # split data gradient: the host list for its per-expert products
+])
+def test_the_triton_grouped_gemm_takes_the_fast_products(monkeypatch, fast, triton_calls, grouped_calls,
+                                                         host_lists):
+    """Where ``_triton_grouped`` holds (CUDA Hopper with Triton; forced here), the forward and
+    data-gradient products with fast accumulation go to ``kernels.fp8_grouped_gemm_triton`` (a
+    stand-in module: CPU CI has no Triton); a layer whose two products both go there makes no
+    host list of group ends, and its weight gradient takes the grouped kernel."""
+    triton_log, grouped_log, host_log = [], [], []
+    fake_grouped = _fake_grouped(grouped_log)
+    kernel = types.ModuleType("lightning_moe.kernels.fp8_grouped_gemm_triton")
+    kernel.MAX_EXPERTS = 4096
+    kernel.tma_operands = lambda *tensors: True
+
+    def grouped_mm_fprop(a, sa, b_EOK, sb, ends):
+        triton_log.append(a.shape)
+        return _fake_grouped([])(a, b_EOK.transpose(1, 2), sa, sb, ends, torch.bfloat16, True)
+
+    kernel.grouped_mm_fprop = grouped_mm_fprop
+    monkeypatch.setitem(sys.modules, kernel.__name__, kernel)
+    monkeypatch.setattr(scaled_mm, "_triton_grouped", lambda t, fast_accumulation: fast_accumulation)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_grouped)
+    host_group_ends = scaled_mm._host_group_ends
+    monkeypatch.setattr(scaled_mm, "_host_group_ends", lambda *a: host_log.append(1) or host_group_ends(*a))
+    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)
+    recipe = FP8Recipe("rowwise", fast_accumulation=fast)
+    offsets = torch.tensor([32, 32, 80], dtype=torch.int32)
+    got = _step(recipe, offsets)
+    assert len(triton_log) == triton_calls and len(grouped_log) == grouped_calls
+    assert len(host_log) == host_lists
+    monkeypatch.setattr(scaled_mm, "_triton_grouped", lambda t, fast_accumulation: False)
+    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 0)
+    reference = _step(recipe, offsets)
+    for a, b in zip(got, reference):
+        assert float((a - b).norm() / b.norm()) < 1e-2

@@ -222,3 +222,43 @@ def test_plain_path_while_torch_compile_traces(monkeypatch):
     launch(kernel, (1,), torch.zeros(64), 100, 0.5)
     launch(kernel, (1,), torch.zeros(64), 100, 0.5)
     assert _kinds(kernel) == ["plain", "plain"]
+
+
+class TensorDescriptor:
+    """Stand-in for Triton's host-side TMA descriptor (keyed by class name and module)."""
+
+    __module__ = "triton.tools.tensor_descriptor"
+
+    def __init__(self, base, shape, strides, block_shape, padding="zero"):
+        self.base, self.shape, self.strides, self.block_shape, self.padding = base, shape, strides, block_shape, padding
+        self.round_f32_to_tf32 = False
+
+    __hash__ = None  # a dataclass with eq: unhashable, as Triton's is
+
+
+def _desc(rows=256, cols=128, block=(64, 64), base=None, padding="zero"):
+    base = torch.zeros(rows, cols) if base is None else base
+    return TensorDescriptor(base, [rows, cols], [cols, 1], list(block), padding)
+
+
+def test_tma_descriptors_over_other_tensors_of_the_same_kind_reuse_it():
+    kernel = _Kernel()
+    launch(kernel, (1,), _desc(), 100, 0.5)
+    second = _desc(rows=512)  # another size of the same integer class
+    launch(kernel, (1,), second, 100, 0.5)
+    assert _kinds(kernel) == ["plain", "direct"]
+    assert kernel.log[1][1][9] is second  # the launcher builds the hardware descriptor from it
+
+
+@pytest.mark.parametrize("other", [
+    dict(block=(64, 128)),  # the box
+    dict(base=torch.zeros(256, 128, dtype=torch.float64)),  # the dtype
+    dict(base=torch.zeros(256 * 128 + 1)[1:].view(256, 128)),  # an unaligned base
+    dict(rows=257),  # a size of another integer class
+    dict(padding="nan"),
+])
+def test_anything_a_tma_descriptor_may_specialize_on_takes_the_plain_path(other):
+    kernel = _Kernel()
+    launch(kernel, (1,), _desc(), 100, 0.5)
+    launch(kernel, (1,), _desc(**other), 100, 0.5)
+    assert _kinds(kernel) == ["plain", "plain"]
