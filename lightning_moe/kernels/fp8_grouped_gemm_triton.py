@@ -35,7 +35,7 @@ from lightning_moe.kernels.launch import launch
 
 @triton.jit
 def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr,
-                          E, N_OUT, stride_out,
+                          E, R, N_OUT, stride_out,
                           K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                           NUM_STAGES: tl.constexpr):
@@ -43,21 +43,24 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
     row block fastest (the tiles running together share ``b``'s block). One loop over all tiles,
     a tile's group found from the groups' tile counts held in registers, which the compiler
     flattens with the K loop: the next tile's loads are issued during this tile's epilogue
-    (1.04-1.27x a loop over groups with a tile loop inside, fp8_grouped_tune_s19d.json)."""
+    (1.04-1.27x a loop over groups with a tile loop inside, fp8_grouped_tune_s19d.json).
+
+    Group ends are clamped to ``R`` and a group ending before it starts has no rows: offsets that
+    a caller got wrong cannot make the kernel write outside ``out``."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     groups = tl.arange(0, BLOCK_E)
-    ends = tl.load(ends_ptr + groups, mask=groups < E, other=0)
-    starts = tl.load(ends_ptr + groups - 1, mask=(groups > 0) & (groups < E), other=0)
-    tiles = tl.cdiv(tl.where(groups < E, ends - starts, 0), BLOCK_M) * n_tiles
+    ends = tl.minimum(tl.load(ends_ptr + groups, mask=groups < E, other=0), R)
+    starts = tl.minimum(tl.load(ends_ptr + groups - 1, mask=(groups > 0) & (groups < E), other=0), R)
+    tiles = tl.cdiv(tl.where(groups < E, tl.maximum(ends - starts, 0), 0), BLOCK_M) * n_tiles
     tile_ends = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
     for t in tl.range(pid, total, NUM_PROGRAMS, flatten=True):
         g = tl.sum((tile_ends <= t).to(tl.int32), 0)
         tile_base = tl.sum(tl.where(groups < g, tiles, 0), 0)
-        start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
-        end = tl.load(ends_ptr + g)
+        start = tl.minimum(tl.load(ends_ptr + g - 1, mask=g > 0, other=0), R)
+        end = tl.minimum(tl.load(ends_ptr + g), R)  # > start: this group has tiles
         m_tiles = tl.cdiv(end - start, BLOCK_M)
         local = t - tile_base
         row0 = start + (local % m_tiles) * BLOCK_M
@@ -78,7 +81,7 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
-MAX_EXPERTS = 4096  # the kernel holds every group's tile count in registers
+MAX_EXPERTS = 1024  # the kernel holds every group's tile count in registers (measured up to 1,000)
 
 
 def tma_operands(*tensors: Tensor) -> bool:
@@ -99,15 +102,19 @@ def _multiprocessors(device_index: int) -> int:
 
 def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO: Tensor, ends_E: Tensor,
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
-                     num_stages: Optional[int] = None, programs: Optional[int] = None) -> Tensor:
+                     num_stages: Optional[int] = None, programs: Optional[int] = None,
+                     out: Optional[Tensor] = None) -> Tensor:
     """bf16 ``[R, O]``: ``(a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``; rows past
-    the last group end are left unwritten (uninitialized)."""
+    the last group end are left unwritten (uninitialized unless ``out``, a bf16 ``[R, O]`` view
+    with unit column stride, is given)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows, k = a_RK.shape
     experts, o, k_b = b_EOK.shape
     assert k == k_b and a_RK.dtype == b_EOK.dtype == torch.float8_e4m3fn
-    out = torch.empty(rows, o, dtype=torch.bfloat16, device=a_RK.device)
+    if out is None:
+        out = torch.empty(rows, o, dtype=torch.bfloat16, device=a_RK.device)
+    assert out.shape == (rows, o) and out.dtype == torch.bfloat16 and out.stride(1) == 1
     if rows == 0:
         return out
     a_desc = TensorDescriptor(a_RK, [rows, k], [a_RK.stride(0), 1], [block_m, block_k])
@@ -118,7 +125,7 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
         # Deeper pipelines paid off at short contractions only (fp8_grouped_tune_s19d.json).
         num_stages = 4 if k < 2048 else 3
     launch(_grouped_fprop_kernel, (programs,),
-           a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, o, out.stride(0),
+           a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, rows, o, out.stride(0),
            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(experts),
            NUM_PROGRAMS=programs, NUM_STAGES=num_stages, num_warps=num_warps)
     return out

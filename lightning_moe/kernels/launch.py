@@ -118,13 +118,14 @@ def _arg_key(value: Any, exact: bool) -> Any:
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     kind = type(value)
-    if kind.__name__ == "TensorDescriptor" and kind.__module__.startswith("triton"):
-        # A host-side TMA descriptor: the launcher builds the hardware descriptor from it at every
-        # launch; the kernel is specialized on its base's dtype and its box, keyed here with its
-        # base's alignment and every size and stride as an integer argument besides.
+    if kind.__name__ == "TensorDescriptor" and kind.__module__ == "triton.tools.tensor_descriptor":
+        # A host-side TMA descriptor (not Gluon's, which also specializes on a layout): the
+        # launcher builds the hardware descriptor from it at every launch; the kernel is
+        # specialized on its base's dtype and its box. Keyed more strictly: also the base's
+        # alignment, every size and stride as an integer argument, the padding and rounding.
         return (kind, value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.block_shape),
                 tuple(_int_class(int(v)) for v in (*value.shape, *value.strides)),
-                value.padding, getattr(value, "round_f32_to_tf32", False))
+                getattr(value, "padding", "zero"), getattr(value, "round_f32_to_tf32", False))
     if kind is int:
         return (int, value) if exact else _int_class(value)
     if kind is float:

@@ -220,7 +220,8 @@ def fp8_grouped_mm(
         prefetched: ``w``'s FP8 layouts started early (``scaled_mm.prefetch_weight_layouts``;
             the "torch" backend makes them, the others never get any).
     Returns:
-        ``[R, N]``.
+        ``[R, N]``; on the "torch" backend rows past the last group end are unspecified unless
+        the products run per expert (as with ``torch._scaled_grouped_mm``).
     """
     recipe = FP8Recipe.of(recipe)
     if _backend(recipe, backend, x_RK, grouped=True) == "torch":

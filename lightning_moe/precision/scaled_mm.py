@@ -483,9 +483,9 @@ def _per_group_rows(scale_inv: Tensor, rows: Axis, groups: int) -> Tensor:
 PER_EXPERT_MAX_EXPERTS = 32
 
 # Our Triton grouped GEMM (``kernels.fp8_grouped_gemm_triton``) for the forward and data-gradient
-# products with fast accumulation on Hopper: faster than both torch paths at every benchmark shape
-# (fp8_grouped_tune_s19b.json: qwen3 1.08-1.39x torch's grouped kernel, mixtral / deepseek
-# 0.98-1.21x the per-expert products) and without their host sync. Off with
+# products with fast accumulation on Hopper, without the per-expert products' host sync:
+# fp8_grouped_tune_s19d.json, qwen3 1.18-1.51x torch's grouped kernel; mixtral fc2 and deepseek
+# fc2 1.10x / 1.23x the per-expert products; mixtral fc1 0.98x them (s19b, an earlier variant). Off with
 # ``LIGHTNING_MOE_TRITON_GROUPED_GEMM=0`` (read at each call) or by setting this False.
 TRITON_GROUPED_GEMM = True
 
@@ -514,11 +514,12 @@ def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
     return _once_per_version(offsets_E, "_host_ends", offsets_E.tolist)
 
 
-def _host_ends_for(recipe: FP8Recipe, t: Tensor, offsets_E: Tensor, experts: int) -> Optional[list[int]]:
-    """`_host_group_ends` when one of the layer's grouped products will run per expert, None
-    when the Triton kernel takes the forward and data-gradient products (the weight gradient
-    then takes torch's grouped kernel: no host sync at all)."""
-    if _triton_grouped(t, recipe.fast("fprop")) and _triton_grouped(t, recipe.fast("dgrad")):
+def _host_ends_for(recipe: FP8Recipe, t: Tensor, offsets_E: Tensor, experts: int,
+                   needs_backward: bool) -> Optional[list[int]]:
+    """`_host_group_ends` when one of the call's grouped products will run per expert, None
+    when the Triton kernel takes the forward and, in training, the data-gradient product (the
+    weight gradient then takes torch's grouped kernel: no host sync at all)."""
+    if _triton_grouped(t, recipe.fast("fprop")) and (not needs_backward or _triton_grouped(t, recipe.fast("dgrad"))):
         return None
     return _host_group_ends(offsets_E, experts)
 
@@ -721,7 +722,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
                 sx_R = _per_row(sx, rx)
                 qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop", weight_fprop)
-            ends = _host_ends_for(recipe, qx, offsets, experts)
+            ends = _host_ends_for(recipe, qx, offsets, experts, needs_backward)
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward). Under

@@ -28,6 +28,8 @@ def _operands(ends, k, o, seed=0):
     ([16], 128, 256),                        # one group smaller than a tile
     ([1040 * (e + 1) for e in range(9)], 768, 2048),
     ([96 * (e + 1) - (16 if e % 3 else 0) for e in range(40)], 2048, 768),
+    ([64, 144, 144, 320], 192, 256),         # K not a multiple of the 128-deep block (zero-filled)
+    ([16 * (e + 1) + 16 * (e // 7) for e in range(1000)], 128, 256),  # 1,000 experts (MAX_EXPERTS 1,024)
 ])
 def test_forward_product_has_torchs_bits(ends, k, o):
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
@@ -45,6 +47,23 @@ def test_forward_product_has_torchs_bits(ends, k, o):
             exact = (a[start:end].float() @ b[e].float().t()) * sa[start:end, None] * sb[e][None]
             assert float((out[start:end].float() - exact).norm() / exact.norm()) < 4e-3
         start = end
+
+
+def test_offsets_past_the_rows_never_write_outside_the_output():
+    """Group ends beyond ``R`` (a caller's bug) are clamped: the rows that exist are computed, and
+    the rows of a larger buffer after the output stay untouched."""
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
+
+    a, sa, b, sb, _ = _operands([256, 512], 256, 256)
+    a, sa = a[:400], sa[:400]
+    ends = torch.tensor([256, 512], device="cuda", dtype=torch.int32)  # ends at 512 > R = 400
+    buffer = torch.full((528, 256), 7.0, device="cuda", dtype=torch.bfloat16)
+    out = grouped_mm_fprop(a, sa, b, sb, ends, out=buffer[:400])
+    clamped = torch.tensor([256, 400], device="cuda", dtype=torch.int32)
+    ref = torch._scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs=clamped, out_dtype=torch.bfloat16,
+                                   use_fast_accum=True)
+    assert out.data_ptr() == buffer.data_ptr() and torch.equal(out, ref)
+    assert (buffer[400:] == 7.0).all()
 
 
 def test_launch_configurations_agree():

@@ -234,6 +234,11 @@ def test_the_triton_grouped_gemm_takes_the_fast_products(monkeypatch, fast, trit
     got = _step(recipe, offsets)
     assert len(triton_log) == triton_calls and len(grouped_log) == grouped_calls
     assert len(host_log) == host_lists
+    with torch.no_grad():  # evaluation: the forward alone, on the Triton kernel; no host list either
+        host_log.clear()
+        scaled_mm.scaled_grouped_mm(torch.randn(80, 64, dtype=torch.bfloat16), _weight(), offsets.clone(), recipe,
+                                    None)
+        assert len(host_log) == 0 and len(triton_log) == triton_calls + 1
     monkeypatch.setattr(scaled_mm, "_triton_grouped", lambda t, fast_accumulation: False)
     monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 0)
     reference = _step(recipe, offsets)

@@ -257,7 +257,9 @@ def test_tma_descriptors_over_other_tensors_of_the_same_kind_reuse_it():
     dict(rows=257),  # a size of another integer class
     dict(padding="nan"),
 ])
-def test_anything_a_tma_descriptor_may_specialize_on_takes_the_plain_path(other):
+def test_tma_descriptors_are_keyed_by_more_than_triton_specializes_on(other):
+    """Triton specializes on the base's dtype and the box; the key adds the base's alignment, the
+    integer class of every size and stride, and the padding: a new key takes the plain path."""
     kernel = _Kernel()
     launch(kernel, (1,), _desc(), 100, 0.5)
     launch(kernel, (1,), _desc(**other), 100, 0.5)
