@@ -45,6 +45,7 @@ first projection run; each GEMM waits only for its own weight's copies.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -493,12 +494,23 @@ TRITON_GROUPED_GEMM = True
 def _triton_grouped(t: Tensor, fast: bool) -> bool:
     """Whether a grouped product on ``t``'s device takes the Triton kernel: fast accumulation (the
     kernel's only mode), a Hopper GPU (sm90: the FP8 tensor-core path it was built and measured
-    on), Triton present and not switched off."""
+    on), a Triton with host-side TMA descriptors, and not switched off."""
     from lightning_moe.kernels import use_triton
 
     return (fast and TRITON_GROUPED_GEMM and use_triton(t)
             and os.environ.get("LIGHTNING_MOE_TRITON_GROUPED_GEMM", "1") != "0"
-            and torch.cuda.get_device_capability(t.device) == (9, 0))
+            and torch.cuda.get_device_capability(t.device) == (9, 0) and _triton_has_tma_descriptors())
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_has_tma_descriptors() -> bool:
+    """Whether this Triton has host-side TMA descriptors (``triton.tools.tensor_descriptor``; the
+    kernel was built and measured on 3.6). Older ones keep torch's kernels."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
