@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import cuda_time_pipelined_ms, relative_error, write_results  # noqa: E402
+from lightning_moe.nn.permutation import round_up  # noqa: E402
 
 # (experts, total rows, K, O): rows are the routed assignments of the block's benchmark batch
 # (B * S * top-k), split unevenly over the experts as a router would.
@@ -54,8 +55,7 @@ def _groups(experts: int, rows: int, align: int = 16, seed: int = 0) -> torch.Te
     g = torch.Generator().manual_seed(seed)
     weights = 0.5 + torch.rand(experts, generator=g)
     sizes = (weights / weights.sum() * rows).floor().long()
-    sizes = (sizes + align - 1) // align * align
-    return sizes.cumsum(0).to(torch.int32)
+    return round_up(sizes, align).cumsum(0).to(torch.int32)
 
 
 def main() -> None:
@@ -66,6 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
+    from lightning_moe.precision.scaled_mm import _torch_group_gemm
 
     results = {}
     for name in args.cases:
@@ -81,15 +82,10 @@ def main() -> None:
         host_ends = ends.tolist()
 
         def torch_mm() -> torch.Tensor:
-            return torch._scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs=ends, out_dtype=torch.bfloat16,
-                                            use_fast_accum=True)
+            return _torch_group_gemm(a, sa, b, sb, ends, None, fast=True)
 
-        def per_expert_mm() -> None:  # what the native backend runs for <= 32 experts
-            start = 0
-            for e, end in enumerate(host_ends):
-                torch._scaled_mm(a[start:end], b[e].t(), scale_a=sa[start:end, None], scale_b=sb[e][None],
-                                 out_dtype=torch.bfloat16, use_fast_accum=True)
-                start = end
+        def per_expert_mm() -> torch.Tensor:  # what the native backend runs for <= 32 experts without ours
+            return _torch_group_gemm(a, sa, b, sb, ends, host_ends, fast=True)
 
         ref = torch_mm()
         ms = cuda_time_pipelined_ms(torch_mm, iters=args.iters)

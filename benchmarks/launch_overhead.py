@@ -120,6 +120,7 @@ def _wrap_phases(timer: _PhaseTimer, layer) -> None:
     import triton.runtime.jit as triton_jit
 
     import lightning_moe.kernels.fp8_delayed_triton as delayed
+    import lightning_moe.kernels.launch as launch_module
     import lightning_moe.nn.dispatcher as dispatcher_module
 
     timer.wrap(layer.experts, "prefetch", "experts.prefetch")
@@ -128,18 +129,20 @@ def _wrap_phases(timer: _PhaseTimer, layer) -> None:
     timer.wrap(dispatcher_module, "plan_for", "dispatch.plan")
     timer.wrap(layer.experts, "forward", "experts.forward")
     timer.wrap(layer.dispatcher, "combine", "combine")
-    if layer.experts.quantization is not None:
-        timer.wrap(layer.experts.quantization, "grouped_mm", "fp8.grouped_mm")
-        timer.wrap(layer.experts.quantization, "grouped_mm_swiglu", "fp8.grouped_mm_swiglu")
     timer.wrap(delayed, "delayed_cast", "fp8.delayed_cast")
     timer.wrap(torch, "_scaled_grouped_mm", "torch._scaled_grouped_mm")
     timer.wrap(torch, "_grouped_mm", "torch._grouped_mm")
+    # Triton's binding path (first launches of a key, and kernels launched without kernels.launch),
+    # and the direct launches of kernels kept by kernels.launch, which skip JITFunction.run.
     timer.wrap(triton_jit.JITFunction, "run", "triton launch")
+    timer.wrap(launch_module._CompiledLaunch, "__call__", "triton launch, kept kernel")
     if layer.experts.quantization is not None:
         import lightning_moe.precision.modules as fp8_modules_module
         import lightning_moe.precision.scaled_mm as scaled_mm
 
         quantization = layer.experts.quantization
+        timer.wrap(quantization, "grouped_mm", "fp8.grouped_mm")
+        timer.wrap(quantization, "grouped_mm_swiglu", "fp8.grouped_mm_swiglu")
         timer.wrap(fp8_modules_module, "resolve_backend", "prefetch: resolve_backend")
         timer.wrap(scaled_mm, "can_prefetch_weight_layouts", "prefetch: can_prefetch")
         timer.wrap(scaled_mm, "prefetch_weight_layouts", "prefetch: prefetch_weight_layouts")

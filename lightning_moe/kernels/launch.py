@@ -185,14 +185,14 @@ class _CompiledLaunch:
         return cls(compiled, tail)
 
     def __call__(self, grid: tuple, args: tuple, kwargs: dict, stream: int) -> None:
-        values = list(args)
-        for name, default in self.tail:
-            values.append(kwargs[name] if name in kwargs else default)
         grid_0 = grid[0]
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
         if grid_0 * grid_1 * grid_2 == 0:  # nothing to run (a call that only compiles and loads)
             return
+        values = list(args)
+        for name, default in self.tail:
+            values.append(kwargs[name] if name in kwargs else default)
         compiled = self.compiled
         enter, exit_ = _launch_hooks()
         metadata = compiled.launch_metadata(grid, stream, *values)

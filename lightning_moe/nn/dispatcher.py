@@ -74,6 +74,21 @@ def input_side_probs(x_RD: Tensor, probs_TK: Tensor, plan: PermutationPlan) -> T
     return x_RD * row_probs(probs_TK, plan).to(x_RD.dtype).unsqueeze(1)
 
 
+def expert_input(x_TD: Tensor, probs_TK: Tensor, plan: PermutationPlan, cfg: MoEConfig,
+                 defer: bool = False) -> tuple[Tensor | DeferredPermutation, Tensor]:
+    """The experts' input and the probabilities the combine applies: the permuted rows ``[R, D]``
+    with ``probs``; under ``apply_probs_on_input`` the rows scaled by their probabilities and ones
+    for the combine (dropped rows read the zero row). ``defer`` (ignored under
+    ``apply_probs_on_input``, which scales the rows here): the tokens and the plan as a
+    `DeferredPermutation` instead of the permuted rows."""
+    if defer and not cfg.apply_probs_on_input:
+        return DeferredPermutation(x_TD, plan), probs_TK
+    x_RD = permute(x_TD, plan)
+    if cfg.apply_probs_on_input:
+        return input_side_probs(x_RD, probs_TK, plan), torch.ones_like(probs_TK)
+    return x_RD, probs_TK
+
+
 class LocalDispatcher:
     """Single-rank dispatch: sort assignments by expert (sync-free), run, and combine."""
 
@@ -88,13 +103,7 @@ class LocalDispatcher:
         """``defer_permute``: return the tokens and the plan as a `DeferredPermutation` instead of
         the permuted rows (not under ``apply_probs_on_input``, which scales the rows here)."""
         plan = plan_for(routing, self.cfg)
-        if defer_permute and not self.cfg.apply_probs_on_input:
-            return DeferredPermutation(x_TD, plan), plan.group_sizes_E, LocalDispatchState(plan, routing.probs_TK)
-        x_RD = permute(x_TD, plan)
-        combine_probs_TK = routing.probs_TK
-        if self.cfg.apply_probs_on_input:
-            x_RD = input_side_probs(x_RD, routing.probs_TK, plan)
-            combine_probs_TK = torch.ones_like(routing.probs_TK)  # dropped rows read the zero row
+        x_RD, combine_probs_TK = expert_input(x_TD, routing.probs_TK, plan, self.cfg, defer_permute)
         return x_RD, plan.group_sizes_E, LocalDispatchState(plan, combine_probs_TK)
 
     def combine(self, expert_output_RD: Tensor, state: LocalDispatchState) -> Tensor:

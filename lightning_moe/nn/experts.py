@@ -51,11 +51,6 @@ class GroupedGemm(Protocol):
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str) -> Tensor: ...
 
 
-def _check_group_count(group_sizes_E: Tensor, fc1_EKN: Tensor) -> None:
-    if group_sizes_E.shape[0] != fc1_EKN.shape[0]:
-        raise ValueError(f"got {group_sizes_E.shape[0]} token groups for {fc1_EKN.shape[0]} local experts")
-
-
 def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a DTensor parameter (experts sharded over EP), or ``t`` itself."""
     to_local = getattr(t, "to_local", None)
@@ -191,32 +186,35 @@ class GroupedExperts(nn.Module):
         permuted = x_RD if isinstance(x_RD, DeferredPermutation) else None
         if permuted is not None and (tail_unwritten or not self.takes_deferred_permutation(permuted.tokens_TD)):
             x_RD, permuted = permuted.materialize(), None
-        if permuted is not None:
-            return self._forward_permuted(permuted, group_sizes_E)
-        if tail_unwritten and not self.reads_only_grouped_rows(x_RD.dtype):
-            raise ValueError(
-                "tail_unwritten=True needs experts that read only the grouped rows (backend 'grouped_mm', no FP8 "
-                f"quantization, not float64); these run backend {self.backend!r}"
-                f"{' with quantization' if self.quantization is not None else ''} on {x_RD.dtype}. Leave it False."
-            )
+        if permuted is None:
+            if tail_unwritten and not self.reads_only_grouped_rows(x_RD.dtype):
+                raise ValueError(
+                    "tail_unwritten=True needs experts that read only the grouped rows (backend 'grouped_mm', no "
+                    f"FP8 quantization, not float64); these run backend {self.backend!r}"
+                    f"{' with quantization' if self.quantization is not None else ''} on {x_RD.dtype}. Leave it False."
+                )
+            device_type = x_RD.device.type
+            if torch.is_autocast_enabled(device_type):
+                # torch._grouped_mm is not on autocast's cast list: cast the operands ourselves, or an
+                # fp32 residual stream would run the experts as fp32 GEMMs.
+                x_RD = x_RD.to(torch.get_autocast_dtype(device_type))
         fc1 = fc1_matrix(local_tensor(self.fc1_weight))
         fc2 = local_tensor(self.fc2_weight)
-        device_type = x_RD.device.type
-        if torch.is_autocast_enabled(device_type):
-            # torch._grouped_mm is not on autocast's cast list: cast the operands ourselves, or an
-            # fp32 residual stream would run the experts as fp32 GEMMs.
-            x_RD = x_RD.to(torch.get_autocast_dtype(device_type))
-        _check_group_count(group_sizes_E, fc1)
+        if group_sizes_E.shape[0] != fc1.shape[0]:
+            raise ValueError(f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts")
         offsets_E = None
         if self.quantization is not None:
             from lightning_moe.nn.grouped_gemm import group_offsets
 
             # One offsets tensor for both projections: a quantized GEMM that needs the group
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
-            offsets_E = group_offsets(group_sizes_E, x_RD.shape[0])
-        if self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
+            offsets_E = group_offsets(group_sizes_E, x_RD.shape[0] if permuted is None else permuted.num_rows)
+        if permuted is not None:
+            h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
+        elif self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
             return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
-        h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
+        else:
+            h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
         return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E)
 
     def _second_projection(self, h_RF: Tensor, fc2: Tensor, group_sizes_E: Tensor,
@@ -230,14 +228,9 @@ class GroupedExperts(nn.Module):
                 return y_RD
         return self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E)
 
-    def _forward_permuted(self, permuted: DeferredPermutation, group_sizes_E: Tensor) -> Tensor:
-        """`forward` of tokens not yet permuted, the first projection reading the permutation
-        inside its quantized input cast (only where `takes_deferred_permutation`)."""
-        from lightning_moe.nn.grouped_gemm import group_offsets
-
-        fc1 = fc1_matrix(local_tensor(self.fc1_weight))
-        _check_group_count(group_sizes_E, fc1)
-        offsets_E = group_offsets(group_sizes_E, permuted.num_rows)
+    def _gathered_first_projection(self, permuted: DeferredPermutation, fc1: Tensor, offsets_E: Tensor) -> Tensor:
+        """fc1 of tokens not yet permuted, reading the permutation inside its quantized input cast
+        (only where `takes_deferred_permutation`)."""
         gathered = getattr(self.quantization, "grouped_mm_gathered", None)
         h_RF = None if gathered is None else gathered(permuted.tokens_TD, permuted.plan, fc1, offsets_E, "fc1")
         if h_RF is None:  # the two predicates drifted apart: a bug, not a configuration to fall back from
@@ -245,7 +238,7 @@ class GroupedExperts(nn.Module):
                 f"{type(self.quantization).__name__}.takes_deferred_permutation accepted these tokens but its "
                 "grouped_mm_gathered declined them; the two must agree."
             )
-        return self._second_projection(h_RF, local_tensor(self.fc2_weight), group_sizes_E, offsets_E)
+        return h_RF
 
     @staticmethod
     def _swiglu_covered_rows(x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor,

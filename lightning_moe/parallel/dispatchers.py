@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_moe.nn.aux_losses import tokens_per_expert
 from lightning_moe.nn.config import MoEConfig
-from lightning_moe.nn.dispatcher import input_side_probs
+from lightning_moe.nn.dispatcher import expert_input
 from lightning_moe.nn.permutation import (
     DeferredPermutation,
     PermutationPlan,
@@ -355,11 +355,7 @@ class AllToAllDispatcher:
             local_NK.clamp(min=0), el, keep_TK=mine_NK, alignment=cfg.expert_alignment,
             num_rows=splits.num_expert_rows,
         )
-        expert_input_RD = permute(recv_x_ND, expert_plan)
-        combine_probs_NK = probs_NK
-        if cfg.apply_probs_on_input:
-            expert_input_RD = input_side_probs(expert_input_RD, probs_NK, expert_plan)
-            combine_probs_NK = torch.ones_like(probs_NK)
+        expert_input_RD, combine_probs_NK = expert_input(recv_x_ND, probs_NK, expert_plan, cfg)
         state = TokenAllToAllState(
             send_plan, expert_plan, combine_probs_NK, input_splits, output_splits, num_received, peer_stride
         )
@@ -425,11 +421,7 @@ class AllToAllDispatcher:
             capacity=routing.capacity,
             pad_to_capacity=True,
         )
-        x_RD = permute(x_TD, plan)
-        combine_probs_TK = routing.probs_TK
-        if cfg.apply_probs_on_input:
-            x_RD = input_side_probs(x_RD, routing.probs_TK, plan)
-            combine_probs_TK = torch.ones_like(routing.probs_TK)
+        x_RD, combine_probs_TK = expert_input(x_TD, routing.probs_TK, plan, cfg)
 
         # Each (source, expert) block is the capacity rounded up to the alignment, as in the plan.
         counts_PSE, input_splits, rows_PS = self._static_counts(
@@ -574,10 +566,9 @@ class AllGatherDispatcher:
         which index -1 (a dropped assignment) reads, is the sentinel too. Built once per device."""
         table = self._tables.get(device)
         if table is None:
-            ids = torch.arange(self.cfg.num_experts + 1, device=device)
-            local = ids - self.first_local_expert
-            mine = (local >= 0) & (local < self.num_local_experts) & (ids < self.cfg.num_experts)
-            table = torch.where(mine, local, self.num_local_experts).to(torch.int32)
+            first, count = self.first_local_expert, self.num_local_experts
+            table = torch.full((self.cfg.num_experts + 1,), count, dtype=torch.int32, device=device)
+            table[first:first + count] = torch.arange(count, dtype=torch.int32, device=device)
             self._tables[device] = table
         return table
 
@@ -634,13 +625,8 @@ class AllGatherDispatcher:
         )
         if tail_unwritten and not cfg.apply_probs_on_input:  # input-side probabilities multiply every row
             plan.rows_end = plan.group_sizes_E.sum()
-        if defer_permute and not cfg.apply_probs_on_input:
-            return DeferredPermutation(x_all, plan), plan.group_sizes_E, AllGatherDispatchState(plan, probs_all)
-        x_RD = permute(x_all, plan)
-        if cfg.apply_probs_on_input:
-            x_RD = input_side_probs(x_RD, probs_all, plan)
-            probs_all = torch.ones_like(probs_all)
-        return x_RD, plan.group_sizes_E, AllGatherDispatchState(plan, probs_all)
+        x_RD, combine_probs_all = expert_input(x_all, probs_all, plan, cfg, defer_permute)
+        return x_RD, plan.group_sizes_E, AllGatherDispatchState(plan, combine_probs_all)
 
     def combine(self, expert_output_RD: Tensor, state: AllGatherDispatchState) -> Tensor:
         y_all = unpermute(expert_output_RD, state.combine_probs_TK, state.plan)

@@ -236,6 +236,16 @@ def _native_delayed(recipe: FP8Recipe, backend: str, state: Optional[DelayedStat
     return recipe.name == "delayed" and state is not None and _backend(recipe, backend, x, grouped=True) == "torch"
 
 
+def gathered_cast_runs(recipe: FP8Recipe, backend: str, *operands: Tensor) -> bool:
+    """Whether `fp8_grouped_mm_gathered` (given a delayed-scaling state) runs on ``operands``
+    (the tokens first, then any weights): the native delayed-scaling casts (recipe "delayed",
+    Triton on CUDA, no DTensors) on the "torch" grouped backend. The one test for both the GEMM
+    and the experts that decide whether to hand it the tokens unpermuted."""
+    from lightning_moe.precision.scaled_mm import native_delayed_casts
+
+    return native_delayed_casts(recipe, *operands) and _backend(recipe, backend, operands[0], grouped=True) == "torch"
+
+
 def fp8_grouped_mm_gathered(
     tokens_TK: Tensor,
     plan: Any,
@@ -260,12 +270,10 @@ def fp8_grouped_mm_gathered(
             `fp8_grouped_mm`.
     """
     recipe = FP8Recipe.of(recipe)
-    if not _native_delayed(recipe, backend, state, tokens_TK):
+    if state is None or not gathered_cast_runs(recipe, backend, tokens_TK, w_EKN):
         return None
-    from lightning_moe.precision.scaled_mm import native_delayed_casts, scaled_grouped_mm_gathered
+    from lightning_moe.precision.scaled_mm import scaled_grouped_mm_gathered
 
-    if not native_delayed_casts(recipe, tokens_TK, w_EKN):  # state and recipe checked just above
-        return None
     return scaled_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
 
 

@@ -24,7 +24,13 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import DelayedState, delayed_state, ensure_delayed_state, register_delayed_buffers
-from lightning_moe.precision.gemm import fp8_grouped_mm, fp8_grouped_mm_gathered, fp8_grouped_mm_swiglu, fp8_linear
+from lightning_moe.precision.gemm import (
+    fp8_grouped_mm,
+    fp8_grouped_mm_gathered,
+    fp8_grouped_mm_swiglu,
+    fp8_linear,
+    gathered_cast_runs,
+)
 from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
@@ -178,11 +184,8 @@ class FP8GroupedGemm(nn.Module):
 
     def takes_deferred_permutation(self, tokens_TK: Tensor) -> bool:
         """Whether `grouped_mm_gathered` runs on ``tokens_TK`` (the native delayed-scaling casts:
-        recipe "delayed" on the "torch" backend with Triton on CUDA)."""
-        from lightning_moe.precision.scaled_mm import native_delayed_casts
-
-        return (native_delayed_casts(self.recipe, tokens_TK)
-                and resolve_backend(self.recipe, self.backend, device=tokens_TK.device.type, grouped=True) == "torch")
+        recipe "delayed" on the "torch" backend with Triton on CUDA; `gathered_cast_runs`)."""
+        return gathered_cast_runs(self.recipe, self.backend, tokens_TK)
 
     def grouped_mm_gathered(self, tokens_TK: Tensor, plan: "PermutationPlan", w_EKN: Tensor, offsets_E: Tensor,
                             projection: str = "") -> Optional[Tensor]:

@@ -499,13 +499,16 @@ def _triton_grouped(t: Tensor, fast: bool) -> bool:
 
     return (fast and TRITON_GROUPED_GEMM and use_triton(t)
             and os.environ.get("LIGHTNING_MOE_TRITON_GROUPED_GEMM", "1") != "0"
-            and torch.cuda.get_device_capability(t.device) == (9, 0) and _triton_has_tma_descriptors())
+            and _triton_grouped_device(t.device.index))  # a CUDA tensor's device always has an index
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_has_tma_descriptors() -> bool:
-    """Whether this Triton has host-side TMA descriptors (``triton.tools.tensor_descriptor``; the
-    kernel was built and measured on 3.6). Older ones keep torch's kernels."""
+def _triton_grouped_device(index: int) -> bool:
+    """Whether CUDA device ``index`` can run the Triton grouped GEMM (checked once per device): sm90,
+    and a Triton with host-side TMA descriptors (``triton.tools.tensor_descriptor``; the kernel
+    was built and measured on 3.6; older ones keep torch's kernels)."""
+    if torch.cuda.get_device_capability(index) != (9, 0):
+        return False
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
@@ -526,26 +529,25 @@ def _host_group_ends(offsets_E: Tensor, experts: int) -> Optional[list[int]]:
     return _once_per_version(offsets_E, "_host_ends", offsets_E.tolist)
 
 
-def _host_ends_for(recipe: FP8Recipe, t: Tensor, offsets_E: Tensor, experts: int,
-                   needs_backward: bool) -> Optional[list[int]]:
-    """`_host_group_ends` when one of the call's grouped products will run per expert, None
-    when the Triton kernel takes the forward and, in training, the data-gradient product (the
-    weight gradient then takes torch's grouped kernel: no host sync at all)."""
-    if _triton_grouped(t, recipe.fast("fprop")) and (not needs_backward or _triton_grouped(t, recipe.fast("dgrad"))):
-        return None
-    return _host_group_ends(offsets_E, experts)
-
-
 def _group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offsets_E: Tensor,
-                ends: Optional[list[int]], fast: bool) -> Tensor:
+                ends: Optional[list[int]], fast: bool, triton: bool) -> Tensor:
     """``out[rows of e] = a[rows of e] @ b[e]^T`` (fprop / dgrad): ``a`` row-major ``[R, K]`` with
     per-row scales ``[R]``, ``b`` stored ``[E, O, K]`` with per-output scales ``[E, O]``.
-    Returns bf16 ``[R, O]``; rows past the last group are zero (per-expert) or unspecified."""
-    if _triton_grouped(qa_RK, fast):
+    ``triton``: `_triton_grouped` holds for this product (the kernel still declines operands a
+    TMA descriptor cannot take). Returns bf16 ``[R, O]``; rows past the last group are zero
+    (per-expert) or unspecified."""
+    if triton:
         from lightning_moe.kernels.fp8_grouped_gemm_triton import MAX_EXPERTS, grouped_mm_fprop, tma_operands
 
         if qb_EOK.shape[0] <= MAX_EXPERTS and tma_operands(qa_RK, qb_EOK):
             return grouped_mm_fprop(qa_RK, sa_R.contiguous(), qb_EOK, sb_EO.contiguous(), offsets_E)
+    return _torch_group_gemm(qa_RK, sa_R, qb_EOK, sb_EO, offsets_E, ends, fast)
+
+
+def _torch_group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offsets_E: Tensor,
+                      ends: Optional[list[int]], fast: bool) -> Tensor:
+    """`_group_gemm` on torch's kernels: one ``_scaled_mm`` per expert given the host list of group
+    ends (rows past the last group zeroed), else ``_scaled_grouped_mm``."""
     if ends is None:
         return torch._scaled_grouped_mm(qa_RK, qb_EOK.transpose(1, 2), sa_R, sb_EO, offs=offsets_E,
                                         out_dtype=torch.bfloat16, use_fast_accum=fast)
@@ -734,8 +736,14 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
                 sx_R = _per_row(sx, rx)
                 qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop", weight_fprop)
-            ends = _host_ends_for(recipe, qx, offsets, experts, needs_backward)
-            y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"))
+            triton_fprop = _triton_grouped(qx, recipe.fast("fprop"))
+            triton_dgrad = needs_backward and _triton_grouped(qx, recipe.fast("dgrad"))
+            # The host list of group ends only where a product will run per expert: none when the
+            # Triton kernel takes the forward and, in training, the data gradient (the weight
+            # gradient then takes torch's grouped kernel, with no host sync at all).
+            per_expert_products = not (triton_fprop and (triton_dgrad or not needs_backward))
+            ends = _host_group_ends(offsets, experts) if per_expert_products else None
+            y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"), triton=triton_fprop)
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward). Under
             # input_swiglu h is kept for the SwiGLU's backward (the unfused SwiGLU keeps it too).
@@ -743,7 +751,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             ctx.weight_dgrad = weight_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
-        ctx.input_swiglu, ctx.gather = input_swiglu, gather
+        ctx.input_swiglu, ctx.gather, ctx.triton_dgrad = input_swiglu, gather, triton_dgrad
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         ctx.fused, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = fused, x.dtype, w.dtype, w.shape
         return y.to(out_dtype)
@@ -786,21 +794,20 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 sdy_R = _per_row(sdy, rdy)
                 sx_t, sdy_t = _per_group_rows(sx_t, rx_t, experts), _per_group_rows(sdy_t, rdy_t, experts)
             dx = _group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ends,
-                             fast=recipe.fast("dgrad"))
+                             fast=recipe.fast("dgrad"), triton=ctx.triton_dgrad)
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
                                         fast=recipe.fast("wgrad"))
+            dx = dx.to(ctx.x_dtype)
             if ctx.input_swiglu:
                 from lightning_moe.kernels.swiglu_triton import swiglu_backward
 
                 # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
-                return (swiglu_backward(saved[6], dx.to(ctx.x_dtype)), dw.to(ctx.w_dtype),
-                        None, None, None, None, None, None, None, None, None)
-        dx = dx.to(ctx.x_dtype)
+                dx = swiglu_backward(saved[6], dx)
         if ctx.gather is not None:
             from lightning_moe.nn.permutation import permute_backward
 
             dx = permute_backward(dx, ctx.gather)  # the gradient of the permutation the cast read
-        return dx, dw.to(ctx.w_dtype), None, None, None, None, None, None, None, None, None
+        return dx, dw.to(ctx.w_dtype), *(None,) * 9
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,

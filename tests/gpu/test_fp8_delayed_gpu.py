@@ -243,14 +243,6 @@ def _train_delayed_layer(experts: int, dtype: torch.dtype) -> list:
     return seen
 
 
-def _counting(monkeypatch, module, name: str) -> list:
-    """Replace ``module.name`` by a wrapper that appends to the returned list on each call."""
-    calls: list = []
-    real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 def _assert_all_equal(a: list, b: list) -> None:
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
@@ -259,12 +251,12 @@ def _assert_all_equal(a: list, b: list) -> None:
 
 @pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_swiglu_fused_into_the_fc2_cast_trains_identically(monkeypatch, experts, dtype):
+def test_swiglu_fused_into_the_fc2_cast_trains_identically(monkeypatch, count_calls, experts, dtype):
     """FP8 delayed experts with the SwiGLU computed inside fc2's input cast train bit for bit as
     with the SwiGLU kernel's output cast separately (`_train_delayed_layer`)."""
     from lightning_moe.precision import scaled_mm
 
-    fused_calls = _counting(monkeypatch, scaled_mm, "scaled_grouped_mm_swiglu")
+    fused_calls = count_calls(scaled_mm, "scaled_grouped_mm_swiglu")
     fused = _train_delayed_layer(experts, dtype)
     assert len(fused_calls) == 3 * 3  # the plain and the checkpointed forward, and its recompute; not evaluation
     with monkeypatch.context() as m:
@@ -305,14 +297,14 @@ def test_gathered_cast_equals_the_cast_of_the_permuted_rows(dtype, transposed):
 
 @pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_permutation_read_inside_the_fc1_cast_trains_identically(monkeypatch, experts, dtype):
+def test_permutation_read_inside_the_fc1_cast_trains_identically(monkeypatch, count_calls, experts, dtype):
     """FP8 delayed experts reading the permutation inside fc1's input cast (the dispatcher hands
     over the tokens and the plan) train bit for bit as with the permuted rows written first
     (`_train_delayed_layer`, token gradients included)."""
     from lightning_moe.nn.experts import GroupedExperts
     from lightning_moe.precision import scaled_mm
 
-    gathered_calls = _counting(monkeypatch, scaled_mm, "scaled_grouped_mm_gathered")
+    gathered_calls = count_calls(scaled_mm, "scaled_grouped_mm_gathered")
     gathered = _train_delayed_layer(experts, dtype)
     assert len(gathered_calls) == 3 * 3 + 1  # plain and checkpointed forwards, the recompute, evaluation
     with monkeypatch.context() as m:

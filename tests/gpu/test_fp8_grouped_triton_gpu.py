@@ -79,15 +79,12 @@ def test_launch_configurations_agree():
 
 
 @pytest.mark.parametrize("recipe_name", ["rowwise", "delayed"])
-def test_grouped_layer_trains_identically_with_the_triton_kernel(monkeypatch, recipe_name):
+def test_grouped_layer_trains_identically_with_the_triton_kernel(monkeypatch, count_calls, recipe_name):
     import lightning_moe.kernels.fp8_grouped_gemm_triton as kernels
     from lightning_moe.precision import FP8Recipe, scaled_mm
     from lightning_moe.precision.gemm import fp8_grouped_mm
 
-    calls = []
-
-    real = kernels.grouped_mm_fprop
-    monkeypatch.setattr(kernels, "grouped_mm_fprop", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_calls(kernels, "grouped_mm_fprop")
     recipe = FP8Recipe(recipe_name, fast_accumulation=("fprop", "dgrad", "wgrad"))
     offsets = torch.tensor([64, 64, 208, 400, 512], device="cuda", dtype=torch.int32)
 
@@ -118,22 +115,19 @@ def test_grouped_layer_trains_identically_with_the_triton_kernel(monkeypatch, re
         assert torch.equal(a, b)
 
 
-def test_few_experts_make_no_host_sync_when_the_triton_kernel_takes_both_products(monkeypatch):
+def test_few_experts_make_no_host_sync_when_the_triton_kernel_takes_both_products(monkeypatch, host_syncs):
     """With fast accumulation in the forward and data-gradient products, a layer of <= 32 experts
     needs no host list of group ends (the weight gradient takes torch's grouped kernel)."""
     from lightning_moe.precision import FP8Recipe, scaled_mm
     from lightning_moe.precision.gemm import fp8_grouped_mm
 
-    syncs = []
-    tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: syncs.append(1) or tolist(t))
     monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)
     offsets = torch.tensor([64, 64, 208, 400], device="cuda", dtype=torch.int32)
     x = torch.randn(400, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(4, 256, 384, device="cuda") / 16).requires_grad_(True)
     for fast, expected in [(("fprop", "dgrad", "wgrad"), 0), (("fprop", "dgrad"), 0), (("fprop",), 1)]:
-        syncs.clear()
+        host_syncs.clear()
         offsets = offsets.clone()  # the host list is kept per offsets tensor
         y = fp8_grouped_mm(x, w, offsets, recipe=FP8Recipe("rowwise", fast_accumulation=fast), backend="torch")
         y.float().square().sum().backward()
-        assert len(syncs) == expected, fast
+        assert len(host_syncs) == expected, fast
