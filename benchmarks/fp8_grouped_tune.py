@@ -22,10 +22,6 @@ from lightning_moe.nn.permutation import round_up  # noqa: E402
 
 # (experts, total rows, K, O): rows are the routed assignments of the block's benchmark batch
 # (B * S * top-k), split unevenly over the experts as a router would.
-#
-# Triton weight-gradient kernels (dw [E, K, O] = x^T dy over each group's rows) lost to torch's
-# grouped kernel and were dropped: fp8_grouped_tune_s19b/c.json (a loop over tiles, this script at
-# 5b5a0ed) and s19f_wgrad.json (flattened, at 1f38f4e): 0.43-0.88x.
 CASES = {
     "qwen3_fc1": (128, 131072, 2048, 1536),
     "qwen3_fc2": (128, 131072, 768, 2048),
@@ -36,6 +32,29 @@ CASES = {
     "deepseek_fc1": (32, 65536, 7168, 4096),
     "deepseek_fc2": (32, 65536, 2048, 7168),
 }
+
+# Weight gradients (experts, total rows, M, N): dw [E, M, N] = a [M, rows of e] @ b [N, rows of e]^T.
+# Earlier Triton kernels that read the 16-aligned layout and zeroed the next group's tokens in
+# registers lost to torch's grouped kernel: fp8_grouped_tune_s19b/c.json (a loop over tiles, this
+# script at 5b5a0ed) and s19f_wgrad.json (flattened, at 1f38f4e): 0.43-0.88x. These cases time
+# `grouped_mm_wgrad` on the aligned group layout (WGRAD_GROUP_ALIGN) against torch's kernel on the
+# 16-aligned layout it reads today.
+WGRAD_CASES = {
+    "qwen3_fc1_wgrad": (128, 131072, 2048, 1536),
+    "qwen3_fc2_wgrad": (128, 131072, 768, 2048),
+    "mixtral_fc1_wgrad": (8, 16384, 4096, 28672),
+    "mixtral_fc2_wgrad": (8, 16384, 14336, 4096),
+    "deepseek_fc1_wgrad": (32, 65536, 7168, 4096),
+    "deepseek_fc2_wgrad": (32, 65536, 2048, 7168),
+}
+
+WGRAD_CONFIGS = [
+    (128, 256, 128, 8, 3),
+    (128, 256, 128, 8, 4),
+    (256, 128, 128, 8, 4),
+    (128, 256, 64, 8, 4),
+    (128, 128, 128, 4, 4),
+]
 
 
 # (block_m, block_n, block_k, num_warps, num_stages). The kernel's variants measured before
@@ -58,9 +77,64 @@ def _groups(experts: int, rows: int, align: int = 16, seed: int = 0) -> torch.Te
     return round_up(sizes, align).cumsum(0).to(torch.int32)
 
 
+def _aligned_copy(t_MR: torch.Tensor, ends: torch.Tensor, aligned_ends: torch.Tensor) -> torch.Tensor:
+    """``t [M, R]`` (groups ending at ``ends``) in the aligned group layout (zeros in the gaps)."""
+    out = torch.zeros(t_MR.shape[0], int(aligned_ends[-1]), dtype=t_MR.dtype, device=t_MR.device)
+    start = aligned = 0
+    for end, aligned_end in zip(ends.tolist(), aligned_ends.tolist()):
+        out[:, aligned:aligned + end - start] = t_MR[:, start:end]
+        start, aligned = end, aligned_end
+    return out
+
+
+def wgrad_case(name: str, iters: int) -> dict:
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN, grouped_mm_wgrad
+    from lightning_moe.precision.scaled_mm import _group_weight_gradient
+
+    experts, rows, m, n = WGRAD_CASES[name]
+    ends = _groups(experts, rows).cuda()
+    total = int(ends[-1])
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    aligned_ends = round_up(sizes, WGRAD_GROUP_ALIGN).cumsum(0).to(torch.int32)
+    torch.manual_seed(0)
+    a = torch.randn(m, round_up(total, 16), device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, round_up(total, 16), device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.rand(experts, m, device="cuda") + 0.5
+    sb = torch.rand(experts, n, device="cuda") + 0.5
+    a_aligned, b_aligned = _aligned_copy(a, ends, aligned_ends), _aligned_copy(b, ends, aligned_ends)
+    flops = 2.0 * total * m * n
+
+    def torch_mm() -> torch.Tensor:
+        return _group_weight_gradient(a, sa, b, sb, ends, None, fast=True)
+
+    ref = torch_mm()
+    ms = cuda_time_pipelined_ms(torch_mm, iters=iters)
+    case = {"shape_E_R_M_N": [experts, total, m, n], "aligned_columns": int(aligned_ends[-1]),
+            "torch_scaled_grouped_mm": {"ms": ms, "tflops": flops / ms / 1e9}}
+    print(f"{name}: torch {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+    for bm, bn, bk, warps, stages in WGRAD_CONFIGS:
+        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
+
+        def ours() -> torch.Tensor:
+            return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
+                                    block_k=bk, num_warps=warps, num_stages=stages)
+
+        try:
+            out = ours()
+            err = relative_error(out.float(), ref.float())
+            ms = cuda_time_pipelined_ms(ours, iters=iters)
+        except Exception as exc:  # a configuration the compiler or the GPU refuses
+            case[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            print(f"  {key}: {case[key]['error']}", flush=True)
+            continue
+        case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err}
+        print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e}", flush=True)
+    return case
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--cases", nargs="*", default=list(CASES) + list(WGRAD_CASES))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
@@ -70,6 +144,9 @@ def main() -> None:
 
     results = {}
     for name in args.cases:
+        if name in WGRAD_CASES:
+            results[name] = wgrad_case(name, args.iters)
+            continue
         experts, rows, k, o = CASES[name]
         ends = _groups(experts, rows).cuda()
         total = int(ends[-1])

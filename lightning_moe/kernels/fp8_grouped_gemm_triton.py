@@ -131,3 +131,77 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     return out
 
 
+
+
+# The weight-gradient kernel's token groups start at multiples of this many columns of its
+# operands, the gaps zero: a tile's contraction then never reads the next group's tokens, so
+# every block comes in by TMA and goes to the tensor cores untouched (masking the next group's
+# tokens in registers cost 0.43-0.88x torch's kernel: fp8_grouped_tune_s19f_wgrad.json).
+WGRAD_GROUP_ALIGN = 128
+
+
+@triton.jit
+def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr, E, M, N,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
+    expert by expert (the tiles running together share the expert's operands in L2). The
+    contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
+    flattens with the contraction, as in the forward kernel. An expert without tokens stores
+    zeros. Columns past the operands' width read as zeros (the descriptors' bounds)."""
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_expert = m_tiles * n_tiles
+    for t in tl.range(pid, E * per_expert, NUM_PROGRAMS, flatten=True):
+        e = t // per_expert
+        local = t % per_expert
+        row0 = (local % m_tiles) * BLOCK_M
+        col0 = (local // m_tiles) * BLOCK_N
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(start, end, BLOCK_K, num_stages=NUM_STAGES):
+            a = a_desc.load([row0, k0])
+            b = b_desc.load([col0, k0])
+            acc = tl.dot(a, b.T, acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
+        sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
+        out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
+        ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN: Tensor, aligned_ends_E: Tensor,
+                     block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
+                     num_stages: int = 4, programs: Optional[int] = None) -> Tensor:
+    """bf16 ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
+    scale_b[e, j]``.
+
+    ``a`` float8 ``[M, R]`` and ``b`` float8 ``[N, R]``, the token dimension contiguous, in the
+    aligned group layout: ``aligned_ends`` int32 ``[E]`` cumulative, each a multiple of
+    `WGRAD_GROUP_ALIGN` (expert ``e``'s columns are ``[aligned_ends[e-1], aligned_ends[e])``, its
+    tokens first and zeros after). An expert without tokens gets zeros. Scales fp32 ``[E, M]`` and
+    ``[E, N]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, r = a_MR.shape
+    n, r_b = b_NR.shape
+    experts = aligned_ends_E.shape[0]
+    assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
+    assert WGRAD_GROUP_ALIGN % block_k == 0, "a contraction block must not cross a group's aligned end"
+    out = torch.empty(experts, m, n, dtype=torch.bfloat16, device=a_MR.device)
+    if out.numel() == 0:
+        return out
+    a_desc = TensorDescriptor(a_MR, [m, r], [a_MR.stride(0), 1], [block_m, block_k])
+    b_desc = TensorDescriptor(b_NR, [n, r], [b_NR.stride(0), 1], [block_n, block_k])
+    programs = programs or _multiprocessors(a_MR.device.index or 0)
+    launch(_grouped_wgrad_kernel, (programs,),
+           a_desc, b_desc, out, scale_a_EM, scale_b_EN, aligned_ends_E, experts, m, n,
+           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
+           NUM_STAGES=num_stages, num_warps=num_warps)
+    return out
