@@ -37,9 +37,12 @@ from torch import Tensor
 from lightning_moe.kernels.fp8_quant_triton import (
     _abs_ignoring_nan,
     _aligned_body,
+    _aligned_group_shift,
+    _column_layout,
     _group_bounds,
     _scale_for_format,
     _scale_from_amax,
+    _zero_aligned_gap,
 )
 from lightning_moe.kernels.launch import launch, on_launch_stream
 
@@ -125,10 +128,10 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
 
 @triton.jit
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
-                         record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, WRITE_ROW: tl.constexpr,
-                         WRITE_COL: tl.constexpr, RECORD: tl.constexpr, SWIGLU: tl.constexpr, BR: tl.constexpr,
-                         BC: tl.constexpr, AMAX_2D: tl.constexpr = False, GROUP_AXIS: tl.constexpr = 0,
-                         GATHER: tl.constexpr = False):
+                         record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr,
+                         WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
+                         SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, AMAX_2D: tl.constexpr = False,
+                         GROUP_AXIS: tl.constexpr = 0, GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
     group = tl.program_id(GROUP_AXIS)
@@ -139,7 +142,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     history = tl.load(scale_ptr + group, mask=in_group, other=0.0)
     scale = tl.where(history > 0.0, history, _scale_from_amax(tl.load(cur_amax_ptr + group)))
     scale_inv = tl.math.div_rn(1.0, scale)
-    out_base = group.to(tl.int64) * stride_qg
+    out_base = group.to(tl.int64) * stride_qg + _aligned_group_shift(aligned_ends_ptr, group, in_group, start, ALIGN)
     lo, hi = _aligned_body(start, end)
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
@@ -167,6 +170,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
                 rows = r0 + tl.arange(0, 1024)
                 tl.store(s_row_ptr + rows, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=rows < end)
     if WRITE_COL:
+        _zero_aligned_gap(q_col_ptr, out_base, start, end, cols, cmask, stride_qc, in_group, ALIGN)
         tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
                  mask=cmask & in_group)
     if RECORD:
@@ -229,6 +233,7 @@ def delayed_cast(
     swiglu: bool = False,
     launch_stream: Optional[torch.cuda.Stream] = None,
     gather_rows: Optional[Tensor] = None,
+    aligned_ends: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -255,6 +260,9 @@ def delayed_cast(
             ``x[gather_rows[r]]``, zeros where it is ``T`` (a padding row): the permutation's
             gather read straight into the cast, so the permuted rows are never written in
             ``x``'s dtype. Not with ``swiglu``.
+        aligned_ends: int32 ``[G]``: the transposed copy in the aligned group layout of
+            `grouped_mm_wgrad` (``r`` above becomes ``aligned_ends[g-1] + r - start_g``, zeros
+            after the group's rows up to ``aligned_ends[g]``; groups of whole 16-row runs).
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -265,6 +273,8 @@ def delayed_cast(
         raise ValueError("delayed_cast: E5M2 is supported for the row copy alone")
     if swiglu and out_col is None:
         raise ValueError("delayed_cast: swiglu=True needs out_col (the transposed copy's buffer)")
+    if aligned_ends is not None and out_col is None:
+        raise ValueError("delayed_cast: aligned_ends lays out the transposed copy; it needs out_col")
     if swiglu and gather_rows is not None:
         raise ValueError("delayed_cast: gather_rows is for a permutation's rows, not with swiglu=True")
     x_RC = x_RC.contiguous()
@@ -291,16 +301,17 @@ def delayed_cast(
     offsets_G = offsets_G.contiguous()
     scale_G = scale_G.contiguous()
     with on_launch_stream(launch_stream, x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
-                          gather_rows):
+                          gather_rows, aligned_ends):
         _launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
-                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows)
+                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends)
     return q_row, s_row, s_col
 
 
 def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, scale_G: Tensor,
                          record_G: Optional[Tensor], q_row: Optional[Tensor], s_row: Optional[Tensor],
                          out_col: Optional[Tensor], s_col: Optional[Tensor], stride_out_col: int,
-                         stride_out_group: int, e5m2: bool, swiglu: bool, gather_rows: Optional[Tensor]) -> None:
+                         stride_out_group: int, e5m2: bool, swiglu: bool, gather_rows: Optional[Tensor],
+                         aligned_ends: Optional[Tensor]) -> None:
     # The kernels of `delayed_cast` (the operand is ``rows x cols`` after the SwiGLU or the
     # gather, if any).
     groups = offsets_G.numel()
@@ -325,6 +336,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
             num_warps=2 if cols <= 4096 else 16,
         )
         return
+    align, aligned_ends_ptr = _column_layout(aligned_ends, dummy)
     # Launch shape from fp8_quant_tune_delayed_variants_*.json (H200, both copies of the FP8 block's
     # operands): 64 x 128 tiles whose amax is kept per element until the loop ends, column blocks
     # on the grid's fast axis; 2.5-3.0 TB/s against 2.1-2.6 for the former 128 x 64 tiles reduced
@@ -335,7 +347,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
-        rows, cols, groups, stride_out_col, stride_out_group, src, num_src,
+        rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=64, BC=128, AMAX_2D=True, GROUP_AXIS=1, GATHER=gather, num_warps=4,
+        BR=64, BC=128, AMAX_2D=True, GROUP_AXIS=1, GATHER=gather, ALIGN=align, num_warps=4,
     )

@@ -108,6 +108,30 @@ def _aligned_body(start, end):
 
 
 @triton.jit
+def _aligned_group_shift(aligned_ends_ptr, group, in_group, start, ALIGN: tl.constexpr):
+    # How far the group's rows move in the aligned group layout of a transposed copy (see
+    # `fp8_grouped_gemm_triton.grouped_mm_wgrad`): its aligned start minus its start, 0 without
+    # one (ALIGN 0). A multiple of 16 written as one, so the compiler still proves the body's
+    # transposed stores 16-byte aligned (see `_aligned_body`).
+    if ALIGN == 0:
+        return tl.zeros_like(start)
+    aligned_start = tl.load(aligned_ends_ptr + group - 1, mask=(group > 0) & in_group, other=0).to(tl.int64)
+    return (aligned_start - start) // 16 * 16
+
+
+@triton.jit
+def _zero_aligned_gap(q_ptr, out_base, start, end, cols, cmask, stride_qc, in_group, ALIGN: tl.constexpr):
+    # Zeros in the transposed copy after the group's last row, up to its aligned end (the next
+    # group's aligned start): the weight-gradient kernel's contraction reads them.
+    if ALIGN > 0:
+        gap = end + tl.arange(0, ALIGN)
+        aligned_end = start + (end - start + ALIGN - 1) // ALIGN * ALIGN
+        m = (gap < aligned_end)[:, None] & cmask[None, :] & in_group
+        zeros = tl.zeros([ALIGN, cols.shape[0]], dtype=tl.float32).to(tl.float8e4nv)
+        tl.store(q_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + gap[:, None], zeros, mask=m)
+
+
+@triton.jit
 def _column_cast_tile(x_ptr, q_ptr, r0, lo, hi, cols, cmask, scale, out_base, C, stride_qc, BR: tl.constexpr):
     # Rows [max(r0, lo), min(r0 + BR, hi)) times the columns' scales, stored transposed.
     rows = r0 + tl.arange(0, BR)
@@ -177,7 +201,8 @@ def _dual_cast_tile(x_ptr, row_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, r0, lo
 
 @triton.jit
 def _dual_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
-                      R, C, G, stride_qc, stride_qg, BR: tl.constexpr, BC: tl.constexpr):
+                      R, C, G, stride_qc, stride_qg, aligned_ends_ptr, BR: tl.constexpr, BC: tl.constexpr,
+                      ALIGN: tl.constexpr = 0):
     group = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < C
@@ -185,7 +210,7 @@ def _dual_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr,
     start, end = _group_bounds(offsets_ptr, group, G, R)
     col_scale = _scale_from_amax(tl.load(col_amax_ptr + group.to(tl.int64) * C + cols, mask=cmask & in_group,
                                          other=1.0))
-    out_base = group.to(tl.int64) * stride_qg
+    out_base = group.to(tl.int64) * stride_qg + _aligned_group_shift(aligned_ends_ptr, group, in_group, start, ALIGN)
     lo, hi = _aligned_body(start, end)
     _dual_cast_tile(x_ptr, row_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols,
                     cmask, col_scale, in_group, out_base, C, stride_qc, 16)
@@ -194,6 +219,7 @@ def _dual_cast_kernel(x_ptr, offsets_ptr, row_amax_ptr, col_amax_ptr, q_row_ptr,
                         in_group, out_base, C, stride_qc, BR)
     _dual_cast_tile(x_ptr, row_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, col_scale,
                     in_group, out_base, C, stride_qc, 16)
+    _zero_aligned_gap(q_col_ptr, out_base, start, end, cols, cmask, stride_qc, in_group, ALIGN)
     tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale),
              mask=cmask & in_group)
 
@@ -237,7 +263,7 @@ def group_column_quantize(
 
 def dual_quantize(
     x_RC: Tensor, offsets_G: Tensor, out_col: Tensor, stride_out_col: int, stride_out_group: int,
-    launch_stream: Optional[torch.cuda.Stream] = None,
+    launch_stream: Optional[torch.cuda.Stream] = None, aligned_ends: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`rowwise_quantize` and `group_column_quantize` of ``x [R, C]`` together, same numbers.
 
@@ -245,6 +271,9 @@ def dual_quantize(
     [G, C]``); the group-column copy goes to ``out_col`` as in `group_column_quantize`. Rows
     past the last offset get their rowwise copy only. ``launch_stream``: run the kernels
     there (`kernels.launch.on_launch_stream`; the outputs are allocated on the current stream).
+    ``aligned_ends``: int32 ``[G]``, the group-column copy in the aligned group layout of
+    `grouped_mm_wgrad` (group ``g``'s row ``r`` at column ``aligned_ends[g-1] + r - start_g``,
+    zeros up to ``aligned_ends[g]``; needs groups of whole 16-row runs).
     """
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape
@@ -254,7 +283,8 @@ def dual_quantize(
     s_col = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
     if rows and cols:
         offsets_G = offsets_G.contiguous()
-        with on_launch_stream(launch_stream, x_RC, offsets_G, out_col, q_row, s_row, s_col):
+        align, aligned_ends = _column_layout(aligned_ends, s_col)
+        with on_launch_stream(launch_stream, x_RC, offsets_G, out_col, q_row, s_row, s_col, aligned_ends):
             row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
             col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
             grid = (groups + 1, triton.cdiv(cols, 64))
@@ -262,8 +292,19 @@ def dual_quantize(
             launch(_dual_amax_kernel, grid, x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64,
                    num_warps=4)
             launch(_dual_cast_kernel, grid, x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows,
-                   cols, groups, stride_out_col, stride_out_group, BR=64, BC=64, num_warps=4)
+                   cols, groups, stride_out_col, stride_out_group, aligned_ends, BR=64, BC=64, ALIGN=align,
+                   num_warps=4)
     else:  # nothing to scale
         s_row.fill_(1.0)
         s_col.fill_(1.0)
     return q_row, s_row, s_col
+
+
+def _column_layout(aligned_ends: Optional[Tensor], dummy: Tensor) -> tuple[int, Tensor]:
+    """(the cast kernels' ``ALIGN``, the pointer for ``aligned_ends_ptr``): `grouped_mm_wgrad`'s
+    group alignment with ``aligned_ends``, else 0 and ``dummy`` (never dereferenced)."""
+    if aligned_ends is None:
+        return 0, dummy
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN
+
+    return WGRAD_GROUP_ALIGN, aligned_ends.contiguous()

@@ -19,7 +19,9 @@ float8 cast instead of the reference rounding, bit-identical), then:
 - on Hopper with Triton, the grouped forward and data-gradient products with fast accumulation
   run on our own kernel instead (``kernels.fp8_grouped_gemm_triton``: torch's bits, faster than
   both torch paths at the benchmark shapes, no host sync; `TRITON_GROUPED_GEMM`). When it takes
-  both, no host list of group ends is made and the weight gradient takes the grouped kernel.
+  both, no host list of group ends is made. The weight gradient with fast accumulation runs on
+  its kernel too (``grouped_mm_wgrad``): its transposed operands are then cast into an aligned
+  group layout (`_wgrad_aligned_ends`) so that no contraction block crosses into the next group.
 
 Accumulation per GEMM follows ``recipe.fast_accumulation`` (default: fast fprop, split dgrad /
 wgrad, as Transformer Engine).
@@ -240,15 +242,42 @@ def _both_weight_layouts_now(recipe: FP8Recipe, needs_backward: bool) -> bool:
     return needs_backward and recipe.quantize_weights_once is not False
 
 
-def _transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int] = None) -> Tensor:
+def _transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int] = None,
+                    aligned_groups: int = 0) -> Tensor:
     """Float8 ``[C, R]`` for ``t^T`` (``C`` = ``cols``, ``R`` = ``rows``, default ``t``'s) with
     ``R`` padded to 16 by zero columns (the padding is the contraction the dense weight-gradient
-    GEMM reads; the rest is written by a quantizer)."""
+    GEMM reads; the rest is written by a quantizer).
+
+    ``aligned_groups`` > 0: room for that many groups in the aligned group layout of the Triton
+    weight-gradient kernel (`_wgrad_aligned_ends`), which the quantizer writes whole (gaps
+    included); what lies past the last aligned end is never read and stays unwritten."""
     rows = t_RC.shape[0] if rows is None else rows
     cols = t_RC.shape[1] if cols is None else cols
-    q_CR = torch.empty(cols, -(-rows // _ALIGN) * _ALIGN, dtype=torch.float8_e4m3fn, device=t_RC.device)
+    padded = -(-rows // _ALIGN) * _ALIGN
+    if aligned_groups:
+        from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN
+
+        # Groups of whole 16-row runs grow by at most ALIGN - 16 rows each: a bound without the
+        # group sizes on the host.
+        return torch.empty(cols, padded + aligned_groups * (WGRAD_GROUP_ALIGN - _ALIGN), dtype=torch.float8_e4m3fn,
+                           device=t_RC.device)
+    q_CR = torch.empty(cols, padded, dtype=torch.float8_e4m3fn, device=t_RC.device)
     q_CR[:, rows:].zero_()
     return q_CR
+
+
+def _wgrad_aligned_ends(offsets_E: Tensor) -> Tensor:
+    """int32 ``[E]`` cumulative ends of the aligned group layout that `grouped_mm_wgrad` reads:
+    each group's size rounded up to ``WGRAD_GROUP_ALIGN``. Made once per offsets tensor and
+    version (the layer's two projections and their backwards share it)."""
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN
+    from lightning_moe.nn.permutation import round_up
+
+    def make() -> Tensor:
+        sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+        return round_up(sizes, WGRAD_GROUP_ALIGN).cumsum(0).to(torch.int32)
+
+    return _once_per_version(offsets_E, "_wgrad_aligned_ends", make)
 
 
 def _fused_columns(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor]:
@@ -267,12 +296,12 @@ def _needs_backward(x: Tensor, weight: Tensor) -> bool:
 
 
 def _fused_input(
-    t_RC: Tensor, offsets_G: Tensor, needs_backward: bool
+    t_RC: Tensor, offsets_G: Tensor, needs_backward: bool, aligned_ends: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """The forward's rowwise copy of an activation, and its transposed copy only when a backward
     will use it (evaluation and inference make one copy, not two)."""
     if needs_backward:
-        return _fused_both(t_RC, offsets_G)
+        return _fused_both(t_RC, offsets_G, aligned_ends)
     from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
 
     return (*rowwise_quantize(t_RC), None, None)
@@ -283,7 +312,8 @@ def _whole(t_RC: Tensor) -> Tensor:
     return torch.full((1,), t_RC.shape[0], dtype=torch.int32, device=t_RC.device)
 
 
-def _fused_both(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fused_both(t_RC: Tensor, offsets_G: Tensor, aligned_ends: Optional[Tensor] = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``t [R, C]`` quantized twice by one fused quantizer (two reads of ``t``):
 
     - rowwise: (float8 ``[R, C]``, fp32 ``[R]``), the fprop / dgrad operand;
@@ -295,14 +325,16 @@ def _fused_both(t_RC: Tensor, offsets_G: Tensor) -> tuple[Tensor, Tensor, Tensor
 
     A single group (dense operands) takes the two single quantizers instead: the dual kernels
     run one program per (group, 64 columns), which with one group leaves most SMs idle, while
-    the rowwise kernel runs one program per row.
+    the rowwise kernel runs one program per row. ``aligned_ends``: the transposed copy in the
+    weight-gradient kernel's aligned group layout (`_wgrad_aligned_ends`), by the dual kernels.
     """
     from lightning_moe.kernels.fp8_quant_triton import dual_quantize, rowwise_quantize
 
-    if offsets_G.numel() == 1:
+    if offsets_G.numel() == 1 and aligned_ends is None:
         return (*rowwise_quantize(t_RC), *_fused_columns(t_RC, offsets_G))
-    q_CR = _transposed_out(t_RC)
-    q_RC, s_R, s_GC = dual_quantize(t_RC, offsets_G, q_CR, stride_out_col=q_CR.shape[1], stride_out_group=0)
+    q_CR = _transposed_out(t_RC, aligned_groups=0 if aligned_ends is None else offsets_G.numel())
+    q_RC, s_R, s_GC = dual_quantize(t_RC, offsets_G, q_CR, stride_out_col=q_CR.shape[1], stride_out_group=0,
+                                    aligned_ends=aligned_ends)
     return q_RC, s_R, q_CR, s_GC.reshape(-1)
 
 
@@ -407,23 +439,27 @@ class _FusedGroupedOperands:
         return scale, amax_record_row(self.state, role)
 
     def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str, transposed: bool,
-                   swiglu: bool = False, gather_rows: Optional[Tensor] = None
+                   swiglu: bool = False, gather_rows: Optional[Tensor] = None,
+                   aligned_ends: Optional[Tensor] = None
                    ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
         """(row copy, ``[R]`` scales, transposed copy, ``[G * C]`` scales); the transposed pair
         only when ``transposed`` (a backward will run). ``swiglu`` (delayed, ``transposed``):
         ``t`` is ``h = [gate | up]`` and the copies are of ``silu(gate) * up``. ``gather_rows``
         (delayed): ``t`` is ``[T, C]`` and the operand is ``t[gather_rows]`` (a permutation's
-        rows, zeros for the padding sentinel ``T``)."""
+        rows, zeros for the padding sentinel ``T``). ``aligned_ends``: the transposed copy in the
+        Triton weight-gradient kernel's aligned group layout (`_wgrad_aligned_ends`)."""
         if self.state is None:
             assert not swiglu and gather_rows is None, "the SwiGLU and gather casts are delayed-scaling casts"
-            return _fused_input(t_RC, offsets_G, transposed)
+            return _fused_input(t_RC, offsets_G, transposed, aligned_ends if transposed else None)
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
         rows = t_RC.shape[0] if gather_rows is None else gather_rows.shape[0]
-        q_CR = _transposed_out(t_RC, t_RC.shape[1] // 2 if swiglu else None, rows=rows) if transposed else None
+        aligned_groups = 0 if aligned_ends is None else offsets_G.numel()
+        q_CR = (_transposed_out(t_RC, t_RC.shape[1] // 2 if swiglu else None, rows=rows, aligned_groups=aligned_groups)
+                if transposed else None)
         q_RC, s_R, s_GC = delayed_cast(t_RC, offsets_G, *self._delayed(role), out_col=q_CR,
                                        stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu,
-                                       gather_rows=gather_rows)
+                                       gather_rows=gather_rows, aligned_ends=aligned_ends if transposed else None)
         return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
 
     def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -564,9 +600,16 @@ def _torch_group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor
 
 
 def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Tensor, offsets_E: Tensor,
-                           ends: Optional[list[int]], fast: bool) -> Tensor:
+                           ends: Optional[list[int]], fast: bool, aligned_ends: Optional[Tensor] = None) -> Tensor:
     """``dw[e] = a[:, rows of e] @ b[:, rows of e]^T``: both operands ``[features, R]`` with
-    per-(expert, feature) scales ``[E, features]``. Returns bf16 ``[E, K, N]``."""
+    per-(expert, feature) scales ``[E, features]``. Returns bf16 ``[E, K, N]``. ``aligned_ends``:
+    the operands are in the aligned group layout (`_wgrad_aligned_ends`), for our Triton kernel
+    (fast accumulation only)."""
+    if aligned_ends is not None:
+        from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
+
+        assert fast, "the Triton weight-gradient kernel accumulates fast only"
+        return grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends)
     experts = sa_EK.shape[0]
     if ends is None:
         return torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1), offs=offsets_E,
@@ -698,9 +741,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 # its permuted rows (autocast over an fp32 residual stream): the tokens are rounded
                 # here, one row per token instead of one per assignment.
                 source = x if gather is None or x.dtype == out_dtype else x.to(out_dtype)
+                # Our weight-gradient kernel where it runs: the transposed copies (this input's now,
+                # the gradient's in the backward) are then cast into its aligned group layout.
+                wgrad_aligned_ends = (_wgrad_aligned_ends(offsets)
+                                      if needs_backward and _triton_grouped(x, recipe.fast("wgrad")) else None)
                 qx, sx_R, qx_t, sx_t = quantizer.activation(
                     source, offsets, "input", needs_backward, swiglu=input_swiglu,
-                    gather_rows=None if gather is None else gather.row_token_R)
+                    gather_rows=None if gather is None else gather.row_token_R, aligned_ends=wgrad_aligned_ends)
                 # Waited for only now, so the input's cast above overlaps the weight's.
                 prefetched_layouts = prefetched.take(w) if prefetched is not None else None
                 if _caching(cache, weight_key):
@@ -727,6 +774,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                     assert weight_dgrad is not None
                     saved_dgrad, weight_dgrad = weight_dgrad, None
             else:
+                wgrad_aligned_ends = None  # the generic quantizers' copies: torch's kernels
                 qx, sx, rx, _ = quantize_operand(x, recipe, "input", Layout(row_offsets=offsets), state, True, E4M3)
 
                 def weight_fprop() -> tuple[Tensor, Tensor]:
@@ -739,8 +787,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
             triton_fprop = _triton_grouped(qx, recipe.fast("fprop"))
             triton_dgrad = needs_backward and _triton_grouped(qx, recipe.fast("dgrad"))
             # The host list of group ends only where a product will run per expert: none when the
-            # Triton kernel takes the forward and, in training, the data gradient (the weight
-            # gradient then takes torch's grouped kernel, with no host sync at all).
+            # Triton kernels take the forward and, in training, the data gradient (the weight
+            # gradient then takes ours or torch's grouped kernel, with no host sync at all).
             per_expert_products = not (triton_fprop and (triton_dgrad or not needs_backward))
             ends = _host_group_ends(offsets, experts) if per_expert_products else None
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"), triton=triton_fprop)
@@ -752,6 +800,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, w, offsets)
         ctx.input_swiglu, ctx.gather, ctx.triton_dgrad = input_swiglu, gather, triton_dgrad
+        ctx.wgrad_aligned_ends = wgrad_aligned_ends
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         ctx.fused, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = fused, x.dtype, w.dtype, w.shape
         return y.to(out_dtype)
@@ -775,7 +824,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
                     qw, sw_EK = ctx.weight_dgrad
                 else:
                     qw, sw_EK = quantizer.weight_dgrad(w)
-                qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True)
+                qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True,
+                                                                aligned_ends=ctx.wgrad_aligned_ends)
             else:
                 x, w, _ = saved
                 qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
@@ -796,7 +846,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dx = _group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ends,
                              fast=recipe.fast("dgrad"), triton=ctx.triton_dgrad)
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
-                                        fast=recipe.fast("wgrad"))
+                                        fast=recipe.fast("wgrad"), aligned_ends=ctx.wgrad_aligned_ends)
             dx = dx.to(ctx.x_dtype)
             if ctx.input_swiglu:
                 from lightning_moe.kernels.swiglu_triton import swiglu_backward

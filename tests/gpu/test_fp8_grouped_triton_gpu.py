@@ -1,7 +1,8 @@
-"""Our Triton FP8 grouped GEMM against ``torch._scaled_grouped_mm`` (Hopper): the same bits for
-the forward / data-gradient product (both accumulate each 128-deep block on the tensor cores in
-the same order and scale in fp32 the same way), and the FP8 grouped layer trains identically
-with the Triton kernel on and off."""
+"""Our Triton FP8 grouped GEMMs against ``torch._scaled_grouped_mm`` (Hopper): the same bits for
+the forward / data-gradient product and for the weight gradient on the aligned group layout
+(both accumulate each 128-deep block on the tensor cores in the same order and scale in fp32 the
+same way); the casts write that layout; and the FP8 grouped layer trains identically with the
+Triton kernels on and off."""
 
 import pytest
 import torch
@@ -85,6 +86,7 @@ def test_grouped_layer_trains_identically_with_the_triton_kernel(monkeypatch, co
     from lightning_moe.precision.gemm import fp8_grouped_mm
 
     calls = count_calls(kernels, "grouped_mm_fprop")
+    wgrad_calls = count_calls(kernels, "grouped_mm_wgrad")
     recipe = FP8Recipe(recipe_name, fast_accumulation=("fprop", "dgrad", "wgrad"))
     offsets = torch.tensor([64, 64, 208, 400, 512], device="cuda", dtype=torch.int32)
 
@@ -108,16 +110,17 @@ def test_grouped_layer_trains_identically_with_the_triton_kernel(monkeypatch, co
         return y[:512], x.grad[:512], w.grad
 
     off = run(False)
-    assert not calls
+    assert not calls and not wgrad_calls
     on = run(True)
-    assert len(calls) == 2  # the forward and the data gradient
+    assert len(calls) == 2 and len(wgrad_calls) == 1  # the forward and the data gradient; the weight gradient
     for a, b in zip(on, off):
         assert torch.equal(a, b)
 
 
 def test_few_experts_make_no_host_sync_when_the_triton_kernel_takes_both_products(monkeypatch, host_syncs):
     """With fast accumulation in the forward and data-gradient products, a layer of <= 32 experts
-    needs no host list of group ends (the weight gradient takes torch's grouped kernel)."""
+    needs no host list of group ends (the weight gradient takes our kernel, or torch's grouped
+    kernel with split accumulation)."""
     from lightning_moe.precision import FP8Recipe, scaled_mm
     from lightning_moe.precision.gemm import fp8_grouped_mm
 
@@ -131,3 +134,110 @@ def test_few_experts_make_no_host_sync_when_the_triton_kernel_takes_both_product
         y = fp8_grouped_mm(x, w, offsets, recipe=FP8Recipe("rowwise", fast_accumulation=fast), backend="torch")
         y.float().square().sum().backward()
         assert len(host_syncs) == expected, fast
+
+
+def _in_aligned_layout(t_MR, ends, aligned_ends):
+    """``t [M, R]`` (groups ending at ``ends``) copied into the aligned group layout, zero gaps."""
+    out = torch.zeros(t_MR.shape[0], aligned_ends[-1], dtype=t_MR.dtype, device=t_MR.device)
+    start = aligned = 0
+    for end, aligned_end in zip(ends, aligned_ends):
+        out[:, aligned:aligned + end - start] = t_MR[:, start:end]
+        start, aligned = end, aligned_end
+    return out
+
+
+def _wgrad_operands(ends, m, n, seed=0):
+    from lightning_moe.precision.scaled_mm import _wgrad_aligned_ends
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    experts, rows = len(ends), ends[-1] + 16  # a padding column past the last group: never read
+    a = torch.randn(m, rows, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, rows, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    sa = torch.rand(experts, m, device="cuda", generator=g) + 0.5
+    sb = torch.rand(experts, n, device="cuda", generator=g) + 0.5
+    ends_t = torch.tensor(ends, device="cuda", dtype=torch.int32)
+    aligned_ends = _wgrad_aligned_ends(ends_t)
+    host_aligned = aligned_ends.tolist()
+    return (a, sa, b, sb, ends_t, _in_aligned_layout(a, ends, host_aligned), _in_aligned_layout(b, ends, host_aligned),
+            aligned_ends)
+
+
+@pytest.mark.parametrize("ends, m, n", [
+    ([128, 128, 304, 496], 256, 384),        # an empty expert; N not a multiple of the 256-wide tile
+    ([16], 128, 256),                        # one group smaller than a contraction block
+    ([1040 * (e + 1) for e in range(9)], 768, 2048),
+    ([96 * (e + 1) - (16 if e % 3 else 0) for e in range(40)], 192, 320),  # M, N not multiples of the tile
+])
+def test_weight_gradient_has_torchs_bits(ends, m, n):
+    """`grouped_mm_wgrad` on the aligned layout: torch's 2-D x 2-D product on the 16-aligned one,
+    bit for bit; an expert without tokens gets zeros; and close to fp32 products."""
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN, grouped_mm_wgrad
+
+    a, sa, b, sb, ends_t, a_aligned, b_aligned, aligned_ends = _wgrad_operands(ends, m, n)
+    assert (aligned_ends % WGRAD_GROUP_ALIGN == 0).all()
+    ref = torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1), sb.reshape(-1), offs=ends_t, out_dtype=torch.bfloat16,
+                                   use_fast_accum=True)
+    out = grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends)
+    start = 0
+    for e, end in enumerate(ends):
+        if end == start:
+            assert (out[e] == 0).all()
+        else:
+            assert torch.equal(out[e], ref[e]), e
+            exact = (a[:, start:end].float() @ b[:, start:end].float().t()) * sa[e][:, None] * sb[e][None]
+            assert float((out[e].float() - exact).norm() / exact.norm()) < 4e-3
+        start = end
+
+
+def test_weight_gradient_launch_configurations_agree():
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
+
+    _, sa, _, sb, _, a, b, aligned_ends = _wgrad_operands([200 // 16 * 16, 208, 560, 1024], 384, 512, seed=1)
+    base = grouped_mm_wgrad(a, sa, b, sb, aligned_ends)
+    for bm, bn, bk, warps, stages, programs in [(128, 128, 128, 4, 4, None), (256, 128, 128, 8, 3, 7),
+                                                (128, 256, 64, 8, 4, 1)]:
+        out = grouped_mm_wgrad(a, sa, b, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                               num_stages=stages, programs=programs)
+        assert torch.equal(out, base)
+
+
+@pytest.mark.parametrize("kind", ["delayed", "swiglu", "gather", "rowwise"])
+def test_casts_write_the_aligned_group_layout(kind):
+    """Each cast that makes a weight-gradient operand writes, with ``aligned_ends``, the same bytes
+    as into the 16-aligned layout, each group moved to its aligned start, and zeros up to its
+    aligned end (over a buffer filled with other bytes); the scales are the same."""
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+    from lightning_moe.kernels.fp8_quant_triton import dual_quantize
+    from lightning_moe.precision.scaled_mm import _transposed_out, _wgrad_aligned_ends
+
+    torch.manual_seed(0)
+    rows, cols, tokens = 700, 200, 300
+    ends = [0, 48, 48, 352, 688]  # an empty first group, an empty middle one; rows 688.. are the tail
+    offsets = torch.tensor(ends, device="cuda", dtype=torch.int32)
+    aligned_ends = _wgrad_aligned_ends(offsets)
+    scale = torch.tensor([0.0, 2.0, 0.0, 0.5, 0.0], device="cuda")
+    x = torch.randn(tokens if kind == "gather" else rows, 2 * cols if kind == "swiglu" else cols, device="cuda",
+                    dtype=torch.bfloat16) * 3
+    gather = torch.randint(0, tokens + 1, (rows,), device="cuda") if kind == "gather" else None
+
+    def cast(out_col, aligned):
+        if kind == "rowwise":
+            return dual_quantize(x, offsets, out_col, out_col.shape[1], 0, aligned_ends=aligned)
+        return delayed_cast(x, offsets, scale, torch.zeros(5, device="cuda"), out_col=out_col,
+                            stride_out_col=out_col.shape[1], swiglu=kind == "swiglu", gather_rows=gather,
+                            aligned_ends=aligned)
+
+    plain = torch.zeros(cols, 704, device="cuda", dtype=torch.float8_e4m3fn)
+    ref = cast(plain, None)
+    aligned = _transposed_out(x, cols, rows=rows, aligned_groups=len(ends))
+    aligned.view(torch.uint8).fill_(0x55)
+    got = cast(aligned, aligned_ends)
+    for r, g in zip(ref, got):
+        assert torch.equal(r.view(torch.uint8) if r.dtype == torch.float8_e4m3fn else r,
+                           g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g)
+    start = aligned_start = 0
+    for end, aligned_end in zip(ends, aligned_ends.tolist()):
+        moved = aligned[:, aligned_start:aligned_start + end - start].view(torch.uint8)
+        assert torch.equal(moved, plain[:, start:end].view(torch.uint8))
+        assert (aligned[:, aligned_start + end - start:aligned_end].view(torch.uint8) == 0).all()
+        start, aligned_start = end, aligned_end
