@@ -9,7 +9,9 @@ returns a JSON-ready dict:
 - ``idle_gaps``: the longest gaps between consecutive kernels, each with the next kernel and
   the CPU ops that launched it, and whether that launch came after the gap began (the GPU
   waited for the CPU: launch overhead or a host sync) or before (it waited on a dependency);
-- ``host_syncs`` and ``cpu_top``: synchronizing calls and the heaviest CPU ops (self time).
+- ``host_syncs`` and ``cpu_top``: synchronizing calls and the heaviest CPU ops (self time);
+- ``timeline``: every kernel of the step in start order, ``[name, ms]`` (which call of a kernel
+  that runs several times costs what).
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def idle_gaps(events: list[dict], top: int = 8) -> tuple[float, list[dict]]:
     return wall_ms, rows
 
 
+def timeline(events: list[dict]) -> list[list]:
+    """``[name (60 characters), ms]`` of each kernel, memset and copy in start order."""
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                     key=lambda e: e["ts"])
+    return [[k["name"][:60], round(k.get("dur", 0) / 1e3, 4)] for k in kernels]
+
+
 def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
     """Profile one call of ``step`` (after one warm-up call); see the module docstring."""
     from torch.autograd import DeviceType
@@ -86,7 +95,8 @@ def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
     peer_copies = sum(e.device_time_total for e in kernels if "PtoP" in e.key)  # copy-engine transfers
     syncs = [e for e in averages if "Synchronize" in e.key or e.key in _SYNC_OPS]
     cpu_top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    wall_ms, gaps = idle_gaps(_trace_events(prof))
+    events = _trace_events(prof)
+    wall_ms, gaps = idle_gaps(events)
     return {
         "kernel_ms": total / 1e3,
         "wall_ms": wall_ms,
@@ -98,6 +108,7 @@ def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
         "host_syncs": [{"name": e.key, "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3} for e in syncs],
         "cpu_top": [{"name": e.key[:80], "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
                     for e in cpu_top],
+        "timeline": timeline(events),
     }
 
 

@@ -125,7 +125,7 @@ def tune_delayed() -> dict:
 
             def cast():
                 fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
-                                              cols, groups, total, 0, record, 0, WRITE_ROW=both, WRITE_COL=True,
+                                              cols, groups, total, 0, record, 0, record, WRITE_ROW=both, WRITE_COL=True,
                                               RECORD=True, SWIGLU=False, BR=br, BC=bc, num_warps=warps)
             row = {"BR": br, "BC": bc, "warps": warps}
             rows_out.append(row)
@@ -182,7 +182,8 @@ def tune_delayed_variants() -> dict:
 
         def launch():
             fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
-                                          cols, groups, total, 0, record, 0, WRITE_ROW=write_row, WRITE_COL=write_col,
+                                          cols, groups, total, 0, record, 0, record, WRITE_ROW=write_row,
+                                          WRITE_COL=write_col,
                                           RECORD=True, SWIGLU=False, BR=br, BC=bc, AMAX_2D=amax_2d,
                                           GROUP_AXIS=group_axis, num_warps=warps)
         return launch, [q_row.view(torch.uint8), q_col.view(torch.uint8), s_row, s_col, record]
