@@ -1,6 +1,6 @@
-"""A delayed-scaling FP8 cast that reads its operand by TMA (a pipelined ring of tiles in shared
-memory) against ``kernels.fp8_delayed_triton._delayed_cast_kernel`` (pointer loads, one tile in
-flight per program), both writing both copies of the MoE block's operands.
+"""Variants of the delayed-scaling FP8 cast against ``kernels.fp8_delayed_triton._delayed_cast_kernel``
+(pointer loads, one tile in flight per program), all writing both copies of the MoE block's
+operands.
 
 The pointer-load kernel reaches 2.5-3.0 TB/s where a bf16 copy of the same tensor reaches
 4.0-4.25 (``fp8_quant_tune_delayed_variants_grid_order.json``), and writing one copy alone is no
@@ -8,6 +8,11 @@ faster: the reads are the bound, not the transposed store. This measures whether
 tiles in flight per program closes that gap, and whether splitting each group's rows over more
 programs helps (groups of uneven size leave a tail of long programs). Each configuration's bytes
 are checked against the current kernel's.
+
+s20d / s20e (``fp8_cast_tma_tune_s20d/e.json``) ran both kernels with masks on the groups' own
+bounds, which the compiler cannot prove constant over 16-row runs: the transposed stores went
+out a byte at a time (0.65-1.08 TB/s, the pointer variant without prefetch included). Here the
+bounds are the 16-row multiples the library's kernel uses (`_aligned_body`).
 
     python benchmarks/fp8_cast_tma_tune.py [--tag s20d]
 """
@@ -37,6 +42,59 @@ SHAPES = {
 
 
 @triton.jit
+def _prefetch_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, record_ptr,
+                          R, C, G, stride_qc, BR: tl.constexpr, BC: tl.constexpr, PREFETCH: tl.constexpr,
+                          SPLIT: tl.constexpr):
+    # Program (column block, group, part): rows [lo, hi) of the group, the part-th of SPLIT runs
+    # of whole tiles, by pointer loads; PREFETCH: the next tile's load is issued before this
+    # tile is cast (two tiles in flight per program, the next one held in bf16).
+    c0 = tl.program_id(0) * BC
+    group = tl.program_id(1)
+    part = tl.program_id(2)
+    cols = c0 + tl.arange(0, BC)
+    cmask = cols < C
+    in_group = group < G
+    start, end = _group_bounds(offsets_ptr, group, G, R)
+    scale = tl.load(scale_ptr + group, mask=in_group, other=1.0)
+    scale_inv = tl.math.div_rn(1.0, scale)
+    # Bounds the compiler can prove multiples of 16 (the groups here are 16-row aligned), so
+    # the masks are constant over 16-row runs and the transposed stores go out 16 bytes at a time.
+    first = start // 16 * 16
+    last = end // 16 * 16
+    chunk = tl.cdiv(tl.cdiv(last - first, SPLIT), BR) * BR
+    lo = first + part * chunk
+    hi = tl.minimum(lo + chunk, last)
+    col_scale = tl.zeros_like(cols).to(tl.float32) + scale
+    amax = tl.zeros([BR, BC], dtype=tl.float32)
+    offs = tl.arange(0, BR)
+    rows = lo + offs
+    ahead = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :],
+                    mask=((rows >= first) & (rows < hi))[:, None] & cmask[None, :], other=0.0)
+    for r0 in range(lo, hi, BR):
+        rows = r0 + offs
+        rmask = (rows >= first) & (rows < hi)
+        m = rmask[:, None] & cmask[None, :]
+        if PREFETCH:
+            x = ahead.to(tl.float32)
+            nxt = rows + BR
+            ahead = tl.load(x_ptr + nxt[:, None].to(tl.int64) * C + cols[None, :],
+                            mask=(nxt < hi)[:, None] & cmask[None, :], other=0.0)
+        else:
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(q_row_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
+        tl.store(q_col_ptr + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
+                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
+        amax = tl.maximum(amax, _abs_ignoring_nan(x))
+    if tl.program_id(0) == 0:
+        for r in range(lo, hi, 1024):
+            rr = r + tl.arange(0, 1024)
+            tl.store(s_row_ptr + rr, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=(rr < hi) & (rr >= first))
+    tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
+             mask=cmask & in_group)
+    tl.atomic_max(record_ptr + group, tl.max(tl.max(amax, 1), 0), mask=in_group)
+
+
+@triton.jit
 def _tma_cast_kernel(x_desc, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, record_ptr,
                      R, C, G, stride_qc, BR: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr,
                      SPLIT: tl.constexpr):
@@ -52,16 +110,19 @@ def _tma_cast_kernel(x_desc, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_col
     start, end = start.to(tl.int32), end.to(tl.int32)  # TMA coordinates are 32-bit
     scale = tl.load(scale_ptr + group, mask=in_group, other=1.0)
     scale_inv = tl.math.div_rn(1.0, scale)
+    # Bounds the compiler can prove multiples of 16 (the groups here are 16-row aligned), so
+    # the masks are constant over 16-row runs and the transposed stores go out 16 bytes at a time.
     first = start // 16 * 16
-    chunk = tl.cdiv(tl.cdiv(end - first, SPLIT), BR) * BR
+    last = end // 16 * 16
+    chunk = tl.cdiv(tl.cdiv(last - first, SPLIT), BR) * BR
     lo = first + part * chunk
-    hi = tl.minimum(lo + chunk, end)
+    hi = tl.minimum(lo + chunk, last)
     col_scale = tl.zeros_like(cols).to(tl.float32) + scale
     amax = tl.zeros([BR, BC], dtype=tl.float32)
     for r0 in tl.range(lo, hi, BR, num_stages=STAGES):
         x = x_desc.load([r0, c0]).to(tl.float32)
         rows = r0 + tl.arange(0, BR)
-        rmask = (rows >= start) & (rows < end)
+        rmask = (rows >= first) & (rows < hi)
         m = rmask[:, None] & cmask[None, :]
         x = tl.where(m, x, 0.0)
         tl.store(q_row_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
@@ -71,7 +132,7 @@ def _tma_cast_kernel(x_desc, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_col
     if tl.program_id(0) == 0:
         for r in range(lo, hi, 1024):
             rr = r + tl.arange(0, 1024)
-            tl.store(s_row_ptr + rr, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=(rr < hi) & (rr >= start))
+            tl.store(s_row_ptr + rr, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=(rr < hi) & (rr >= first))
     tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
              mask=cmask & in_group)
     tl.atomic_max(record_ptr + group, tl.max(tl.max(amax, 1), 0), mask=in_group)
@@ -127,17 +188,24 @@ def main() -> None:
                 "current": {"ms": ms, "tb_s": nbytes / ms / 1e9}}
         print(f"{name}: copy {case['bf16_copy_tb_s']:.2f} TB/s, current {ms:.3f} ms {nbytes / ms / 1e9:.2f} TB/s",
               flush=True)
-        for (br, bc), warps, stages, split in itertools.product(((32, 128), (64, 128), (128, 64), (128, 128)), (4, 8),
-                                                                (1, 3), (1, 4)):
-            key = f"{br}x{bc}_w{warps}_s{stages}_split{split}"
+        configs = [("ptr", *c) for c in itertools.product(((32, 128), (64, 128), (128, 64)), (4, 8), (0, 1), (1, 4))]
+        configs += [("tma", *c) for c in itertools.product(((64, 128), (128, 64), (128, 128)), (4, 8), (1, 3), (1, 4))]
+        for kind, (br, bc), warps, depth, split in configs:
+            # depth: the pointer kernel's PREFETCH (0 / 1), the TMA kernel's pipeline stages
+            key = f"{kind}_{br}x{bc}_w{warps}_{'prefetch' if kind == 'ptr' else 'stages'}{depth}_split{split}"
             got = outputs()
-            desc = TensorDescriptor(x, [total, cols], [cols, 1], [br, bc])
+            desc = TensorDescriptor(x, [total, cols], [cols, 1], [br, bc]) if kind == "tma" else None
 
             def ours():
                 q_row, s_row, q_col, s_col, record = got
-                _tma_cast_kernel[(triton.cdiv(cols, bc), groups, split)](
-                    desc, offsets, scale, q_row, s_row, q_col, s_col, record, total, cols, groups, total,
-                    BR=br, BC=bc, STAGES=stages, SPLIT=split, num_warps=warps)
+                grid = (triton.cdiv(cols, bc), groups, split)
+                if kind == "ptr":
+                    _prefetch_cast_kernel[grid](x, offsets, scale, q_row, s_row, q_col, s_col, record, total, cols,
+                                                groups, total, BR=br, BC=bc, PREFETCH=depth, SPLIT=split,
+                                                num_warps=warps)
+                else:
+                    _tma_cast_kernel[grid](desc, offsets, scale, q_row, s_row, q_col, s_col, record, total, cols,
+                                           groups, total, BR=br, BC=bc, STAGES=depth, SPLIT=split, num_warps=warps)
 
             try:
                 ours()
