@@ -48,24 +48,42 @@ from lightning_moe.kernels.launch import launch, on_launch_stream
 
 
 @triton.jit
-def _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
-    # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is the fused projection output
-    # ``h = [gate | up]`` ``[R, 2C]`` and the operand is ``silu(gate) * up`` computed and rounded
-    # to ``h``'s dtype exactly as ``kernels.swiglu_triton`` does, so the cast sees the values the
-    # SwiGLU kernel would have written. With GATHER ``x`` is ``[T, C]`` and operand row ``r`` is
-    # ``x[src[r]]``, zero where ``src[r] == T`` (a padding row): the permutation's gather, read
-    # straight into the cast instead of written out first. ``m`` is ``row_mask`` x the columns'.
+def _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
+    # The tile(s) of ``x`` the operand's rows are made of, in ``x``'s dtype, as a pair: (gate, up)
+    # with SWIGLU, else the rows twice (see `_operand_from_raw`). ``m`` is ``row_mask`` x the
+    # columns'.
     if GATHER:
         src = tl.load(src_ptr + rows, mask=row_mask, other=T)
         held = m & (src < T)[:, None]
-        return tl.load(x_ptr + src[:, None].to(tl.int64) * C + cols[None, :], mask=held, other=0.0).to(tl.float32)
+        a = tl.load(x_ptr + src[:, None].to(tl.int64) * C + cols[None, :], mask=held, other=0.0)
+        return a, a
     if SWIGLU:
         base = rows[:, None].to(tl.int64) * (2 * C) + cols[None, :]
-        gate = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + base + C, mask=m, other=0.0).to(tl.float32)
-        a = gate * tl.sigmoid(gate) * up
-        return a.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        return tl.load(x_ptr + base, mask=m, other=0.0), tl.load(x_ptr + base + C, mask=m, other=0.0)
+    a = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
+    return a, a
+
+
+@triton.jit
+def _operand_from_raw(a, b, SWIGLU: tl.constexpr):
+    # fp32 tile of the operand from `_load_raw`'s pair. With SWIGLU the pair is (gate, up) of the
+    # fused projection output ``h = [gate | up]`` and the operand is ``silu(gate) * up`` computed
+    # and rounded to ``h``'s dtype exactly as ``kernels.swiglu_triton`` does, so the cast sees the
+    # values the SwiGLU kernel would have written.
+    if SWIGLU:
+        gate = a.to(tl.float32)
+        return (gate * tl.sigmoid(gate) * b.to(tl.float32)).to(a.dtype).to(tl.float32)
+    return a.to(tl.float32)
+
+
+@triton.jit
+def _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
+    # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is ``h = [gate | up]`` ``[R, 2C]``
+    # (see `_operand_from_raw`). With GATHER ``x`` is ``[T, C]`` and operand row ``r`` is
+    # ``x[src[r]]``, zero where ``src[r] == T`` (a padding row): the permutation's gather, read
+    # straight into the cast instead of written out first.
+    a, b = _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
+    return _operand_from_raw(a, b, SWIGLU)
 
 
 @triton.jit
@@ -110,6 +128,15 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
     row_mask = (rows >= lo) & (rows < hi)
     m = row_mask[:, None] & cmask[None, :]
     x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
+    return _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
+                       WRITE_ROW, WRITE_COL, AMAX_2D)
+
+
+@triton.jit
+def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
+                WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, AMAX_2D: tl.constexpr):
+    # The fp32 operand tile ``x`` (rows ``rows``, valid where ``m``) cast into the requested copies;
+    # returns the running amax (see `_delayed_cast_tile`).
     if WRITE_ROW:
         tl.store(q_row_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
     if WRITE_COL:
@@ -131,7 +158,8 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
                          record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr,
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, AMAX_2D: tl.constexpr = False,
-                         GROUP_AXIS: tl.constexpr = 0, GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0):
+                         GROUP_AXIS: tl.constexpr = 0, GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0,
+                         PREFETCH: tl.constexpr = False):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
     group = tl.program_id(GROUP_AXIS)
@@ -150,7 +178,25 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
                               GATHER, 16)
     # No software pipelining of the body loop: 3 stages measured no faster
     # (fp8_quant_tune_delayed_variants_transpose_stages.json).
-    if AMAX_2D:
+    if PREFETCH:
+        # The next tile's load is issued before this tile is cast: two tiles in flight per
+        # program, the next one held in ``x``'s dtype (1.17x the bandwidth of one at a time at
+        # qwen3's operands, fp8_cast_tma_tune_s20f.json).
+        body_amax = tl.zeros([BR, BC], dtype=tl.float32)
+        tile_rows = lo + tl.arange(0, BR)
+        ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols, (tile_rows < hi)[:, None] & cmask[None, :],
+                                     C, SWIGLU, src_ptr, T, GATHER)
+        for r0 in tl.range(lo, hi, BR, num_stages=1):
+            tile_rows = r0 + tl.arange(0, BR)
+            x = _operand_from_raw(ahead_a, ahead_b, SWIGLU)
+            next_rows = tile_rows + BR
+            ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols,
+                                         (next_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER)
+            body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr,
+                                    cols, scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL,
+                                    True)
+        amax = tl.maximum(amax, tl.max(body_amax, 0))
+    elif AMAX_2D:
         body_amax = tl.zeros([BR, BC], dtype=tl.float32)
         for r0 in tl.range(lo, hi, BR, num_stages=1):
             body_amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
@@ -337,17 +383,19 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         )
         return
     align, aligned_ends_ptr = _column_layout(aligned_ends, dummy)
-    # Launch shape from fp8_quant_tune_delayed_variants_*.json (H200, both copies of the FP8 block's
-    # operands): 64 x 128 tiles whose amax is kept per element until the loop ends, column blocks
-    # on the grid's fast axis; 2.5-3.0 TB/s against 2.1-2.6 for the former 128 x 64 tiles reduced
-    # per tile (a bf16 copy of the same tensors: 4.0-4.25 TB/s).
+    # Launch shape from fp8_quant_tune_delayed_variants_*.json and fp8_cast_tma_tune_s20f.json (H200,
+    # both copies of the FP8 block's operands): amax kept per element until the loop ends, column
+    # blocks on the grid's fast axis (2.5-3.0 TB/s against 2.1-2.6 for an amax reduced per tile),
+    # then 128 x 64 tiles with the next one's load in flight (2.9-3.3 TB/s; a bf16 copy of the same
+    # tensors: 4.0-4.25 TB/s).
+    block_r, block_c = 128, 64
     launch(
-        _delayed_cast_kernel, (triton.cdiv(cols, 128), cast_groups),
+        _delayed_cast_kernel, (triton.cdiv(cols, block_c), cast_groups),
         x_RC, offsets_G, scale_G, cur_amax,
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
         rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=64, BC=128, AMAX_2D=True, GROUP_AXIS=1, GATHER=gather, ALIGN=align, num_warps=4,
+        BR=block_r, BC=block_c, AMAX_2D=True, GROUP_AXIS=1, GATHER=gather, ALIGN=align, PREFETCH=True, num_warps=4,
     )
