@@ -1,5 +1,6 @@
-"""FP8 grouped GEMM for many small experts (Hopper, Triton): the forward and data-gradient
-products of a grouped expert layer with rowwise scales.
+"""FP8 grouped GEMMs for many small experts (Hopper, Triton): the forward and data-gradient
+products of a grouped expert layer with rowwise scales (`grouped_mm_fprop`), and its weight
+gradient on an aligned group layout (`grouped_mm_wgrad`, see there).
 
 ``out[rows of e] = (a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``
 

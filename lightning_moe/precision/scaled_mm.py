@@ -519,10 +519,11 @@ def _per_group_rows(scale_inv: Tensor, rows: Axis, groups: int) -> Tensor:
 # small (qwen3, 128 experts: 143 vs 939): per-expert launches then dominate.
 PER_EXPERT_MAX_EXPERTS = 32
 
-# Our Triton grouped GEMM (``kernels.fp8_grouped_gemm_triton``) for the forward and data-gradient
-# products with fast accumulation on Hopper, without the per-expert products' host sync:
+# Our Triton grouped GEMMs (``kernels.fp8_grouped_gemm_triton``) for the products with fast
+# accumulation on Hopper, without the per-expert products' host sync. Forward and data gradient:
 # fp8_grouped_tune_s19d.json, qwen3 1.18-1.51x torch's grouped kernel; mixtral fc2 and deepseek
-# fc2 1.10x / 1.23x the per-expert products; mixtral fc1 0.98x them (s19b, an earlier variant). Off with
+# fc2 1.10x / 1.23x the per-expert products; mixtral fc1 0.98x them (s19b, an earlier variant).
+# Weight gradient: fp8_grouped_tune_s20a_wgrad.json, 1.11-1.29x torch's grouped kernel. Off with
 # ``LIGHTNING_MOE_TRITON_GROUPED_GEMM=0`` (read at each call) or by setting this False.
 TRITON_GROUPED_GEMM = True
 
