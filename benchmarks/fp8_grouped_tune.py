@@ -33,39 +33,45 @@ CASES = {
     "deepseek_fc2": (32, 65536, 2048, 7168),
 }
 
-# Weight gradients (experts, total rows, M, N): dw [E, M, N] = a [M, rows of e] @ b [N, rows of e]^T.
-# Earlier Triton kernels that read the 16-aligned layout and zeroed the next group's tokens in
-# registers lost to torch's grouped kernel: fp8_grouped_tune_s19b/c.json (a loop over tiles, this
-# script at 5b5a0ed) and s19f_wgrad.json (flattened, at 1f38f4e): 0.43-0.88x. These cases time
-# `grouped_mm_wgrad` on the aligned group layout (WGRAD_GROUP_ALIGN) against torch's kernel on the
-# 16-aligned layout it reads today.
-WGRAD_CASES = {
-    "qwen3_fc1_wgrad": (128, 131072, 2048, 1536),
-    "qwen3_fc2_wgrad": (128, 131072, 768, 2048),
-    "mixtral_fc1_wgrad": (8, 16384, 4096, 28672),
-    "mixtral_fc2_wgrad": (8, 16384, 14336, 4096),
-    "deepseek_fc1_wgrad": (32, 65536, 7168, 4096),
-    "deepseek_fc2_wgrad": (32, 65536, 2048, 7168),
-}
+# Weight gradients (experts, total rows, M, N): dw [E, M, N] = a [M, rows of e] @ b [N, rows of e]^T,
+# the forward products' shapes (M = K, N = O). Earlier Triton kernels that read the 16-aligned
+# layout and zeroed the next group's tokens in registers lost to torch's grouped kernel:
+# fp8_grouped_tune_s19b/c.json (a loop over tiles, this script at 5b5a0ed) and s19f_wgrad.json
+# (flattened, at 1f38f4e): 0.43-0.88x. These cases time `grouped_mm_wgrad` on the aligned group
+# layout (WGRAD_GROUP_ALIGN) against torch's kernel on the 16-aligned layout it reads otherwise.
+WGRAD_CASES = {f"{name}_wgrad": shape for name, shape in CASES.items() if not name.endswith("_dgrad")}
 
-WGRAD_CONFIGS = [
-    (128, 256, 128, 8, 3),
-    (128, 256, 128, 8, 4),
-    (256, 128, 128, 8, 4),
-    (128, 256, 64, 8, 4),
-    (128, 128, 128, 4, 4),
-]
-
-
-# (block_m, block_n, block_k, num_warps, num_stages). The kernel's variants measured before
-# (fp8_grouped_tune_s19a/b/d.json): a loop over groups with a tile loop inside ("loop", s19a/b),
-# the same single tile loop as now without the compiler's flattening ("flat", s19d).
+# (block_m, block_n, block_k, num_warps, num_stages). The forward kernel's variants measured
+# before (fp8_grouped_tune_s19a/b/d.json): a loop over groups with a tile loop inside ("loop",
+# s19a/b), the same single tile loop as now without the compiler's flattening ("flat", s19d).
 CONFIGS = [
     (128, 256, 128, 8, 3),
     (128, 256, 128, 8, 4),
     (128, 256, 64, 8, 4),
     (128, 128, 128, 4, 4),
 ]
+WGRAD_CONFIGS = CONFIGS + [(256, 128, 128, 8, 4)]
+
+
+def _sweep(case: dict, configs: list, run, ref: torch.Tensor, flops: float, iters: int) -> None:
+    """Time ``run(block_m, block_n, block_k, num_warps, num_stages)`` per configuration into
+    ``case``, with its relative error against ``ref``."""
+    for bm, bn, bk, warps, stages in configs:
+        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
+
+        def ours() -> torch.Tensor:
+            return run(bm, bn, bk, warps, stages)
+
+        try:
+            out = ours()
+            err = relative_error(out.float(), ref.float())
+            ms = cuda_time_pipelined_ms(ours, iters=iters)
+        except Exception as exc:  # a configuration the compiler or the GPU refuses
+            case[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            print(f"  {key}: {case[key]['error']}", flush=True)
+            continue
+        case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err}
+        print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e}", flush=True)
 
 
 def _groups(experts: int, rows: int, align: int = 16, seed: int = 0) -> torch.Tensor:
@@ -112,23 +118,12 @@ def wgrad_case(name: str, iters: int) -> dict:
     case = {"shape_E_R_M_N": [experts, total, m, n], "aligned_columns": int(aligned_ends[-1]),
             "torch_scaled_grouped_mm": {"ms": ms, "tflops": flops / ms / 1e9}}
     print(f"{name}: torch {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-    for bm, bn, bk, warps, stages in WGRAD_CONFIGS:
-        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
 
-        def ours() -> torch.Tensor:
-            return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
-                                    block_k=bk, num_warps=warps, num_stages=stages)
+    def ours(bm: int, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
+        return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,
+                                num_warps=warps, num_stages=stages)
 
-        try:
-            out = ours()
-            err = relative_error(out.float(), ref.float())
-            ms = cuda_time_pipelined_ms(ours, iters=iters)
-        except Exception as exc:  # a configuration the compiler or the GPU refuses
-            case[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-            print(f"  {key}: {case[key]['error']}", flush=True)
-            continue
-        case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err}
-        print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e}", flush=True)
+    _sweep(case, WGRAD_CONFIGS, ours, ref, flops, iters)
     return case
 
 
@@ -173,23 +168,12 @@ def main() -> None:
             ms = cuda_time_pipelined_ms(per_expert_mm, iters=args.iters)
             case["torch_scaled_mm_per_expert"] = {"ms": ms, "tflops": flops / ms / 1e9}
             print(f"  per-expert _scaled_mm {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        for bm, bn, bk, warps, stages in CONFIGS:
-            key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
 
-            def ours() -> torch.Tensor:
-                return grouped_mm_fprop(a, sa, b, sb, ends, block_m=bm, block_n=bn, block_k=bk,
-                                        num_warps=warps, num_stages=stages)
+        def ours(bm: int, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
+            return grouped_mm_fprop(a, sa, b, sb, ends, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                    num_stages=stages)
 
-            try:
-                out = ours()
-                err = relative_error(out.float(), ref.float())
-                ms = cuda_time_pipelined_ms(ours, iters=args.iters)
-            except Exception as exc:  # a configuration the compiler or the GPU refuses
-                case[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                print(f"  {key}: {case[key]['error']}", flush=True)
-                continue
-            case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err}
-            print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e}", flush=True)
+        _sweep(case, CONFIGS, ours, ref, flops, args.iters)
         results[name] = case
     write_results("fp8_grouped_tune" + (f"_{args.tag}" if args.tag else ""), {"cases": results})
 
