@@ -523,7 +523,7 @@ PER_EXPERT_MAX_EXPERTS = 32
 # accumulation on Hopper, without the per-expert products' host sync. Forward and data gradient:
 # fp8_grouped_tune_s19d.json, qwen3 1.18-1.51x torch's grouped kernel; mixtral fc2 and deepseek
 # fc2 1.10x / 1.23x the per-expert products; mixtral fc1 0.98x them (s19b, an earlier variant).
-# Weight gradient: fp8_grouped_tune_s20a_wgrad.json, 1.11-1.29x torch's grouped kernel. Off with
+# Weight gradient: fp8_grouped_tune_s20a_wgrad.json, 1.07-1.29x torch's grouped kernel. Off with
 # ``LIGHTNING_MOE_TRITON_GROUPED_GEMM=0`` (read at each call) or by setting this False.
 TRITON_GROUPED_GEMM = True
 
