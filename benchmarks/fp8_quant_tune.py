@@ -148,31 +148,33 @@ DELAYED_BOTH = {
 
 
 def tune_delayed_variants() -> dict:
-    """`_delayed_cast_kernel` writing both copies, per (tile, warps, 2-D amax, grid order): GB/s
+    """`_delayed_cast_kernel` writing both copies, per (tile, warps, grid order): GB/s
     over one bf16 read and two float8 writes, beside a bf16 copy of the same tensor (read 2 +
     write 2 bytes per element, the bandwidth a streaming kernel reaches). Every variant's bytes
     must equal the first configuration's (the former launch shape). Groups here are 16-row
     aligned and all have a history scale, so the head / tail tiles and the missing-amax pass
     are not timed.
 
-    The configurations below are the third sweep's (``..._grid_order.json``). The first two are
-    kept as ``fp8_quant_tune_delayed_variants_{transpose_stages,amax2d}.json``: explicitly
-    transposed tiles and 3-stage loop pipelining (no gain; those kernel options were removed
-    since), then the 2-D amax."""
+    The first three sweeps are kept as ``fp8_quant_tune_delayed_variants_{transpose_stages,amax2d,
+    grid_order}.json``: explicitly transposed tiles and 3-stage loop pipelining (no gain), the 2-D
+    amax (kept), the grid order (column blocks fastest, kept); the kernel options they compared
+    were removed since, the last with the next tile's prefetch (fp8_cast_tma_tune_s20f.json), so
+    this sweep now runs the prefetching kernel's tiles, warps and grid order."""
     from lightning_moe.kernels import fp8_delayed_triton as fd
 
     out = {}
-    # (BR, BC, warps, amax_2d, group_axis); the first is the old default and the reference.
-    configs = [(128, 64, 4, False, 0)] + [
-        (br, bc, warps, True, group_axis)
+    # (BR, BC, warps, group_axis); the first is the library's launch and the reference.
+    configs = [(128, 64, 4, 1)] + [
+        (br, bc, warps, group_axis)
         for group_axis in (0, 1)
-        for (br, bc) in ((64, 128), (32, 128), (32, 256), (16, 256), (128, 128), (64, 64))
-        for warps in (4, 8)]
-    keys = ("BR", "BC", "warps", "amax_2d", "group_axis")
+        for (br, bc) in ((64, 128), (32, 128), (64, 64), (128, 128), (128, 64))
+        for warps in (4, 8)
+        if (br, bc, warps, group_axis) != (128, 64, 4, 1)]
+    keys = ("BR", "BC", "warps", "group_axis")
 
     def cast_fn(x, offsets, scale, cur_amax, groups, config, write_row=True, write_col=True):
         """(launch, outputs) of one configuration on fresh output buffers."""
-        br, bc, warps, amax_2d, group_axis = config
+        br, bc, warps, group_axis = config
         total, cols = x.shape
         q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
         q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
@@ -184,8 +186,8 @@ def tune_delayed_variants() -> dict:
             fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
                                           cols, groups, total, 0, record, 0, record, WRITE_ROW=write_row,
                                           WRITE_COL=write_col,
-                                          RECORD=True, SWIGLU=False, BR=br, BC=bc, AMAX_2D=amax_2d,
-                                          GROUP_AXIS=group_axis, num_warps=warps)
+                                          RECORD=True, SWIGLU=False, BR=br, BC=bc, GROUP_AXIS=group_axis,
+                                          num_warps=warps)
         return launch, [q_row.view(torch.uint8), q_col.view(torch.uint8), s_row, s_col, record]
 
     for name, (groups, rows, cols) in DELAYED_BOTH.items():

@@ -119,24 +119,24 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_p
 @triton.jit
 def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
                        stride_qc, amax, src_ptr, T, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
-                       SWIGLU: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, AMAX_2D: tl.constexpr = False):
+                       SWIGLU: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr):
     # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
-    # copies; returns the running amax (for the record): per column ``[BC]``, or with AMAX_2D
-    # per element ``[BR, BC]``, which needs no reduction across the tile's rows (threads and
-    # warps) until the loop ends.
+    # copies (a group's unaligned head and tail); returns the running per-column amax ``[BC]``.
     rows = r0 + tl.arange(0, BR)
     row_mask = (rows >= lo) & (rows < hi)
     m = row_mask[:, None] & cmask[None, :]
     x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
     return _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
-                       WRITE_ROW, WRITE_COL, AMAX_2D)
+                       WRITE_ROW, WRITE_COL, False)
 
 
 @triton.jit
 def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
                 WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, AMAX_2D: tl.constexpr):
     # The fp32 operand tile ``x`` (rows ``rows``, valid where ``m``) cast into the requested copies;
-    # returns the running amax (see `_delayed_cast_tile`).
+    # returns the running amax (for the record): per column ``[BC]``, or with AMAX_2D per element
+    # ``[BR, BC]``, which needs no reduction across the tile's rows (threads and warps) until the
+    # loop ends.
     if WRITE_ROW:
         tl.store(q_row_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
     if WRITE_COL:
@@ -157,9 +157,8 @@ def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_bas
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
                          record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr,
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
-                         SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, AMAX_2D: tl.constexpr = False,
-                         GROUP_AXIS: tl.constexpr = 0, GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0,
-                         PREFETCH: tl.constexpr = False):
+                         SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
+                         GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
     group = tl.program_id(GROUP_AXIS)
@@ -176,38 +175,24 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
                               in_group, out_base, C, stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU,
                               GATHER, 16)
-    # No software pipelining of the body loop: 3 stages measured no faster
-    # (fp8_quant_tune_delayed_variants_transpose_stages.json).
-    if PREFETCH:
-        # The next tile's load is issued before this tile is cast: two tiles in flight per
-        # program, the next one held in ``x``'s dtype (1.17x the bandwidth of one at a time at
-        # qwen3's operands, fp8_cast_tma_tune_s20f.json).
-        body_amax = tl.zeros([BR, BC], dtype=tl.float32)
-        tile_rows = lo + tl.arange(0, BR)
-        ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols, (tile_rows < hi)[:, None] & cmask[None, :],
+    # The body [lo, hi), whose bounds are multiples of 16: the next tile's load is issued before
+    # this tile is cast, so two tiles are in flight per program, the next one held in ``x``'s
+    # dtype (1.17x the bandwidth of one at a time at qwen3's operands, fp8_cast_tma_tune_s20f.json;
+    # the compiler's software pipelining, 3 stages, measured no faster:
+    # fp8_quant_tune_delayed_variants_transpose_stages.json). The amax is kept per element.
+    body_amax = tl.zeros([BR, BC], dtype=tl.float32)
+    tile_rows = lo + tl.arange(0, BR)
+    ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols, (tile_rows < hi)[:, None] & cmask[None, :],
+                                 C, SWIGLU, src_ptr, T, GATHER)
+    for r0 in tl.range(lo, hi, BR, num_stages=1):
+        tile_rows = r0 + tl.arange(0, BR)
+        x = _operand_from_raw(ahead_a, ahead_b, SWIGLU)
+        next_rows = tile_rows + BR
+        ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols, (next_rows < hi)[:, None] & cmask[None, :],
                                      C, SWIGLU, src_ptr, T, GATHER)
-        for r0 in tl.range(lo, hi, BR, num_stages=1):
-            tile_rows = r0 + tl.arange(0, BR)
-            x = _operand_from_raw(ahead_a, ahead_b, SWIGLU)
-            next_rows = tile_rows + BR
-            ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols,
-                                         (next_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER)
-            body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr,
-                                    cols, scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL,
-                                    True)
-        amax = tl.maximum(amax, tl.max(body_amax, 0))
-    elif AMAX_2D:
-        body_amax = tl.zeros([BR, BC], dtype=tl.float32)
-        for r0 in tl.range(lo, hi, BR, num_stages=1):
-            body_amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
-                                           out_base, C, stride_qc, body_amax, src_ptr, T, WRITE_ROW, WRITE_COL,
-                                           SWIGLU, GATHER, BR, True)
-        amax = tl.maximum(amax, tl.max(body_amax, 0))
-    else:
-        for r0 in tl.range(lo, hi, BR, num_stages=1):
-            amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group,
-                                      out_base, C, stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER,
-                                      BR)
+        body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr, cols,
+                                scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, True)
+    amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16)
     if WRITE_ROW:
@@ -397,5 +382,5 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         record_G if record_G is not None else dummy,
         rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=block_r, BC=block_c, AMAX_2D=True, GROUP_AXIS=1, GATHER=gather, ALIGN=align, PREFETCH=True, num_warps=4,
+        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, num_warps=4,
     )

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_moe.kernels import WGRAD_GROUP_ALIGN
 from lightning_moe.kernels.launch import launch
 
 
@@ -134,11 +135,6 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
 
 
 
-# The weight-gradient kernel's token groups start at multiples of this many columns of its
-# operands, the gaps zero: a tile's contraction then never reads the next group's tokens, so
-# every block comes in by TMA and goes to the tensor cores untouched (masking the next group's
-# tokens in registers cost 0.43-0.88x torch's kernel: fp8_grouped_tune_s19f_wgrad.json).
-WGRAD_GROUP_ALIGN = 128
 
 
 @triton.jit

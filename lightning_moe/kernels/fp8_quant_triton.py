@@ -305,6 +305,6 @@ def _column_layout(aligned_ends: Optional[Tensor], dummy: Tensor) -> tuple[int, 
     group alignment with ``aligned_ends``, else 0 and ``dummy`` (never dereferenced)."""
     if aligned_ends is None:
         return 0, dummy
-    from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN
+    from lightning_moe.kernels import WGRAD_GROUP_ALIGN
 
     return WGRAD_GROUP_ALIGN, aligned_ends.contiguous()

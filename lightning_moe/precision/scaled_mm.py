@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe.kernels import WGRAD_GROUP_ALIGN
 from lightning_moe.precision.delayed import DelayedState
 from lightning_moe.precision.formats import E4M3, E5M2
 from lightning_moe.precision.gemm import compute_dtype, no_autocast
@@ -250,13 +251,14 @@ def _transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int
 
     ``aligned_groups`` > 0: room for that many groups in the aligned group layout of the Triton
     weight-gradient kernel (`_wgrad_aligned_ends`), which the quantizer writes whole (gaps
-    included); what lies past the last aligned end is never read and stays unwritten."""
+    included); what lies past the last aligned end is never read and stays unwritten. The bound
+    holds for groups of whole 16-row runs only (`_assert_groups_aligned` first): up to
+    ``aligned_groups * 112`` columns more than the plain copy (11% at 128 experts of ~1,000
+    tokens, about half of it written)."""
     rows = t_RC.shape[0] if rows is None else rows
     cols = t_RC.shape[1] if cols is None else cols
     padded = -(-rows // _ALIGN) * _ALIGN
     if aligned_groups:
-        from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN
-
         # Groups of whole 16-row runs grow by at most ALIGN - 16 rows each: a bound without the
         # group sizes on the host.
         return torch.empty(cols, padded + aligned_groups * (WGRAD_GROUP_ALIGN - _ALIGN), dtype=torch.float8_e4m3fn,
@@ -269,14 +271,17 @@ def _transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int
 def _wgrad_aligned_ends(offsets_E: Tensor) -> Tensor:
     """int32 ``[E]`` cumulative ends of the aligned group layout that `grouped_mm_wgrad` reads:
     each group's size rounded up to ``WGRAD_GROUP_ALIGN``. Made once per offsets tensor and
-    version (the layer's two projections and their backwards share it)."""
-    from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN
+    version (the layer's two projections and their backwards share it); under CUDA-graph
+    capture made afresh each call, so that the graph computes it from the offsets it replays
+    with and no graph-pool tensor is kept on an eager one (as `_expert_row_ends`)."""
     from lightning_moe.nn.permutation import round_up
 
     def make() -> Tensor:
         sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
         return round_up(sizes, WGRAD_GROUP_ALIGN).cumsum(0).to(torch.int32)
 
+    if offsets_E.is_cuda and torch.cuda.is_current_stream_capturing():
+        return make()
     return _once_per_version(offsets_E, "_wgrad_aligned_ends", make)
 
 
@@ -744,8 +749,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 source = x if gather is None or x.dtype == out_dtype else x.to(out_dtype)
                 # Our weight-gradient kernel where it runs: the transposed copies (this input's now,
                 # the gradient's in the backward) are then cast into its aligned group layout.
-                wgrad_aligned_ends = (_wgrad_aligned_ends(offsets)
-                                      if needs_backward and _triton_grouped(x, recipe.fast("wgrad")) else None)
+                wgrad_aligned_ends = None
+                if needs_backward and _triton_grouped(x, recipe.fast("wgrad")):
+                    # The aligned layout's buffer bound holds for 16-row groups only: checked on the
+                    # device before the first cast writes it (once per offsets tensor and version).
+                    _assert_groups_aligned(offsets)
+                    wgrad_aligned_ends = _wgrad_aligned_ends(offsets)
                 qx, sx_R, qx_t, sx_t = quantizer.activation(
                     source, offsets, "input", needs_backward, swiglu=input_swiglu,
                     gather_rows=None if gather is None else gather.row_token_R, aligned_ends=wgrad_aligned_ends)
@@ -801,7 +810,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, w, offsets)
         ctx.input_swiglu, ctx.gather, ctx.triton_dgrad = input_swiglu, gather, triton_dgrad
-        ctx.wgrad_aligned_ends = wgrad_aligned_ends
+        # Whether the transposed copies are in the aligned layout. The backward takes the ends from
+        # the saved offsets, as the saved input copy (which activation checkpointing recomputes).
+        ctx.wgrad_aligned = wgrad_aligned_ends is not None
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         ctx.fused, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = fused, x.dtype, w.dtype, w.shape
         return y.to(out_dtype)
@@ -825,10 +836,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
                     qw, sw_EK = ctx.weight_dgrad
                 else:
                     qw, sw_EK = quantizer.weight_dgrad(w)
+                wgrad_aligned_ends = _saved_wgrad_layout(qx_t, offsets, dy.shape[0], ctx.wgrad_aligned)
                 qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True,
-                                                                aligned_ends=ctx.wgrad_aligned_ends)
+                                                                aligned_ends=wgrad_aligned_ends)
             else:
                 x, w, _ = saved
+                wgrad_aligned_ends = None
                 qdy, sdy, rdy, _ = quantize_operand(dy, recipe, "grad", Layout(row_offsets=offsets), state, True, E4M3)
 
                 def weight_dgrad() -> tuple[Tensor, Tensor]:
@@ -847,7 +860,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dx = _group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ends,
                              fast=recipe.fast("dgrad"), triton=ctx.triton_dgrad)
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
-                                        fast=recipe.fast("wgrad"), aligned_ends=ctx.wgrad_aligned_ends)
+                                        fast=recipe.fast("wgrad"), aligned_ends=wgrad_aligned_ends)
             dx = dx.to(ctx.x_dtype)
             if ctx.input_swiglu:
                 from lightning_moe.kernels.swiglu_triton import swiglu_backward
@@ -859,6 +872,21 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
             dx = permute_backward(dx, ctx.gather)  # the gradient of the permutation the cast read
         return dx, dw.to(ctx.w_dtype), *(None,) * 9
+
+
+def _saved_wgrad_layout(qx_t: Tensor, offsets: Tensor, rows: int, aligned: bool) -> Optional[Tensor]:
+    """The aligned ends when the forward cast its input's transposed copy ``qx_t`` into the
+    aligned layout (``aligned``), else None, after checking that the saved copy (recomputed under
+    activation checkpointing) has the width of that layout: a recompute that decided otherwise
+    (the Triton switch flipped in between) would give a wrong weight gradient silently."""
+    width = -(-rows // _ALIGN) * _ALIGN
+    if aligned:
+        width += offsets.numel() * (WGRAD_GROUP_ALIGN - _ALIGN)
+    if qx_t.shape[1] != width:
+        raise RuntimeError("FP8 grouped GEMM: the saved input copy is not in the layout its forward chose for the "
+                           "weight gradient (was LIGHTNING_MOE_TRITON_GROUPED_GEMM or scaled_mm.TRITON_GROUPED_GEMM "
+                           "changed between a forward and its recompute?); keep it fixed during a step")
+    return _wgrad_aligned_ends(offsets) if aligned else None
 
 
 def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,

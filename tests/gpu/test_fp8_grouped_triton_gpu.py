@@ -171,10 +171,9 @@ def _wgrad_operands(ends, m, n, seed=0):
 def test_weight_gradient_has_torchs_bits(ends, m, n):
     """`grouped_mm_wgrad` on the aligned layout: torch's 2-D x 2-D product on the 16-aligned one,
     bit for bit; an expert without tokens gets zeros; and close to fp32 products."""
-    from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN, grouped_mm_wgrad
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
 
     a, sa, b, sb, ends_t, a_aligned, b_aligned, aligned_ends = _wgrad_operands(ends, m, n)
-    assert (aligned_ends % WGRAD_GROUP_ALIGN == 0).all()
     ref = torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1), sb.reshape(-1), offs=ends_t, out_dtype=torch.bfloat16,
                                    use_fast_accum=True)
     out = grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends)
@@ -201,18 +200,25 @@ def test_weight_gradient_launch_configurations_agree():
         assert torch.equal(out, base)
 
 
+@pytest.mark.parametrize("groups", ["uneven", "full"])
 @pytest.mark.parametrize("kind", ["delayed", "swiglu", "gather", "rowwise"])
-def test_casts_write_the_aligned_group_layout(kind):
+def test_casts_write_the_aligned_group_layout(kind, groups):
     """Each cast that makes a weight-gradient operand writes, with ``aligned_ends``, the same bytes
     as into the 16-aligned layout, each group moved to its aligned start, and zeros up to its
-    aligned end (over a buffer filled with other bytes); the scales are the same."""
+    aligned end, over a buffer filled with other bytes that stay past the last aligned end; the
+    scales are the same. "full": groups of 16 rows and no tail, whose aligned layout fills the
+    buffer to its last column."""
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
     from lightning_moe.kernels.fp8_quant_triton import dual_quantize
     from lightning_moe.precision.scaled_mm import _transposed_out, _wgrad_aligned_ends
 
     torch.manual_seed(0)
-    rows, cols, tokens = 700, 200, 300
-    ends = [0, 48, 48, 352, 688]  # an empty first group, an empty middle one; rows 688.. are the tail
+    if groups == "uneven":
+        rows, cols, tokens = 700, 200, 300
+        ends = [0, 48, 48, 352, 688]  # an empty first group, an empty middle one; rows 688.. are the tail
+    else:
+        rows, cols, tokens = 80, 200, 30
+        ends = [16, 32, 48, 64, 80]
     offsets = torch.tensor(ends, device="cuda", dtype=torch.int32)
     aligned_ends = _wgrad_aligned_ends(offsets)
     scale = torch.tensor([0.0, 2.0, 0.0, 0.5, 0.0], device="cuda")
@@ -227,7 +233,7 @@ def test_casts_write_the_aligned_group_layout(kind):
                             stride_out_col=out_col.shape[1], swiglu=kind == "swiglu", gather_rows=gather,
                             aligned_ends=aligned)
 
-    plain = torch.zeros(cols, 704, device="cuda", dtype=torch.float8_e4m3fn)
+    plain = torch.zeros(cols, -(-rows // 16) * 16, device="cuda", dtype=torch.float8_e4m3fn)
     ref = cast(plain, None)
     aligned = _transposed_out(x, cols, rows=rows, aligned_groups=len(ends))
     aligned.view(torch.uint8).fill_(0x55)
@@ -241,3 +247,5 @@ def test_casts_write_the_aligned_group_layout(kind):
         assert torch.equal(moved, plain[:, start:end].view(torch.uint8))
         assert (aligned[:, aligned_start + end - start:aligned_end].view(torch.uint8) == 0).all()
         start, aligned_start = end, aligned_end
+    assert (aligned[:, aligned_start:].view(torch.uint8) == 0x55).all()  # nothing written past the layout
+    assert groups == "uneven" or aligned_start == aligned.shape[1]
