@@ -94,14 +94,13 @@ def _aligned_copy(t_MR: torch.Tensor, ends: torch.Tensor, aligned_ends: torch.Te
 
 
 def wgrad_case(name: str, iters: int) -> dict:
-    from lightning_moe.kernels.fp8_grouped_gemm_triton import WGRAD_GROUP_ALIGN, grouped_mm_wgrad
-    from lightning_moe.precision.scaled_mm import _group_weight_gradient
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
+    from lightning_moe.precision.scaled_mm import _group_weight_gradient, _wgrad_aligned_ends
 
     experts, rows, m, n = WGRAD_CASES[name]
     ends = _groups(experts, rows).cuda()
     total = int(ends[-1])
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    aligned_ends = round_up(sizes, WGRAD_GROUP_ALIGN).cumsum(0).to(torch.int32)
+    aligned_ends = _wgrad_aligned_ends(ends)
     torch.manual_seed(0)
     a = torch.randn(m, round_up(total, 16), device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, round_up(total, 16), device="cuda").to(torch.float8_e4m3fn)

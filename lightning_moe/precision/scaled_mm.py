@@ -243,6 +243,13 @@ def _both_weight_layouts_now(recipe: FP8Recipe, needs_backward: bool) -> bool:
     return needs_backward and recipe.quantize_weights_once is not False
 
 
+def _transposed_width(rows: int, aligned_groups: int = 0) -> int:
+    """Columns of `_transposed_out`'s buffer for ``rows`` rows: ``rows`` padded to 16, plus, in the
+    aligned group layout of ``aligned_groups`` groups of whole 16-row runs, the most each group
+    can grow (``WGRAD_GROUP_ALIGN - 16``): a bound without the group sizes on the host."""
+    return -(-rows // _ALIGN) * _ALIGN + aligned_groups * (WGRAD_GROUP_ALIGN - _ALIGN)
+
+
 def _transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int] = None,
                     aligned_groups: int = 0) -> Tensor:
     """Float8 ``[C, R]`` for ``t^T`` (``C`` = ``cols``, ``R`` = ``rows``, default ``t``'s) with
@@ -257,14 +264,9 @@ def _transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int
     tokens, about half of it written)."""
     rows = t_RC.shape[0] if rows is None else rows
     cols = t_RC.shape[1] if cols is None else cols
-    padded = -(-rows // _ALIGN) * _ALIGN
-    if aligned_groups:
-        # Groups of whole 16-row runs grow by at most ALIGN - 16 rows each: a bound without the
-        # group sizes on the host.
-        return torch.empty(cols, padded + aligned_groups * (WGRAD_GROUP_ALIGN - _ALIGN), dtype=torch.float8_e4m3fn,
-                           device=t_RC.device)
-    q_CR = torch.empty(cols, padded, dtype=torch.float8_e4m3fn, device=t_RC.device)
-    q_CR[:, rows:].zero_()
+    q_CR = torch.empty(cols, _transposed_width(rows, aligned_groups), dtype=torch.float8_e4m3fn, device=t_RC.device)
+    if not aligned_groups:
+        q_CR[:, rows:].zero_()
     return q_CR
 
 
@@ -879,10 +881,7 @@ def _saved_wgrad_layout(qx_t: Tensor, offsets: Tensor, rows: int, aligned: bool)
     aligned layout (``aligned``), else None, after checking that the saved copy (recomputed under
     activation checkpointing) has the width of that layout: a recompute that decided otherwise
     (the Triton switch flipped in between) would give a wrong weight gradient silently."""
-    width = -(-rows // _ALIGN) * _ALIGN
-    if aligned:
-        width += offsets.numel() * (WGRAD_GROUP_ALIGN - _ALIGN)
-    if qx_t.shape[1] != width:
+    if qx_t.shape[1] != _transposed_width(rows, offsets.numel() if aligned else 0):
         raise RuntimeError("FP8 grouped GEMM: the saved input copy is not in the layout its forward chose for the "
                            "weight gradient (was LIGHTNING_MOE_TRITON_GROUPED_GEMM or scaled_mm.TRITON_GROUPED_GEMM "
                            "changed between a forward and its recompute?); keep it fixed during a step")
