@@ -51,10 +51,6 @@ CONFIGS = [
     (128, 128, 128, 4, 4),
 ]
 WGRAD_CONFIGS = CONFIGS + [(256, 128, 128, 8, 4)]
-# The weight gradient's epilogue as asynchronous TMA stores (whole tile, or two halves staged
-# through less shared memory): (block_m, block_n, block_k, warps, stages, subtiles).
-WGRAD_TMA_CONFIGS = [(128, 256, 128, 8, 3, 1), (128, 256, 128, 8, 4, 2), (128, 256, 128, 8, 3, 2),
-                     (128, 128, 128, 4, 4, 1), (256, 128, 128, 8, 3, 2)]
 
 
 def _sweep(case: dict, configs: list, run, ref: torch.Tensor, flops: float, iters: int) -> None:
@@ -127,16 +123,6 @@ def wgrad_case(name: str, iters: int) -> dict:
                                 num_warps=warps, num_stages=stages)
 
     _sweep(case, WGRAD_CONFIGS, ours, ref, flops, iters)
-    for bm, bn, bk, warps, stages, subtiles in WGRAD_TMA_CONFIGS:
-        def ours_tma(bm: int, bn: int, bk: int, warps: int, stages: int, subtiles: int = subtiles) -> torch.Tensor:
-            return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
-                                    block_k=bk, num_warps=warps, num_stages=stages, tma_store=True,
-                                    subtiles=subtiles)
-
-        tma_case: dict = {}
-        print(f"  TMA store, {subtiles} subtile(s):", flush=True)
-        _sweep(tma_case, [(bm, bn, bk, warps, stages)], ours_tma, ref, flops, iters)
-        case.update({f"{key}_tma{subtiles}": value for key, value in tma_case.items()})
     return case
 
 

@@ -138,10 +138,9 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
 
 
 @triton.jit
-def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, out_desc, scale_a_ptr, scale_b_ptr, ends_ptr, E, M, N,
+def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr, E, M, N,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr,
-                          SUBTILES: tl.constexpr):
+                          NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
@@ -170,25 +169,13 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, out_desc, scale_a_ptr, scale_
         sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
         sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
         out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
-        if TMA_STORE:
-            # Asynchronous tile stores (M is a multiple of BLOCK_M: a tile never reaches the next
-            # expert's rows; columns past N are clipped by the descriptor).
-            if SUBTILES == 2:
-                halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                left, right = tl.split(halves)
-                out_desc.store([e * M + row0, col0], left)
-                out_desc.store([e * M + row0, col0 + BLOCK_N // 2], right)
-            else:
-                out_desc.store([e * M + row0, col0], out)
-        else:
-            ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-            tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+        ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN: Tensor, aligned_ends_E: Tensor,
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
-                     num_stages: int = 4, programs: Optional[int] = None, tma_store: bool = False,
-                     subtiles: int = 1) -> Tensor:
+                     num_stages: int = 4, programs: Optional[int] = None) -> Tensor:
     """bf16 ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
@@ -210,14 +197,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     a_desc = TensorDescriptor(a_MR, [m, r], [a_MR.stride(0), 1], [block_m, block_k])
     b_desc = TensorDescriptor(b_NR, [n, r], [b_NR.stride(0), 1], [block_n, block_k])
     programs = programs or _multiprocessors(a_MR.device.index or 0)
-    out_rows = out.view(experts * m, n)
-    if tma_store:
-        assert m % block_m == 0 and subtiles in (1, 2), "TMA stores need whole row blocks per expert"
-        out_desc = TensorDescriptor(out_rows, [experts * m, n], [n, 1], [block_m, block_n // subtiles])
-    else:
-        out_desc = out_rows  # unused by the kernel
     launch(_grouped_wgrad_kernel, (programs,),
-           a_desc, b_desc, out, out_desc, scale_a_EM, scale_b_EN, aligned_ends_E, experts, m, n,
+           a_desc, b_desc, out, scale_a_EM, scale_b_EN, aligned_ends_E, experts, m, n,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
-           NUM_STAGES=num_stages, TMA_STORE=tma_store, SUBTILES=subtiles, num_warps=num_warps)
+           NUM_STAGES=num_stages, num_warps=num_warps)
     return out
