@@ -65,30 +65,43 @@ def _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, 
 
 
 @triton.jit
-def _operand_from_raw(a, b, SWIGLU: tl.constexpr):
+def _load_probs(prob_ptr, rows, row_mask, ROW_PROBS: tl.constexpr):
+    # The rows' routing probabilities (fp32 [BR]) under ROW_PROBS, else a placeholder that reads
+    # nothing (its mask is constant false). Rows outside ``row_mask`` get 0.
+    return tl.load(prob_ptr + rows, mask=row_mask & ROW_PROBS, other=0.0)
+
+
+@triton.jit
+def _operand_from_raw(a, b, SWIGLU: tl.constexpr, p, ROW_PROBS: tl.constexpr):
     # fp32 tile of the operand from `_load_raw`'s pair. With SWIGLU the pair is (gate, up) of the
     # fused projection output ``h = [gate | up]`` and the operand is ``silu(gate) * up`` computed
     # and rounded to ``h``'s dtype exactly as ``kernels.swiglu_triton`` does, so the cast sees the
-    # values the SwiGLU kernel would have written.
+    # values the SwiGLU kernel would have written. With ROW_PROBS (SWIGLU only) each row is also
+    # weighted by its routing probability ``p`` (fp32 [BR], `_load_probs`) before that one
+    # rounding, as Megatron-Core's weighted SwiGLU computes it.
     if SWIGLU:
         gate = a.to(tl.float32)
-        return (gate * tl.sigmoid(gate) * b.to(tl.float32)).to(a.dtype).to(tl.float32)
+        act = gate * tl.sigmoid(gate) * b.to(tl.float32)
+        if ROW_PROBS:
+            act = act * p[:, None]
+        return act.to(a.dtype).to(tl.float32)
     return a.to(tl.float32)
 
 
 @triton.jit
-def _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
+def _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr,
+                  prob_ptr, ROW_PROBS: tl.constexpr):
     # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is ``h = [gate | up]`` ``[R, 2C]``
     # (see `_operand_from_raw`). With GATHER ``x`` is ``[T, C]`` and operand row ``r`` is
     # ``x[src[r]]``, zero where ``src[r] == T`` (a padding row): the permutation's gather, read
     # straight into the cast instead of written out first.
     a, b = _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
-    return _operand_from_raw(a, b, SWIGLU)
+    return _operand_from_raw(a, b, SWIGLU, _load_probs(prob_ptr, rows, row_mask, ROW_PROBS), ROW_PROBS)
 
 
 @triton.jit
 def _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr, SWIGLU: tl.constexpr, src_ptr, T,
-                         GATHER: tl.constexpr):
+                         GATHER: tl.constexpr, prob_ptr, ROW_PROBS: tl.constexpr):
     # Per-column amax ``[BC]`` of rows [start, end) of the operand as `_load_operand` reads it
     # (with SWIGLU: of the SwiGLU output computed from ``h``).
     amax = tl.zeros(cols.shape, dtype=tl.float32)
@@ -96,14 +109,14 @@ def _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr, SW
         rows = r0 + tl.arange(0, BR)
         row_mask = rows < end
         m = row_mask[:, None] & cmask[None, :]
-        x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
+        x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS)
         amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
     return amax
 
 
 @triton.jit
-def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_ptr, T, SWIGLU: tl.constexpr,
-                         GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_ptr, T, prob_ptr, SWIGLU: tl.constexpr,
+                         GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ROW_PROBS: tl.constexpr = False):
     # Program (group, column block): the current amax of groups without a scale (and of the
     # tail group G), by atomic max over column blocks; groups with a scale return at once.
     group = tl.program_id(0)
@@ -112,20 +125,22 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_p
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cols < C
         start, end = _group_bounds(offsets_ptr, group, G, R)
-        amax = _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR, SWIGLU, src_ptr, T, GATHER)
+        amax = _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR, SWIGLU, src_ptr, T, GATHER, prob_ptr,
+                                    ROW_PROBS)
         tl.atomic_max(amax_ptr + group, tl.max(amax, 0))
 
 
 @triton.jit
 def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
                        stride_qc, amax, src_ptr, T, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
-                       SWIGLU: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr):
+                       SWIGLU: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, prob_ptr,
+                       ROW_PROBS: tl.constexpr):
     # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
     # copies (a group's unaligned head and tail); returns the running per-column amax ``[BC]``.
     rows = r0 + tl.arange(0, BR)
     row_mask = (rows >= lo) & (rows < hi)
     m = row_mask[:, None] & cmask[None, :]
-    x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
+    x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS)
     return _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
                        WRITE_ROW, WRITE_COL, False)
 
@@ -155,10 +170,10 @@ def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_bas
 
 @triton.jit
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
-                         record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr,
+                         record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr, prob_ptr,
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
-                         GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0):
+                         GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
     group = tl.program_id(GROUP_AXIS)
@@ -174,7 +189,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
                               in_group, out_base, C, stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU,
-                              GATHER, 16)
+                              GATHER, 16, prob_ptr, ROW_PROBS)
     # The body [lo, hi), whose bounds are multiples of 16: the next tile's load is issued before
     # this tile is cast, so two tiles are in flight per program, the next one held in ``x``'s
     # dtype (1.17x the bandwidth of one at a time at qwen3's operands, fp8_cast_tma_tune_s20f.json;
@@ -184,17 +199,20 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     tile_rows = lo + tl.arange(0, BR)
     ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols, (tile_rows < hi)[:, None] & cmask[None, :],
                                  C, SWIGLU, src_ptr, T, GATHER)
+    ahead_p = _load_probs(prob_ptr, tile_rows, tile_rows < hi, ROW_PROBS)  # in flight with the tile
     for r0 in tl.range(lo, hi, BR, num_stages=1):
         tile_rows = r0 + tl.arange(0, BR)
-        x = _operand_from_raw(ahead_a, ahead_b, SWIGLU)
+        x = _operand_from_raw(ahead_a, ahead_b, SWIGLU, ahead_p, ROW_PROBS)
         next_rows = tile_rows + BR
         ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols, (next_rows < hi)[:, None] & cmask[None, :],
                                      C, SWIGLU, src_ptr, T, GATHER)
+        ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
         body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr, cols,
                                 scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, True)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
-                              stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16)
+                              stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,
+                              ROW_PROBS)
     if WRITE_ROW:
         if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the group's row scales
             for r0 in range(start, end, 1024):
@@ -265,6 +283,7 @@ def delayed_cast(
     launch_stream: Optional[torch.cuda.Stream] = None,
     gather_rows: Optional[Tensor] = None,
     aligned_ends: Optional[Tensor] = None,
+    row_probs: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -294,6 +313,9 @@ def delayed_cast(
         aligned_ends: int32 ``[G]``: the transposed copy in the aligned group layout of
             `grouped_mm_wgrad` (``r`` above becomes ``aligned_ends[g-1] + r - start_g``, zeros
             after the group's rows up to ``aligned_ends[g]``; groups of whole 16-row runs).
+        row_probs: fp32 ``[R]`` with ``swiglu``: the operand is ``prob[r] * silu(gate) * up``
+            (Megatron-Core's weighted SwiGLU: the routing probabilities applied before the
+            second projection, so the combine after it is an unweighted sum).
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -308,6 +330,11 @@ def delayed_cast(
         raise ValueError("delayed_cast: aligned_ends lays out the transposed copy; it needs out_col")
     if swiglu and gather_rows is not None:
         raise ValueError("delayed_cast: gather_rows is for a permutation's rows, not with swiglu=True")
+    if row_probs is not None and not swiglu:
+        raise ValueError("delayed_cast: row_probs weights the SwiGLU's rows; it needs swiglu=True")
+    if row_probs is not None and (row_probs.dtype != torch.float32 or row_probs.shape != (x_RC.shape[0],)):
+        raise ValueError(f"delayed_cast: row_probs must be fp32 [{x_RC.shape[0]}] (one per row of h), got "
+                         f"{row_probs.dtype} {tuple(row_probs.shape)}")
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape[0], x_RC.shape[1] // 2 if swiglu else x_RC.shape[1]
     if gather_rows is not None:
@@ -331,10 +358,11 @@ def delayed_cast(
         return q_row, s_row, s_col
     offsets_G = offsets_G.contiguous()
     scale_G = scale_G.contiguous()
+    row_probs = None if row_probs is None else row_probs.contiguous()
     with on_launch_stream(launch_stream, x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
-                          gather_rows, aligned_ends):
+                          gather_rows, aligned_ends, row_probs):
         _launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
-                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends)
+                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends, row_probs)
     return q_row, s_row, s_col
 
 
@@ -342,7 +370,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
                          record_G: Optional[Tensor], q_row: Optional[Tensor], s_row: Optional[Tensor],
                          out_col: Optional[Tensor], s_col: Optional[Tensor], stride_out_col: int,
                          stride_out_group: int, e5m2: bool, swiglu: bool, gather_rows: Optional[Tensor],
-                         aligned_ends: Optional[Tensor]) -> None:
+                         aligned_ends: Optional[Tensor], row_probs: Optional[Tensor]) -> None:
     # The kernels of `delayed_cast` (the operand is ``rows x cols`` after the SwiGLU or the
     # gather, if any).
     groups = offsets_G.numel()
@@ -353,8 +381,10 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
     gather = gather_rows is not None
     src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
+    weighted = row_probs is not None
+    probs = row_probs if weighted else dummy
     launch(_missing_amax_kernel, (cast_groups, triton.cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
-           groups, src, num_src, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, num_warps=4)
+           groups, src, num_src, probs, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=weighted, num_warps=4)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
         # shape: fp8_quant_tune.json), instead of per-group column tiles.
@@ -380,7 +410,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
-        rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr,
+        rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, num_warps=4,
+        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted, num_warps=4,
     )

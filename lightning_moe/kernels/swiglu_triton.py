@@ -72,6 +72,33 @@ def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, end_ptr, R, F, HAS_END: tl.cons
         tl.store(grad_h_ptr + base + F, d_up.to(grad_h_ptr.dtype.element_ty), mask=live)
 
 
+@triton.jit
+def _weighted_swiglu_bwd_kernel(h_ptr, g_ptr, p_ptr, grad_h_ptr, grad_p_ptr, R, F, BR: tl.constexpr,
+                                BF: tl.constexpr):
+    # Gradients of ``p[r] * silu(gate) * up``. One program per row block walks the columns, so
+    # each row's probability gradient ``sum_f g * silu(gate) * up`` is reduced in registers: no
+    # atomics, the same bits on every run.
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    row_ok = rows < R
+    p = tl.load(p_ptr + rows, mask=row_ok, other=0.0)
+    grad_p = tl.zeros([BR], dtype=tl.float32)
+    for f0 in range(0, F, BF):
+        cols = f0 + tl.arange(0, BF)
+        live = row_ok[:, None] & (cols < F)[None, :]
+        base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+        half = rows.to(tl.int64)[:, None] * F + cols[None, :]
+        gate = tl.load(h_ptr + base, mask=live, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + base + F, mask=live, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + half, mask=live, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        grad_p += tl.sum(g * silu * up, 1)
+        g = g * p[:, None]
+        tl.store(grad_h_ptr + base, (g * up * (sig + silu * (1.0 - sig))).to(grad_h_ptr.dtype.element_ty), mask=live)
+        tl.store(grad_h_ptr + base + F, (g * silu).to(grad_h_ptr.dtype.element_ty), mask=live)
+    tl.store(grad_p_ptr + rows, grad_p, mask=row_ok)
+
+
 _BR, _BF = 16, 128
 
 
@@ -117,6 +144,23 @@ def swiglu_backward(h_RF2: Tensor, g_RF: Tensor, rows_end: Tensor | None = None)
                h_RF2 if rows_end is None else rows_end, r, f2 // 2, HAS_END=rows_end is not None, BR=_BR, BF=_BF,
                num_warps=4)
     return grad_h
+
+
+def weighted_swiglu_backward(h_RF2: Tensor, g_RF: Tensor, p_R: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of the weighted SwiGLU ``p[r] * silu(gate) * up`` (Megatron-Core's
+    ``weighted_bias_swiglu``: routing probabilities applied before the second projection) from
+    its input ``h [R, 2F]``, its row weights ``p`` fp32 ``[R]`` and its output's gradient
+    ``g [R, F]``: ``(grad_h [R, 2F]`` in ``h``'s dtype, ``grad_p`` fp32 ``[R])``, math in fp32."""
+    h_RF2 = h_RF2.contiguous()
+    r, f2 = h_RF2.shape
+    if p_R.dtype != torch.float32 or p_R.shape != (r,):
+        raise ValueError(f"weighted_swiglu_backward: p must be fp32 [{r}], got {p_R.dtype} {tuple(p_R.shape)}")
+    grad_h = torch.empty_like(h_RF2)
+    grad_p = torch.empty(r, dtype=torch.float32, device=h_RF2.device)
+    if r:
+        launch(_weighted_swiglu_bwd_kernel, (triton.cdiv(r, _BR),), h_RF2, g_RF.contiguous(), p_R.contiguous(),
+               grad_h, grad_p, r, f2 // 2, BR=_BR, BF=_BF, num_warps=4)
+    return grad_h, grad_p
 
 
 def swiglu(h_RF2: Tensor, rows_end: Tensor | None = None) -> Tensor:

@@ -13,7 +13,11 @@ tokens before the router runs; the layer then passes its result to
 ``dispatch(x_TD, routing, prefetched=...)``. A dispatcher with ``can_defer_permute = True``
 takes ``dispatch(..., defer_permute=True)`` and then returns a `DeferredPermutation` (the tokens and
 the plan) instead of the permuted rows, for experts that read the permutation inside their
-first GEMM's input cast (``experts.takes_deferred_permutation``). The local dispatcher below serves one rank;
+first GEMM's input cast (``experts.takes_deferred_permutation``). A dispatcher with
+``deferred_combine(state)`` returns its combine as a `DeferredCombine` (the plan and the
+probabilities), for experts that end in the combine themselves
+(``experts.takes_deferred_combine``; then ``y_TD = experts(..., combine=deferred)``). The local
+dispatcher below serves one rank;
 expert-parallel dispatchers (all-to-all, all-gather) live in ``lightning_moe.parallel`` and
 are installed by the strategy.
 """
@@ -28,6 +32,7 @@ from torch import Tensor
 
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.permutation import (
+    DeferredCombine,
     DeferredPermutation,
     PermutationPlan,
     permute,
@@ -108,6 +113,10 @@ class LocalDispatcher:
 
     def combine(self, expert_output_RD: Tensor, state: LocalDispatchState) -> Tensor:
         return unpermute(expert_output_RD, state.combine_probs_TK, state.plan)
+
+    def deferred_combine(self, state: LocalDispatchState) -> DeferredCombine:
+        """`combine` as a `DeferredCombine`, for experts that carry it out themselves."""
+        return DeferredCombine(state.plan, state.combine_probs_TK)
 
     def describe(self) -> str:
         return "local (sort-based permutation)"

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_moe.kernels import use_triton
 from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
-from lightning_moe.nn.permutation import DeferredPermutation
+from lightning_moe.nn.permutation import DeferredCombine, DeferredPermutation
 
 
 def activate(h: Tensor, activation: str) -> Tensor:
@@ -44,7 +44,9 @@ class GroupedGemm(Protocol):
     SwiGLU fused in, returning None where it does not apply; ``takes_deferred_permutation(tokens_TK)``
     with ``grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, projection)``: the first
     projection of ``permute(tokens, plan)`` with the permutation read inside the quantized
-    GEMM's input cast (None where it does not apply); and ``prefetch_weights({"fc1": w1,
+    GEMM's input cast (None where it does not apply); ``takes_deferred_combine(tokens_TK)`` with
+    ``grouped_mm_swiglu(..., combine=deferred)``: the second projection ending in a
+    `DeferredCombine` (``[T, N]``; None where it does not apply); and ``prefetch_weights({"fc1": w1,
     "fc2": w2})`` / ``release_prefetched()``: start the weights' quantized copies before the
     tokens arrive, and drop what no GEMM took (see `GroupedExperts.prefetch`)."""
 
@@ -161,6 +163,15 @@ class GroupedExperts(nn.Module):
         takes = getattr(self.quantization, "takes_deferred_permutation", None)
         return takes is not None and not self._fsdp_casts_inputs(tokens_TD.dtype) and takes(tokens_TD)
 
+    def takes_deferred_combine(self, tokens_TD: Tensor) -> bool:
+        """Whether `forward` can end in a `DeferredCombine` with the combine fused into its own
+        passes (FP8 delayed scaling on the native backend, SwiGLU, a training pass): the
+        probabilities weight the SwiGLU's rows, and the second projection's gradient cast
+        gathers the tokens' gradient, so the combine's backward pass disappears. `forward`
+        accepts ``combine`` either way and otherwise carries the combine out after itself."""
+        takes = getattr(self.quantization, "takes_deferred_combine", None)
+        return self.activation == "swiglu" and takes is not None and takes(tokens_TD)
+
     def _fsdp_casts_inputs(self, dtype: torch.dtype) -> bool:
         """Whether FSDP2 (sharding this module) casts its forward inputs away from ``dtype``. It
         would cast the deferred tokens, not the permuted rows, and the token gradient would then
@@ -177,12 +188,15 @@ class GroupedExperts(nn.Module):
         return bool(policy.cast_forward_inputs) and policy.param_dtype not in (None, dtype)
 
     def forward(self, x_RD: Tensor | DeferredPermutation, group_sizes_E: Tensor,
-                tail_unwritten: bool = False) -> Tensor:
-        """[R, D] -> [R, D]. ``tail_unwritten``: the caller left the rows after the groups
-        unwritten and never reads them in the output or the input gradient, so they are not
-        zeroed either (the all-gather dispatcher's buffer is about half such rows).
+                tail_unwritten: bool = False, combine: Optional[DeferredCombine] = None) -> Tensor:
+        """[R, D] -> [R, D], or with ``combine`` (a dispatcher's `DeferredCombine`) [T, D], the
+        combined output (see `takes_deferred_combine`). ``tail_unwritten``: the caller left the
+        rows after the groups unwritten and never reads them in the output or the input gradient,
+        so they are not zeroed either (the all-gather dispatcher's buffer is about half such rows).
         ``x_RD`` may be a `DeferredPermutation` (see `takes_deferred_permutation`); where the
         first projection cannot read it, it is permuted here."""
+        if combine is not None and tail_unwritten:
+            raise ValueError("GroupedExperts: combine= reads every row it combines; pass tail_unwritten=False with it")
         permuted = x_RD if isinstance(x_RD, DeferredPermutation) else None
         if permuted is not None and (tail_unwritten or not self.takes_deferred_permutation(permuted.tokens_TD)):
             x_RD, permuted = permuted.materialize(), None
@@ -212,21 +226,26 @@ class GroupedExperts(nn.Module):
         if permuted is not None:
             h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
         elif self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
-            return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
+            y_RD = self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
+            return y_RD if combine is None else combine.apply(y_RD)
         else:
             h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
-        return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E)
+        return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E, combine)
 
     def _second_projection(self, h_RF: Tensor, fc2: Tensor, group_sizes_E: Tensor,
-                           offsets_E: Optional[Tensor]) -> Tensor:
-        """The activation and fc2 of the first projection's output ``h_RF``."""
+                           offsets_E: Optional[Tensor], combine: Optional[DeferredCombine] = None) -> Tensor:
+        """The activation and fc2 of the first projection's output ``h_RF``, then ``combine``."""
         fused_swiglu = getattr(self.quantization, "grouped_mm_swiglu", None) if self.activation == "swiglu" else None
         if fused_swiglu is not None:
-            # the SwiGLU computed inside the FP8 cast of fc2's input, where that runs
-            y_RD = fused_swiglu(h_RF, fc2, offsets_E, "fc2")
-            if y_RD is not None:
-                return y_RD
-        return self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E)
+            # the SwiGLU computed inside the FP8 cast of fc2's input, where that runs (and the
+            # combine after it, where the quantization offers that)
+            fuses_combine = combine is not None and getattr(self.quantization, "takes_deferred_combine", None)
+            y = fused_swiglu(h_RF, fc2, offsets_E, "fc2", combine=combine) if fuses_combine else \
+                fused_swiglu(h_RF, fc2, offsets_E, "fc2")
+            if y is not None:
+                return y if combine is None or fuses_combine else combine.apply(y)
+        y_RD = self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E)
+        return y_RD if combine is None else combine.apply(y_RD)
 
     def _gathered_first_projection(self, permuted: DeferredPermutation, fc1: Tensor, offsets_E: Tensor) -> Tensor:
         """fc1 of tokens not yet permuted, reading the permutation inside its quantized input cast

@@ -120,7 +120,15 @@ class MoELayer(nn.Module):
                     and not tail_unwritten and takes_deferred(x_TD)):
                 extra["defer_permute"] = True
             expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra, **tail)
-            y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E, **tail), state)
+            # Experts that end in the combine themselves (their FP8 path weights the SwiGLU's rows
+            # and gathers the tokens' gradient inside its cast) get it deferred.
+            deferred_combine = getattr(self.dispatcher, "deferred_combine", None)
+            takes_combine = getattr(self.experts, "takes_deferred_combine", None)
+            if (deferred_combine is not None and takes_combine is not None and not tail_unwritten
+                    and takes_combine(x_TD)):
+                y_TD = self.experts(expert_input_RD, group_sizes_E, combine=deferred_combine(state))
+            else:
+                y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E, **tail), state)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         self.last_stats = RoutingStats(

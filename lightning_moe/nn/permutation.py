@@ -321,3 +321,20 @@ def row_probs(probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
     """Routing probability of each permuted row: [R] (0 for padding rows), differentiable."""
     flat = torch.cat([probs_TK.reshape(-1), probs_TK.new_zeros(1)])
     return flat[plan.row_assignment_R]
+
+
+@dataclass
+class DeferredCombine:
+    """``unpermute(y, probs_TK, plan)`` not yet carried out: what a dispatcher hands to experts
+    that can end in the combine themselves (``GroupedExperts.takes_deferred_combine``). They
+    weight each row by its probability before their second projection, as Megatron-Core's
+    experts do (the projection is linear, so this is the same function up to rounding), and
+    sum each token's rows after it; the backward then needs no combine pass of its own.
+    `apply` carries it out on expert outputs ``[R, D]`` for every other consumer."""
+
+    plan: PermutationPlan
+    probs_TK: Tensor
+
+    def apply(self, y_RD: Tensor) -> Tensor:
+        """``[T, D]``: the combine of expert outputs, as `unpermute` makes it."""
+        return unpermute(y_RD, self.probs_TK, self.plan)

@@ -33,6 +33,7 @@ from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
 if TYPE_CHECKING:
+    from lightning_moe.nn.permutation import DeferredCombine
     from lightning_moe.precision.scaled_mm import PrefetchedWeight
 
 
@@ -286,6 +287,7 @@ def fp8_grouped_mm_swiglu(
     state: Optional[DelayedState] = None,
     weight_key: Optional[Hashable] = None,
     prefetched: Optional[PrefetchedWeight] = None,
+    combine: Optional["DeferredCombine"] = None,
 ) -> Optional[Tensor]:
     """``swiglu(h) @ w`` per group with the SwiGLU computed inside the FP8 cast of the GEMM's
     input, so ``silu(gate) * up`` is never written in bf16 and read back; the same bits as
@@ -297,6 +299,9 @@ def fp8_grouped_mm_swiglu(
         h_RF2: the first projection's output ``[R, 2F]`` (``[gate | up]``).
         w_EFN: the second projection's weights ``[E, F, N]``.
         offsets_E / recipe / backend / state / weight_key / prefetched: as in `fp8_grouped_mm`.
+        combine: a `DeferredCombine`: return its combine of the products, ``[T, N]``, computed
+            with the probabilities applied to the SwiGLU's rows (see
+            ``scaled_mm.scaled_grouped_mm_swiglu``).
     """
     recipe = FP8Recipe.of(recipe)
     if not _native_delayed(recipe, backend, state, h_RF2):
@@ -305,4 +310,4 @@ def fp8_grouped_mm_swiglu(
 
     if not swiglu_fusable(h_RF2, w_EFN, recipe, state):
         return None
-    return scaled_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, recipe, state, weight_key, prefetched)
+    return scaled_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, recipe, state, weight_key, prefetched, combine)

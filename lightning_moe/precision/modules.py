@@ -35,7 +35,7 @@ from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
 if TYPE_CHECKING:
-    from lightning_moe.nn.permutation import PermutationPlan
+    from lightning_moe.nn.permutation import DeferredCombine, PermutationPlan
     from lightning_moe.precision.scaled_mm import PrefetchedWeight
 
 ModuleFilter = Callable[[str, nn.Module], bool]
@@ -195,12 +195,20 @@ class FP8GroupedGemm(nn.Module):
         return self._fused_delayed_call(projection, w_EKN, lambda state, key, prefetched: fp8_grouped_mm_gathered(
             tokens_TK, plan, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key, prefetched=prefetched))
 
+    def takes_deferred_combine(self, tokens_TK: Tensor) -> bool:
+        """Whether `grouped_mm_swiglu` with ``combine`` would run in this layer (the test of
+        `takes_deferred_permutation`, in a training pass); where it then declines after all, the
+        experts carry the combine out themselves."""
+        return self.recipe.name == "delayed" and torch.is_grad_enabled() and self.takes_deferred_permutation(tokens_TK)
+
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
-                          projection: str = "") -> Optional[Tensor]:
+                          projection: str = "", combine: Optional["DeferredCombine"] = None) -> Optional[Tensor]:
         """``swiglu(h) @ w`` with the SwiGLU fused into the FP8 cast (`fp8_grouped_mm_swiglu`),
-        or None where that does not run (then the caller applies the SwiGLU and `grouped_mm`)."""
+        or None where that does not run (then the caller applies the SwiGLU and `grouped_mm`).
+        ``combine``: end in that `DeferredCombine` (``[T, N]``, see `fp8_grouped_mm_swiglu`)."""
         return self._fused_delayed_call(projection, w_EFN, lambda state, key, prefetched: fp8_grouped_mm_swiglu(
-            h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key, prefetched=prefetched))
+            h_RF2, w_EFN, offsets_E, self.recipe, self.backend, state, weight_key=key, prefetched=prefetched,
+            combine=combine))
 
     def _fused_delayed_call(self, projection: str, w: Tensor,
                             run: Callable[[DelayedState, Optional[tuple], Optional["PrefetchedWeight"]],

@@ -447,16 +447,18 @@ class _FusedGroupedOperands:
 
     def activation(self, t_RC: Tensor, offsets_G: Tensor, role: str, transposed: bool,
                    swiglu: bool = False, gather_rows: Optional[Tensor] = None,
-                   aligned_ends: Optional[Tensor] = None
+                   aligned_ends: Optional[Tensor] = None, row_probs: Optional[Tensor] = None
                    ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
         """(row copy, ``[R]`` scales, transposed copy, ``[G * C]`` scales); the transposed pair
         only when ``transposed`` (a backward will run). ``swiglu`` (delayed, ``transposed``):
         ``t`` is ``h = [gate | up]`` and the copies are of ``silu(gate) * up``. ``gather_rows``
         (delayed): ``t`` is ``[T, C]`` and the operand is ``t[gather_rows]`` (a permutation's
         rows, zeros for the padding sentinel ``T``). ``aligned_ends``: the transposed copy in the
-        Triton weight-gradient kernel's aligned group layout (`_wgrad_aligned_ends`)."""
+        Triton weight-gradient kernel's aligned group layout (`_wgrad_aligned_ends`). ``row_probs``
+        (with ``swiglu``): fp32 ``[R]`` weights of the SwiGLU's rows."""
         if self.state is None:
-            assert not swiglu and gather_rows is None, "the SwiGLU and gather casts are delayed-scaling casts"
+            assert not swiglu and gather_rows is None and row_probs is None, \
+                "the SwiGLU and gather casts are delayed-scaling casts"
             return _fused_input(t_RC, offsets_G, transposed, aligned_ends if transposed else None)
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
@@ -466,7 +468,8 @@ class _FusedGroupedOperands:
                 if transposed else None)
         q_RC, s_R, s_GC = delayed_cast(t_RC, offsets_G, *self._delayed(role), out_col=q_CR,
                                        stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu,
-                                       gather_rows=gather_rows, aligned_ends=aligned_ends if transposed else None)
+                                       gather_rows=gather_rows, aligned_ends=aligned_ends if transposed else None,
+                                       row_probs=row_probs)
         return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
 
     def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -725,13 +728,18 @@ class _ScaledGroupedMM(torch.autograd.Function):
     """``x @ w`` per group; with ``input_swiglu`` ``x`` is ``h = [gate | up]`` and the GEMM's
     input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`);
     with ``gather`` (a `PermutationPlan`) ``x`` is the tokens ``[T, K]`` and the GEMM's input is
-    ``permute(x, gather)``, gathered inside the cast (see `scaled_grouped_mm_gathered`)."""
+    ``permute(x, gather)``, gathered inside the cast (see `scaled_grouped_mm_gathered`). With
+    ``combine`` (a `PermutationPlan`, under ``input_swiglu``) the SwiGLU's rows are weighted by
+    their probabilities in ``probs`` ``[T, K]`` and the output rows are summed per token (an
+    unweighted combine, ``[T, N]``), so the backward's gradient cast gathers the token gradients
+    itself."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
                 cache: Optional[FP8WeightCache], needs_backward: bool, input_swiglu: bool = False,
-                prefetched: Optional[PrefetchedWeight] = None, gather: Any = None) -> Tensor:
+                prefetched: Optional[PrefetchedWeight] = None, gather: Any = None, combine: Any = None,
+                probs: Optional[Tensor] = None) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
@@ -739,6 +747,13 @@ class _ScaledGroupedMM(torch.autograd.Function):
             assert fused or not input_swiglu, "scaled_grouped_mm_swiglu checks swiglu_fusable first"
             assert gather is None or (fused and state is not None and not input_swiglu), \
                 "scaled_grouped_mm_gathered needs the native delayed casts"
+            assert combine is None or (input_swiglu and probs is not None), "combine weights a SwiGLU's rows"
+            row_probs = None
+            if combine is not None:
+                from lightning_moe.nn.permutation import row_probs as gather_row_probs
+
+                # [R] fp32, 0 for padding rows; the backward maps the rows' gradient back by gathers
+                row_probs = gather_row_probs(probs, combine).float()
             if prefetched is not None and not fused:
                 prefetched.release()
             if fused:
@@ -759,7 +774,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
                     wgrad_aligned_ends = _wgrad_aligned_ends(offsets)
                 qx, sx_R, qx_t, sx_t = quantizer.activation(
                     source, offsets, "input", needs_backward, swiglu=input_swiglu,
-                    gather_rows=None if gather is None else gather.row_token_R, aligned_ends=wgrad_aligned_ends)
+                    gather_rows=None if gather is None else gather.row_token_R, aligned_ends=wgrad_aligned_ends,
+                    row_probs=row_probs)
                 # Waited for only now, so the input's cast above overlaps the weight's.
                 prefetched_layouts = prefetched.take(w) if prefetched is not None else None
                 if _caching(cache, weight_key):
@@ -807,17 +823,25 @@ class _ScaledGroupedMM(torch.autograd.Function):
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward). Under
             # input_swiglu h is kept for the SwiGLU's backward (the unfused SwiGLU keeps it too).
-            ctx.save_for_backward(qx_t, sx_t, offsets, w, *saved_dgrad, *((x,) if input_swiglu else ()))
+            ctx.save_for_backward(qx_t, sx_t, offsets, w, *saved_dgrad, *((x,) if input_swiglu else ()),
+                                  *((row_probs,) if combine is not None else ()))
             ctx.weight_dgrad = weight_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
-        ctx.input_swiglu, ctx.gather, ctx.triton_dgrad = input_swiglu, gather, triton_dgrad
+        ctx.input_swiglu, ctx.gather, ctx.combine, ctx.triton_dgrad = input_swiglu, gather, combine, triton_dgrad
         # Whether the transposed copies are in the aligned layout. The backward takes the ends from
         # the saved offsets, as the saved input copy (which activation checkpointing recomputes).
         ctx.wgrad_aligned = wgrad_aligned_ends is not None
         ctx.recipe, ctx.state, ctx.ends, ctx.cache, ctx.weight_key = recipe, state, ends, cache, weight_key
         ctx.fused, ctx.x_dtype, ctx.w_dtype, ctx.w_shape = fused, x.dtype, w.dtype, w.shape
-        return y.to(out_dtype)
+        ctx.probs_dtype = None if probs is None else probs.dtype
+        y = y.to(out_dtype)
+        if combine is not None:
+            from lightning_moe.kernels.combine_triton import combine as combine_rows
+
+            # The probabilities were applied before this GEMM: each token's rows are summed as they are.
+            y = combine_rows(y, combine.dest_TK, torch.ones(combine.dest_TK.shape, device=y.device))
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
@@ -838,8 +862,12 @@ class _ScaledGroupedMM(torch.autograd.Function):
                     qw, sw_EK = ctx.weight_dgrad
                 else:
                     qw, sw_EK = quantizer.weight_dgrad(w)
-                wgrad_aligned_ends = _saved_wgrad_layout(qx_t, offsets, dy.shape[0], ctx.wgrad_aligned)
-                qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True,
+                # Under combine ``dy`` is the tokens' gradient [T, N]: row r's is dy[row_token[r]],
+                # gathered by the cast (zeros for padding rows), as the combine's backward would.
+                token_rows = None if ctx.combine is None else ctx.combine.row_token_R
+                rows = dy.shape[0] if token_rows is None else token_rows.shape[0]
+                wgrad_aligned_ends = _saved_wgrad_layout(qx_t, offsets, rows, ctx.wgrad_aligned)
+                qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True, gather_rows=token_rows,
                                                                 aligned_ends=wgrad_aligned_ends)
             else:
                 x, w, _ = saved
@@ -864,7 +892,16 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
                                         fast=recipe.fast("wgrad"), aligned_ends=wgrad_aligned_ends)
             dx = dx.to(ctx.x_dtype)
-            if ctx.input_swiglu:
+            grad_probs = None
+            if ctx.combine is not None:
+                from lightning_moe.kernels.swiglu_triton import weighted_swiglu_backward
+
+                # dx is the gradient of row_probs * silu(gate) * up
+                dx, grad_rows = weighted_swiglu_backward(saved[6], dx, saved[7])
+                # Each kept assignment (t, k) holds one row, dest[t, k]; dropped ones (dest == R) get 0.
+                grad_probs = torch.cat([grad_rows, grad_rows.new_zeros(1)])[ctx.combine.dest_TK]
+                grad_probs = grad_probs.to(ctx.probs_dtype)
+            elif ctx.input_swiglu:
                 from lightning_moe.kernels.swiglu_triton import swiglu_backward
 
                 # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
@@ -873,7 +910,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             from lightning_moe.nn.permutation import permute_backward
 
             dx = permute_backward(dx, ctx.gather)  # the gradient of the permutation the cast read
-        return dx, dw.to(ctx.w_dtype), *(None,) * 9
+        return dx, dw.to(ctx.w_dtype), *(None,) * 10, grad_probs
 
 
 def _saved_wgrad_layout(qx_t: Tensor, offsets: Tensor, rows: int, aligned: bool) -> Optional[Tensor]:
@@ -920,10 +957,20 @@ def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[Dela
 
 def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                              state: DelayedState, weight_key: Optional[Hashable] = None,
-                             prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
+                             prefetched: Optional[PrefetchedWeight] = None, combine: Any = None) -> Tensor:
     """``swiglu(h) @ w`` per group, the SwiGLU computed inside the FP8 cast of the GEMM's input:
     ``silu(gate) * up`` is never written in bf16 and read back. Same bits as
     ``scaled_grouped_mm(swiglu(h), w, ...)`` with the Triton SwiGLU (GPU test); only where
-    `swiglu_fusable`."""
+    `swiglu_fusable`.
+
+    ``combine`` (a `DeferredCombine`): return ``combine.apply(swiglu(h) @ w)`` ``[T, N]`` instead,
+    computed as Megatron-Core's experts do, with the routing probabilities applied to the SwiGLU's
+    rows (its weighted SwiGLU) and an unweighted sum per token after the GEMM, the same function
+    up to rounding. Its backward then needs no combine pass: the gradient cast gathers each row's
+    token gradient, and the probabilities' gradient comes out of the SwiGLU's backward."""
+    if combine is None:
+        return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
+                                      _needs_backward(h, w), True, prefetched)
     return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
-                                  _needs_backward(h, w), True, prefetched)
+                                  _needs_backward(h, w) or combine.probs_TK.requires_grad, True, prefetched, None,
+                                  combine.plan, combine.probs_TK)

@@ -254,8 +254,11 @@ def _assert_all_equal(a: list, b: list) -> None:
 def test_swiglu_fused_into_the_fc2_cast_trains_identically(monkeypatch, count_calls, experts, dtype):
     """FP8 delayed experts with the SwiGLU computed inside fc2's input cast train bit for bit as
     with the SwiGLU kernel's output cast separately (`_train_delayed_layer`)."""
+    from lightning_moe.nn.experts import GroupedExperts
     from lightning_moe.precision import scaled_mm
 
+    # the combine stays the dispatcher's (test_fp8_combine_gpu.py covers the one fused into fc2)
+    monkeypatch.setattr(GroupedExperts, "takes_deferred_combine", lambda self, tokens: False)
     fused_calls = count_calls(scaled_mm, "scaled_grouped_mm_swiglu")
     fused = _train_delayed_layer(experts, dtype)
     assert len(fused_calls) == 3 * 3  # the plain and the checkpointed forward, and its recompute; not evaluation
@@ -304,6 +307,7 @@ def test_permutation_read_inside_the_fc1_cast_trains_identically(monkeypatch, co
     from lightning_moe.nn.experts import GroupedExperts
     from lightning_moe.precision import scaled_mm
 
+    monkeypatch.setattr(GroupedExperts, "takes_deferred_combine", lambda self, tokens: False)  # as above
     gathered_calls = count_calls(scaled_mm, "scaled_grouped_mm_gathered")
     gathered = _train_delayed_layer(experts, dtype)
     assert len(gathered_calls) == 3 * 3 + 1  # plain and checkpointed forwards, the recompute, evaluation

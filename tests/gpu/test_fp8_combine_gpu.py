@@ -1,0 +1,188 @@
+"""The combine fused into the FP8 experts' second projection (`DeferredCombine`): the routing
+probabilities weight the SwiGLU's rows inside fc2's input cast, each token's rows are summed
+after the GEMM, and the backward's gradient cast gathers the tokens' gradient itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                       reason="needs a Hopper GPU"),
+]
+
+
+def _same(q, q_ref):
+    """Same float8 bits, NaN positions compared as NaN."""
+    nan, nan_ref = torch.isnan(q.float()), torch.isnan(q_ref.float())
+    return torch.equal(nan, nan_ref) and torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan_ref])
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weighted_swiglu_backward_matches_autograd(dtype):
+    """``weighted_swiglu_backward`` against autograd of ``p * silu(gate) * up`` in fp64; rows
+    of a width that is not a multiple of the column block, a zero probability."""
+    from lightning_moe.kernels.swiglu_triton import weighted_swiglu_backward
+
+    torch.manual_seed(0)
+    rows, f = 333, 200
+    h = (torch.randn(rows, 2 * f, device="cuda") * 2).to(dtype)
+    p = torch.rand(rows, device="cuda")
+    p[7] = 0.0
+    g = torch.randn(rows, f, device="cuda").to(dtype)
+    grad_h, grad_p = weighted_swiglu_backward(h, g, p)
+
+    h64, p64 = h.double().requires_grad_(True), p.double().requires_grad_(True)
+    gate, up = h64.chunk(2, dim=1)
+    (torch.nn.functional.silu(gate) * up * p64[:, None]).backward(g.double())
+    assert grad_h.dtype == dtype and grad_p.dtype == torch.float32
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _relative_error(grad_h, h64.grad) < bound
+    assert _relative_error(grad_p, p64.grad) < 1e-5  # fp32 math on the stored inputs either way
+    assert torch.all(grad_h[7] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_weighted_swiglu_cast_equals_the_cast_of_the_weighted_rows(dtype):
+    """``delayed_cast(h, swiglu=True, row_probs=p)`` writes the bits of casting ``swiglu(h) * p``.
+    With powers of two as probabilities the weighting is exact on either side (the rounding to
+    ``h``'s dtype commutes with it), so the bits must agree; groups with and without history,
+    an empty group, a tail."""
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+    from lightning_moe.kernels.swiglu_triton import swiglu
+
+    torch.manual_seed(0)
+    rows, cols = 700, 200
+    h = (torch.randn(rows, 2 * cols, device="cuda") * 3).to(dtype)
+    p = torch.exp2(-torch.randint(0, 6, (rows,), device="cuda").float())
+    offsets = torch.tensor([0, 37, 37, 350, 690], device="cuda", dtype=torch.int32)
+    scale = torch.tensor([0.0, 2.0, 0.0, 0.5, 0.0], device="cuda")
+    results = []
+    for operand, weights in ((h, p), (swiglu(h) * p[:, None].to(dtype), None)):
+        q_col = torch.zeros(cols, 704, device="cuda", dtype=torch.float8_e4m3fn)
+        record = torch.zeros(5, device="cuda")
+        q, s_row, s_col = delayed_cast(operand, offsets, scale, record, out_col=q_col, stride_out_col=704,
+                                       swiglu=weights is not None, row_probs=weights)
+        results.append((q, s_row, s_col, q_col, record))
+    (q, s_row, s_col, q_col, record), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref) = results
+    assert _same(q, q_ref) and _same(q_col, q_col_ref)
+    assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
+
+
+def _routed(tokens: int, experts: int, topk: int, seed: int):
+    """A plan of random routing (16-row aligned groups) and power-of-two probabilities."""
+    from lightning_moe.nn.permutation import plan_permutation
+
+    gen = torch.Generator("cuda").manual_seed(seed)
+    experts_TK = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(1)[:, :topk]
+    probs_TK = torch.exp2(-torch.randint(0, 4, (tokens, topk), device="cuda", generator=gen).float())
+    return plan_permutation(experts_TK, experts, alignment=16), probs_TK
+
+
+@pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_combined_second_projection_equals_its_unfused_composition(experts, dtype):
+    """``scaled_grouped_mm_swiglu(h, w, ..., combine=)`` against the same function composed of
+    the pieces it fuses: ``(swiglu(h) * p) @ w`` (FP8, the same delayed state) then an
+    unweighted `unpermute`. Power-of-two probabilities make the weighting exact, so the output
+    and the gradients of ``h`` and ``w`` have the same bits; the probabilities' gradient (a
+    reduction in another order, over ``h``'s values before the rounding) agrees to fp32 noise."""
+    from lightning_moe.kernels.swiglu_triton import swiglu
+    from lightning_moe.nn.grouped_gemm import group_offsets
+    from lightning_moe.nn.permutation import DeferredCombine, row_probs, unpermute
+    from lightning_moe.precision.delayed import DelayedState
+    from lightning_moe.precision.recipes import FP8Recipe
+    from lightning_moe.precision.scaled_mm import scaled_grouped_mm, scaled_grouped_mm_swiglu
+
+    torch.manual_seed(0)
+    tokens, topk, f, n = 256, 2, 128, 256
+    plan, probs_TK = _routed(tokens, experts, topk, seed=1)
+    offsets = group_offsets(plan.group_sizes_E, plan.num_rows)
+    recipe = FP8Recipe.of("delayed")
+    h0 = (torch.randn(plan.num_rows, 2 * f, device="cuda") * 2).to(dtype)
+    w0 = (torch.randn(experts, f, n, device="cuda") / f ** 0.5).to(dtype)
+    g = torch.randn(tokens, n, device="cuda").to(dtype)
+    history = torch.rand(4, 3, experts, device="cuda") + 0.5
+    outs = []
+    for fused in (True, False):
+        state = DelayedState(history.clone(), torch.zeros(3, experts, device="cuda"))
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        p = probs_TK.clone().requires_grad_(True)
+        if fused:
+            y = scaled_grouped_mm_swiglu(h, w, offsets, recipe, state, combine=DeferredCombine(plan, p))
+        else:
+            weighted = swiglu(h) * row_probs(p, plan).to(dtype)[:, None]
+            y = unpermute(scaled_grouped_mm(weighted, w, offsets, recipe, state), torch.ones_like(p), plan)
+        y.backward(g)
+        outs.append((y.detach(), h.grad, w.grad, p.grad, state.amax_history.clone()))
+    (y, dh, dw, dp, amax), (y_ref, dh_ref, dw_ref, dp_ref, amax_ref) = outs
+    assert y.shape == (tokens, n)
+    assert torch.equal(y, y_ref) and torch.equal(dw, dw_ref) and torch.equal(amax, amax_ref)
+    if dtype == torch.float32:
+        assert torch.equal(dh, dh_ref)
+    else:  # the unfused SwiGLU backward receives ``dx * p`` rounded to bf16; exact for powers of two
+        assert torch.equal(dh, dh_ref)
+    assert _relative_error(dp, dp_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def _layer_step(deferred: bool, monkeypatch, experts: int = 40, checkpointed: bool = False, fp8: bool = True):
+    """Output, token gradient and parameter gradients of one FP8-delayed MoE layer step, with
+    the combine fused into the experts (``deferred``) or run by the dispatcher; ``checkpointed``:
+    under activation checkpointing (the forward recomputed in the backward); ``fp8=False``: the
+    bf16 layer, as a reference."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_moe.nn import MoEConfig, MoELayer
+    from lightning_moe.nn.experts import GroupedExperts
+    from lightning_moe.precision import FP8Precision
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=experts, router_topk=4, expert_alignment=16)
+    layer = MoELayer(cfg).cuda()
+    layer.experts.to(torch.bfloat16)
+    plugin = FP8Precision(recipe="delayed", backend="torch")
+    if fp8:
+        plugin.convert_module(layer)
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with monkeypatch.context() as m:
+        if not deferred:
+            m.setattr(GroupedExperts, "takes_deferred_combine", lambda self, tokens: False)
+        with plugin.forward_context():
+            y = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        y.float().square().mean().backward()
+    return [y.detach(), x.grad] + [q.grad for q in layer.parameters()]
+
+
+def test_layer_with_the_combine_in_the_experts_matches_the_dispatchers_combine(monkeypatch, count_calls):
+    """The MoE layer takes the fused combine by default (FP8 delayed on CUDA, training) and
+    computes the same step as with the dispatcher's combine, within FP8 rounding (the two
+    quantize differently weighted fc2 inputs): against the bf16 layer, each result's error is
+    within 10% (+0.005) of the other path's."""
+    from lightning_moe.kernels import swiglu_triton
+
+    weighted = count_calls(swiglu_triton, "weighted_swiglu_backward")
+    fused = _layer_step(True, monkeypatch)
+    assert len(weighted) == 1
+    plain = _layer_step(False, monkeypatch)
+    assert len(weighted) == 1
+    reference = _layer_step(False, monkeypatch, fp8=False)
+    assert len(fused) == len(plain) == len(reference)
+    for i, (a, b, ref) in enumerate(zip(fused, plain, reference)):
+        assert a.shape == b.shape == ref.shape and torch.isfinite(a).all(), i
+        error, plain_error = _relative_error(a, ref), _relative_error(b, ref)
+        assert error < 0.15 and error <= 1.1 * plain_error + 0.005, (i, error, plain_error)
+
+
+def test_fused_combine_under_activation_checkpointing_is_exact(monkeypatch):
+    """A checkpointed layer with the combine in the experts (its forward recomputed in the
+    backward, the saved plan's tensors made again) gives the same bits as without checkpointing."""
+    plain = _layer_step(True, monkeypatch)
+    recomputed = _layer_step(True, monkeypatch, checkpointed=True)
+    for i, (a, b) in enumerate(zip(plain, recomputed)):
+        assert torch.equal(a, b), i
