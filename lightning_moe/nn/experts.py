@@ -83,7 +83,10 @@ class GroupedExperts(nn.Module):
     A precision plugin may set ``quantization`` to an object with
     ``grouped_mm(x_RK, w_EKN, offsets_E, projection)`` to run quantized GEMMs instead. Where
     `takes_deferred_permutation`, ``x_RD`` may be a `DeferredPermutation` (the tokens and the plan, not
-    yet permuted): the quantization then reads the permutation inside its first cast.
+    yet permuted): the quantization then reads the permutation inside its first cast. With
+    ``combine=`` (a dispatcher's `DeferredCombine`) it returns the combined tokens [T, D]
+    instead: fused into the second projection where `takes_deferred_combine`, else carried out
+    after it.
     """
 
     def __init__(
@@ -170,7 +173,10 @@ class GroupedExperts(nn.Module):
         gathers the tokens' gradient, so the combine's backward pass disappears. `forward`
         accepts ``combine`` either way and otherwise carries the combine out after itself."""
         takes = getattr(self.quantization, "takes_deferred_combine", None)
-        return self.activation == "swiglu" and takes is not None and takes(tokens_TD)
+        # FSDP2 casting this module's inputs would cast the deferred probabilities (fp32, the
+        # router's) too, and with them the router's gradient: then the dispatcher combines.
+        casts = self._fsdp_casts_inputs(tokens_TD.dtype) or self._fsdp_casts_inputs(torch.float32)
+        return self.activation == "swiglu" and takes is not None and not casts and takes(tokens_TD)
 
     def _fsdp_casts_inputs(self, dtype: torch.dtype) -> bool:
         """Whether FSDP2 (sharding this module) casts its forward inputs away from ``dtype``. It

@@ -326,11 +326,11 @@ def row_probs(probs_TK: Tensor, plan: PermutationPlan) -> Tensor:
 @dataclass
 class DeferredCombine:
     """``unpermute(y, probs_TK, plan)`` not yet carried out: what a dispatcher hands to experts
-    that can end in the combine themselves (``GroupedExperts.takes_deferred_combine``). They
-    weight each row by its probability before their second projection, as Megatron-Core's
-    experts do (the projection is linear, so this is the same function up to rounding), and
-    sum each token's rows after it; the backward then needs no combine pass of its own.
-    `apply` carries it out on expert outputs ``[R, D]`` for every other consumer."""
+    that can end in the combine themselves (``GroupedExperts.takes_deferred_combine``). Their
+    fused FP8 path weights each row by its probability before the second projection, as
+    Megatron-Core's experts do (the projection is linear, so this is the same function up to
+    rounding), and sums each token's rows after it; the backward then needs no combine pass of
+    its own. `apply` carries it out on expert outputs ``[R, D]``, as every other path does."""
 
     plan: PermutationPlan
     probs_TK: Tensor

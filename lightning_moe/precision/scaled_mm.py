@@ -972,5 +972,5 @@ def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8R
         return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
                                       _needs_backward(h, w), True, prefetched)
     return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
-                                  _needs_backward(h, w) or combine.probs_TK.requires_grad, True, prefetched, None,
+                                  _needs_backward(h, w), True, prefetched, None,
                                   combine.plan, combine.probs_TK)

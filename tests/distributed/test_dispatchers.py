@@ -461,12 +461,25 @@ def _fsdp_input_casts(rank, world_size):
     casting, plain, unwrapped = (GroupedExperts(4, 16, 8) for _ in range(3))
     fully_shard(casting, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     fully_shard(plain, mesh=mesh)
-    return [casting._fsdp_casts_inputs(torch.float32), casting._fsdp_casts_inputs(torch.bfloat16),
-            plain._fsdp_casts_inputs(torch.float32), unwrapped._fsdp_casts_inputs(torch.float32)]
+    casts = [casting._fsdp_casts_inputs(torch.float32), casting._fsdp_casts_inputs(torch.bfloat16),
+             plain._fsdp_casts_inputs(torch.float32), unwrapped._fsdp_casts_inputs(torch.float32)]
+
+    class TakesCombine:  # a quantization that would fuse the combine
+        def grouped_mm(self, *args):
+            raise AssertionError("not called")
+
+        def takes_deferred_combine(self, tokens):
+            return True
+
+    for experts in (casting, plain):
+        experts.quantization = TakesCombine()
+    tokens = torch.randn(8, 16, dtype=torch.bfloat16)
+    return casts + [casting.takes_deferred_combine(tokens), plain.takes_deferred_combine(tokens)]
 
 
 def test_fsdp_input_casts_turn_the_deferred_permutation_off():
     """FSDP2 casting the experts' inputs to bf16 would cast the deferred tokens, so the token
     gradient would be summed over assignments in bf16: such experts do not take the deferred
-    permutation of fp32 tokens (bf16 tokens are not cast, so they still do)."""
-    assert run_distributed(_fsdp_input_casts, 1) == [[True, False, False, False]]
+    permutation of fp32 tokens (bf16 tokens are not cast, so they still do). Nor the deferred
+    combine, even of bf16 tokens: its probabilities (fp32) would be cast."""
+    assert run_distributed(_fsdp_input_casts, 1) == [[True, False, False, False, False, True]]
