@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _float8 import same_bits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -13,11 +14,6 @@ pytestmark = [
                        reason="needs a Hopper GPU"),
 ]
 
-
-def _same(q, q_ref):
-    """Same float8 bits, NaN positions compared as NaN."""
-    nan, nan_ref = torch.isnan(q.float()), torch.isnan(q_ref.float())
-    return torch.equal(nan, nan_ref) and torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan_ref])
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,7 +67,7 @@ def test_row_weighted_swiglu_cast_equals_the_cast_of_the_weighted_rows(dtype):
                                        swiglu=weights is not None, row_probs=weights)
         results.append((q, s_row, s_col, q_col, record))
     (q, s_row, s_col, q_col, record), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref) = results
-    assert _same(q, q_ref) and _same(q_col, q_col_ref)
+    assert same_bits(q, q_ref) and same_bits(q_col, q_col_ref)
     assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
 
 

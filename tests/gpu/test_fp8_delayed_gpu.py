@@ -5,6 +5,7 @@ linear (hybrid and E4M3 formats): scales, amax histories, outputs and gradients 
 
 import pytest
 import torch
+from _float8 import same_bits
 
 from lightning_moe.precision import FP8GroupedGemm, FP8Recipe, update_delayed_scaling
 from lightning_moe.precision.delayed import DelayedState
@@ -17,11 +18,6 @@ pytestmark = [
                        reason="needs a Hopper GPU"),
 ]
 
-
-def _same(q, q_ref):
-    """Same float8 bits, NaN positions compared as NaN."""
-    nan, nan_ref = torch.isnan(q.float()), torch.isnan(q_ref.float())
-    return torch.equal(nan, nan_ref) and torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan_ref])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -45,7 +41,7 @@ def test_delayed_cast_equals_the_generic_delayed_quantizer(dtype):
     q_col = torch.full((cols, padded), 0x55, device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
     record = torch.zeros(5, device="cuda")
     q, s_row, s_col = delayed_cast(x, offsets, scale, record, out_col=q_col, stride_out_col=padded)
-    assert _same(q, q_ref)
+    assert same_bits(q, q_ref)
     assert torch.equal(s_row, s_ref.reshape(-1)[row_axis.ids])
     end = 288
     assert torch.equal(q_col.view(torch.uint8)[:, :end], q.view(torch.uint8)[:end].t())
@@ -56,7 +52,7 @@ def test_delayed_cast_equals_the_generic_delayed_quantizer(dtype):
     # The row copy alone (its own kernel: whole rows, each row's group by binary search).
     record_rows = torch.zeros(5, device="cuda")
     q_rows, s_rows, none = delayed_cast(x, offsets, scale, record_rows)
-    assert none is None and _same(q_rows, q_ref) and torch.equal(s_rows, s_row)
+    assert none is None and same_bits(q_rows, q_ref) and torch.equal(s_rows, s_row)
     assert torch.equal(record_rows, record)
 
 
@@ -143,7 +139,7 @@ def test_one_delayed_cast_writing_both_weight_layouts(experts, k, n, dtype):
                                    stride_out_col=stride_col, stride_out_group=stride_group)
     q_row_two, s_row_two, _ = delayed_cast(rows, ends, scale, None)
     assert torch.equal(s_col, s_col_two) and torch.equal(s_row, s_row_two)
-    assert _same(q_row, q_row_two)
+    assert same_bits(q_row, q_row_two)
     bad = (q_one.view(torch.uint8) != q_two.view(torch.uint8)).nonzero()
     assert bad.numel() == 0, f"{bad.shape[0]} forward-layout bytes differ, first at {bad[:4].tolist()}"
 
@@ -205,7 +201,7 @@ def test_swiglu_fused_cast_equals_the_cast_of_the_swiglu_output(dtype):
                                        swiglu=fused)
         results.append((q, s_row, s_col, q_col, record))
     (q, s_row, s_col, q_col, record), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref) = results
-    assert _same(q, q_ref) and _same(q_col, q_col_ref)
+    assert same_bits(q, q_ref) and same_bits(q_col, q_col_ref)
     assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
 
 
@@ -293,9 +289,9 @@ def test_gathered_cast_equals_the_cast_of_the_permuted_rows(dtype, transposed):
                                        stride_out_col=704 if transposed else 0, gather_rows=gather)
         results.append((q, s_row, s_col, q_col, record))
     (q, s_row, s_col, q_col, record), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref) = results
-    assert _same(q, q_ref) and torch.equal(s_row, s_row_ref) and torch.equal(record, record_ref)
+    assert same_bits(q, q_ref) and torch.equal(s_row, s_row_ref) and torch.equal(record, record_ref)
     if transposed:
-        assert _same(q_col, q_col_ref) and torch.equal(s_col, s_col_ref)
+        assert same_bits(q_col, q_col_ref) and torch.equal(s_col, s_col_ref)
 
 
 @pytest.mark.parametrize("experts", [4, 40])  # per-expert GEMMs, the grouped kernel

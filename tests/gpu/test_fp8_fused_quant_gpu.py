@@ -3,6 +3,7 @@ FP8 GEMMs give bit-identical results with either (rowwise recipe, CUDA)."""
 
 import pytest
 import torch
+from _float8 import same_bits
 
 from lightning_moe.precision.formats import E4M3
 from lightning_moe.precision.operands import Layout, quantize_operand
@@ -15,11 +16,6 @@ pytestmark = [
 ]
 ROWWISE = FP8Recipe.of("rowwise")
 
-
-def _same(q, q_ref):
-    """Same float8 bits, NaN positions compared as NaN (its payload is not the point)."""
-    nan, nan_ref = torch.isnan(q.float()), torch.isnan(q_ref.float())
-    return torch.equal(nan, nan_ref) and torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan_ref])
 
 
 def _awkward(rows, cols, dtype):
@@ -38,7 +34,7 @@ def test_rowwise_quantize_is_bit_exact(dtype):
     q, scale_inv = rowwise_quantize(x)
     q_ref, s_ref, _, _ = quantize_operand(x, ROWWISE, "input", native=True, fmt=E4M3)
     assert torch.equal(scale_inv, s_ref[:, 0])
-    assert _same(q, q_ref)
+    assert same_bits(q, q_ref)
 
 
 def test_both_copies_of_an_operand_are_bit_exact():
@@ -48,11 +44,11 @@ def test_both_copies_of_an_operand_are_bit_exact():
     offsets = torch.tensor([48, 48, 160, 192], device="cuda", dtype=torch.int32)  # one empty group, 8 rows after
     q, s, q_t, s_t = _fused_both(x, offsets)
     q_ref, s_ref, _, _ = quantize_operand(x, ROWWISE, "input", native=True, fmt=E4M3)
-    assert torch.equal(s, s_ref[:, 0]) and _same(q, q_ref)  # every row, also those past the last group
+    assert torch.equal(s, s_ref[:, 0]) and same_bits(q, q_ref)  # every row, also those past the last group
     q_ref, s_ref, rows, _ = quantize_operand(x[:192].t(), ROWWISE, "input", Layout(col_offsets=offsets), None, True, E4M3)
     assert torch.equal(s_t, _per_group_rows(s_ref, rows, 4))
     assert q_t.shape == (96, 208) and not q_t[:, 200:].view(torch.uint8).any()  # tokens padded to 16 with zeros
-    assert _same(q_t[:, :192], q_ref)
+    assert same_bits(q_t[:, :192], q_ref)
 
 
 def test_both_copies_with_many_uneven_groups():
@@ -69,11 +65,11 @@ def test_both_copies_with_many_uneven_groups():
     x = _awkward(used + 21, 272, torch.bfloat16)
     q, s, q_t, s_t = _fused_both(x, offsets)
     q_ref, s_ref, _, _ = quantize_operand(x, ROWWISE, "input", native=True, fmt=E4M3)
-    assert torch.equal(s, s_ref[:, 0]) and _same(q, q_ref)
+    assert torch.equal(s, s_ref[:, 0]) and same_bits(q, q_ref)
     q_ref, s_ref, rows, _ = quantize_operand(x[:used].t(), ROWWISE, "input", Layout(col_offsets=offsets), None, True,
                                              E4M3)
     assert torch.equal(s_t, _per_group_rows(s_ref, rows, 40))
-    assert _same(q_t[:, :used], q_ref)
+    assert same_bits(q_t[:, :used], q_ref)
 
 
 def test_both_weight_layouts_are_bit_exact():
@@ -86,10 +82,10 @@ def test_both_weight_layouts_are_bit_exact():
     q_ref, s_ref, rows, _ = quantize_operand(w.transpose(1, 2).reshape(4 * 48, 64), ROWWISE, "weight",
                                              Layout(batch=4), None, True, E4M3)
     assert torch.equal(s_fprop, _per_row(s_ref, rows).view(4, 48))
-    assert _same(q_fprop.reshape(4 * 48, 64), q_ref)
+    assert same_bits(q_fprop.reshape(4 * 48, 64), q_ref)
     q_ref, s_ref, rows, _ = quantize_operand(w.reshape(4 * 64, 48), ROWWISE, "weight", Layout(batch=4), None, True, E4M3)
     assert torch.equal(s_dgrad, _per_row(s_ref, rows))
-    assert _same(q_dgrad, q_ref)
+    assert same_bits(q_dgrad, q_ref)
 
 
 def test_dual_quantizer_equals_the_two_single_quantizers():
@@ -102,7 +98,7 @@ def test_dual_quantizer_equals_the_two_single_quantizers():
     q_ref, s_ref = rowwise_quantize(x)
     s_col_ref = group_column_quantize(x, offsets, out_ref, 704, 0)
     assert torch.equal(s, s_ref) and torch.equal(s_col, s_col_ref)
-    assert _same(q, q_ref) and _same(out, out_ref)
+    assert same_bits(q, q_ref) and same_bits(out, out_ref)
 
 
 def _run(fn, inputs):
