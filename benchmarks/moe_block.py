@@ -5,6 +5,7 @@
     python benchmarks/moe_block.py --cases qwen3_30b_a3b --profile
     python benchmarks/moe_block.py --precision fp8       # the fastest FP8 setup measured here (below)
     python benchmarks/moe_block.py --precision rowwise --cache-weights --accumulate 4  # one optimizer step's window
+    python benchmarks/moe_block.py --precision fp8 --master-weights fp32  # parameters as bf16-mixed trains them
 
 Checks correctness first (the block as timed, bf16 or FP8, vs an fp32 copy of the same weights
 running the per-expert loop backend: relative errors of output, input and weight gradients; a
@@ -19,6 +20,10 @@ gradients and (FP8 with ``--cache-weights``) an empty FP8 weight cache, as right
 step; so the first micro-batch quantizes the weights and the others reuse them. Times and FLOPs
 are per window. What FP8Precision runs once per optimizer step (delayed scaling's amax-history
 update) ends every timed window.
+With ``--master-weights fp32`` the experts keep fp32 parameters and every step runs under bf16
+autocast, as ``Trainer(precision="bf16-mixed")`` (or FP8Precision) trains them: the bf16 block then
+casts its weights to bf16 in the step and the FP8 block casts fp32 to FP8, and the weight
+gradients arrive in fp32. The default (bf16 parameters) times the block on weights cast before it.
 FLOPs (fwd+bwd = 3 x fwd), T = B*S: ``3 * (2*T*D*E + 3 * 2*T*k*D*F)``.
 """
 
@@ -53,6 +58,7 @@ def block_flops(c: dict) -> float:
 
 
 def build_layer(c: dict, backend: str, dtype: torch.dtype, alignment: int = 1) -> MoELayer:
+    """The block on the GPU with its experts' parameters in ``dtype`` (fp32: master weights)."""
     cfg = MoEConfig(
         hidden_size=c["D"], ffn_hidden_size=c["F"], num_experts=c["E"], router_topk=c["k"],
         router_score_function="softmax", expert_backend=backend, expert_alignment=alignment,
@@ -60,6 +66,11 @@ def build_layer(c: dict, backend: str, dtype: torch.dtype, alignment: int = 1) -
     layer = MoELayer(cfg).cuda()
     layer.experts.to(dtype)  # router stays fp32 by design
     return layer
+
+
+def bf16_mixed_context():
+    """What ``Trainer(precision="bf16-mixed")`` runs each step in (a fresh context per call)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16)
 
 
 # ``--precision fp8``: the FP8 configuration that runs the block fastest on Hopper without
@@ -144,10 +155,14 @@ def error_bound(precision: str) -> float:
 
 def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
-    layer = build_layer(c, args.backend, torch.bfloat16, expert_alignment(args.precision))
+    master_fp32 = args.master_weights == "fp32"
+    layer = build_layer(c, args.backend, torch.float32 if master_fp32 else torch.bfloat16,
+                        expert_alignment(args.precision))
     reference = fp32_reference(layer)
     context, weight_cache, optimizer_step_work = apply_precision(layer, args.precision, args.cache_weights,
                                                                  args.fast_accumulation)
+    if master_fp32 and args.precision == "bf16":
+        context = bf16_mixed_context  # FP8Precision's context is bf16 autocast already
     tokens = min(4096, c["B"] * c["S"])
     correctness = check_correctness(layer, reference, c, tokens, context)
     if optimizer_step_work is not None:
@@ -195,6 +210,7 @@ def run_case(name: str, c: dict, args) -> dict:
         "precision": args.precision,
         "fast_accumulation": args.fast_accumulation,
         "cache_weights": args.cache_weights,
+        "master_weights": args.master_weights,
         "median_ms": median_ms,
         "min_ms": min(times),
         "tflops": flops / (median_ms * 1e-3) / 1e12,
@@ -228,6 +244,9 @@ def main(argv=None) -> None:
                         help="FP8Precision(cache_fp8_weights=True). With --accumulate 1 the cache is never "
                              "cleared, so every timed step reuses FP8 weights quantized in warm-up (the later "
                              "micro-batches of a window); with --accumulate N > 1 each window starts empty")
+    parser.add_argument("--master-weights", default="bf16", choices=["bf16", "fp32"],
+                        help="dtype of the experts' parameters: bf16 (default, weights cast before the block) or fp32 "
+                             "(master weights under bf16 autocast, as bf16-mixed training runs the block)")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches per timed window (one optimizer step under gradient accumulation)")
     parser.add_argument("--tag", default=None,
@@ -237,6 +256,7 @@ def main(argv=None) -> None:
     default_tag = "_".join([args.backend, args.precision]
                            + (["fast-" + "-".join(args.fast_accumulation)] if args.fast_accumulation else [])
                            + (["cached"] if args.cache_weights else [])
+                           + (["fp32master"] if args.master_weights == "fp32" else [])
                            + ([f"x{args.accumulate}"] if args.accumulate > 1 else []))
     if args.precision == "fp8":
         args.precision = FP8_DEFAULT[0]
