@@ -101,6 +101,15 @@ def _fp8_class(cls: type) -> type:
 _PROJECTIONS = ("fc1", "fc2")
 
 
+@functools.lru_cache(maxsize=None)
+def _swiglu_takes_combine(cls: type) -> bool:
+    """Whether ``cls.grouped_mm_swiglu`` accepts ``combine=`` (a subclass may override it with the
+    signature it had before the combine moved in)."""
+    import inspect
+
+    return "combine" in inspect.signature(cls.grouped_mm_swiglu).parameters
+
+
 class FP8GroupedGemm(nn.Module):
     """Quantized grouped GEMM for grouped experts (``experts.quantization = FP8GroupedGemm(...)``).
 
@@ -199,7 +208,8 @@ class FP8GroupedGemm(nn.Module):
         """Whether `grouped_mm_swiglu` with ``combine`` would run in this layer (the test of
         `takes_deferred_permutation`, in a training pass); where it then declines after all, the
         experts carry the combine out themselves."""
-        return self.recipe.name == "delayed" and torch.is_grad_enabled() and self.takes_deferred_permutation(tokens_TK)
+        return (self.recipe.name == "delayed" and torch.is_grad_enabled() and _swiglu_takes_combine(type(self))
+                and self.takes_deferred_permutation(tokens_TK))
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
                           projection: str = "", combine: Optional["DeferredCombine"] = None) -> Optional[Tensor]:

@@ -51,3 +51,18 @@ def test_cpu_experts_do_not_ask_for_the_combine():
     """Only the fused FP8 path takes the combine from the dispatcher (the layer asks first)."""
     experts = GroupedExperts(4, 16, 32, backend="grouped_mm")
     assert not experts.takes_deferred_combine(torch.randn(8, 16))
+
+
+def test_fp8_experts_whose_swiglu_gemm_predates_the_combine_do_not_take_it(monkeypatch):
+    """A subclass overriding ``grouped_mm_swiglu`` without ``combine=`` is never handed the combine
+    (it would fail on the keyword); the library's own class would be, where its casts run."""
+    from lightning_moe.precision import FP8GroupedGemm
+
+    class OldSwiGLU(FP8GroupedGemm):
+        def grouped_mm_swiglu(self, h_RF2, w_EFN, offsets_E, projection=""):
+            return None
+
+    tokens = torch.randn(8, 16)
+    monkeypatch.setattr(FP8GroupedGemm, "takes_deferred_permutation", lambda self, tokens: True)
+    assert FP8GroupedGemm("delayed", backend="torch").takes_deferred_combine(tokens)
+    assert not OldSwiGLU("delayed", backend="torch").takes_deferred_combine(tokens)
