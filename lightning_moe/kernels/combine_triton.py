@@ -10,6 +10,8 @@ Every permuted row belongs to at most one (t, k), so the backward scatter needs 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -88,10 +90,13 @@ def _meta(D: int, K: int) -> tuple[int, int, int]:
     return kp, bd, warps
 
 
-def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Tensor) -> Tensor:
-    """``out[t] = sum_k w[t,k] * y[dest[t,k]]`` -> [T, D] in ``y``'s dtype."""
+def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Optional[Tensor] = None) -> Tensor:
+    """``out[t] = sum_k w[t,k] * y[dest[t,k]]`` -> [T, D] in ``y``'s dtype (``w`` None: all ones,
+    each token's rows summed as they are)."""
     y_RD = y_RD.contiguous()
     num_tokens, k = dest_TK.shape
+    if w_TK is None:
+        w_TK = torch.ones(num_tokens, k, dtype=torch.float32, device=y_RD.device)
     d = y_RD.shape[1]
     out = torch.empty(num_tokens, d, dtype=y_RD.dtype, device=y_RD.device)
     if num_tokens == 0:

@@ -35,6 +35,11 @@ def activate(h: Tensor, activation: str) -> Tensor:
     raise ValueError(f"unknown activation {activation!r}")
 
 
+def _combined(y_RD: Tensor, combine: Optional[DeferredCombine]) -> Tensor:
+    """``y_RD``, or its combine where the dispatcher deferred it to the experts."""
+    return y_RD if combine is None else combine.apply(y_RD)
+
+
 class GroupedGemm(Protocol):
     """A replacement grouped GEMM (e.g. FP8) set by a precision plugin on ``GroupedExperts``.
 
@@ -232,8 +237,8 @@ class GroupedExperts(nn.Module):
         if permuted is not None:
             h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
         elif self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
-            y_RD = self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten)
-            return y_RD if combine is None else combine.apply(y_RD)
+            return _combined(self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten),
+                             combine)
         else:
             h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
         return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E, combine)
@@ -245,13 +250,11 @@ class GroupedExperts(nn.Module):
         if fused_swiglu is not None:
             # the SwiGLU computed inside the FP8 cast of fc2's input, where that runs (and the
             # combine after it, where the quantization offers that)
-            fuses_combine = combine is not None and getattr(self.quantization, "takes_deferred_combine", None)
-            y = fused_swiglu(h_RF, fc2, offsets_E, "fc2", combine=combine) if fuses_combine else \
-                fused_swiglu(h_RF, fc2, offsets_E, "fc2")
+            fuses_combine = combine is not None and hasattr(self.quantization, "takes_deferred_combine")
+            y = fused_swiglu(h_RF, fc2, offsets_E, "fc2", **({"combine": combine} if fuses_combine else {}))
             if y is not None:
-                return y if combine is None or fuses_combine else combine.apply(y)
-        y_RD = self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E)
-        return y_RD if combine is None else combine.apply(y_RD)
+                return y if fuses_combine else _combined(y, combine)
+        return _combined(self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E), combine)
 
     def _gathered_first_projection(self, permuted: DeferredPermutation, fc1: Tensor, offsets_E: Tensor) -> Tensor:
         """fc1 of tokens not yet permuted, reading the permutation inside its quantized input cast

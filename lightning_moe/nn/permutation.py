@@ -227,8 +227,7 @@ def permute_backward(grad_RD: Tensor, plan: PermutationPlan) -> Tensor:
     if use_triton(grad_RD):
         from lightning_moe.kernels.combine_triton import combine
 
-        ones_TK = torch.ones(plan.dest_TK.shape, dtype=torch.float32, device=grad_RD.device)
-        return combine(grad_RD, plan.dest_TK, ones_TK)
+        return combine(grad_RD, plan.dest_TK)  # unweighted: each token's row gradients summed
     source = grad_RD if plan.dense_rows else _with_zero_row(grad_RD)
     num_tokens, topk = plan.dest_TK.shape
     grad_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, source.shape[1])

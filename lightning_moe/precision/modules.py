@@ -208,7 +208,8 @@ class FP8GroupedGemm(nn.Module):
         """Whether `grouped_mm_swiglu` with ``combine`` would run in this layer (the test of
         `takes_deferred_permutation`, in a training pass); where it then declines after all, the
         experts carry the combine out themselves."""
-        return (self.recipe.name == "delayed" and torch.is_grad_enabled() and _swiglu_takes_combine(type(self))
+        # takes_deferred_permutation holds for the delayed recipe's native casts only
+        return (torch.is_grad_enabled() and _swiglu_takes_combine(type(self))
                 and self.takes_deferred_permutation(tokens_TK))
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,

@@ -840,7 +840,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             from lightning_moe.kernels.combine_triton import combine as combine_rows
 
             # The probabilities were applied before this GEMM: each token's rows are summed as they are.
-            y = combine_rows(y, combine.dest_TK, torch.ones(combine.dest_TK.shape, device=y.device))
+            y = combine_rows(y, combine.dest_TK)
         return y
 
     @staticmethod
@@ -968,9 +968,6 @@ def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8R
     rows (its weighted SwiGLU) and an unweighted sum per token after the GEMM, the same function
     up to rounding. Its backward then needs no combine pass: the gradient cast gathers each row's
     token gradient, and the probabilities' gradient comes out of the SwiGLU's backward."""
-    if combine is None:
-        return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
-                                      _needs_backward(h, w), True, prefetched)
     return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
                                   _needs_backward(h, w), True, prefetched, None,
-                                  combine.plan, combine.probs_TK)
+                                  *((None, None) if combine is None else (combine.plan, combine.probs_TK)))
