@@ -78,7 +78,7 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         col_ok = cols < N_OUT
         sa = tl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)
         sb = tl.load(scale_b_ptr + g * N_OUT + cols, mask=col_ok, other=0.0)
-        out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
+        out = (acc * sa[:, None] * sb[None, :]).to(out_ptr.dtype.element_ty)
         ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
         tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -168,22 +168,24 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         col_ok = cols < N
         sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
         sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
-        out = (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16)
+        out = (acc * sa[:, None] * sb[None, :]).to(out_ptr.dtype.element_ty)
         ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
         tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN: Tensor, aligned_ends_E: Tensor,
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
-                     num_stages: int = 4, programs: Optional[int] = None) -> Tensor:
-    """bf16 ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
+                     num_stages: int = 4, programs: Optional[int] = None,
+                     out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """``out_dtype`` (bf16 or fp32) ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
     ``a`` float8 ``[M, R]`` and ``b`` float8 ``[N, R]``, the token dimension contiguous, in the
     aligned group layout: ``aligned_ends`` int32 ``[E]`` cumulative, each a multiple of
     `WGRAD_GROUP_ALIGN` (expert ``e``'s columns are ``[aligned_ends[e-1], aligned_ends[e])``, its
     tokens first and zeros after). An expert without tokens gets zeros. Scales fp32 ``[E, M]`` and
-    ``[E, N]``."""
+    ``[E, N]``. fp32 output is for fp32 master weights: their gradient is written once, not
+    rounded to bf16 and widened by a second pass."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, r = a_MR.shape
@@ -191,7 +193,9 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     experts = aligned_ends_E.shape[0]
     assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
     assert WGRAD_GROUP_ALIGN % block_k == 0, "a contraction block must not cross a group's aligned end"
-    out = torch.empty(experts, m, n, dtype=torch.bfloat16, device=a_MR.device)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"grouped_mm_wgrad writes bf16 or fp32, not {out_dtype}")
+    out = torch.empty(experts, m, n, dtype=out_dtype, device=a_MR.device)
     if out.numel() == 0:
         return out
     a_desc = TensorDescriptor(a_MR, [m, r], [a_MR.stride(0), 1], [block_m, block_k])

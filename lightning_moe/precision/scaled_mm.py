@@ -611,30 +611,35 @@ def _torch_group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor
 
 
 def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Tensor, offsets_E: Tensor,
-                           ends: Optional[list[int]], fast: bool, aligned_ends: Optional[Tensor] = None) -> Tensor:
+                           ends: Optional[list[int]], fast: bool, aligned_ends: Optional[Tensor] = None,
+                           out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """``dw[e] = a[:, rows of e] @ b[:, rows of e]^T``: both operands ``[features, R]`` with
-    per-(expert, feature) scales ``[E, features]``. Returns bf16 ``[E, K, N]``. ``aligned_ends``:
-    the operands are in the aligned group layout (`_wgrad_aligned_ends`), for our Triton kernel
-    (fast accumulation only)."""
+    per-(expert, feature) scales ``[E, features]``. Returns ``out_dtype`` ``[E, K, N]`` (the
+    weight's dtype: fp32 master weights get their gradient written in fp32 by the kernels that can,
+    instead of bf16 widened by another pass over it). ``aligned_ends``: the operands are in the
+    aligned group layout (`_wgrad_aligned_ends`), for our Triton kernel (fast accumulation only)."""
+    high = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
     if aligned_ends is not None:
         from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
 
         assert fast, "the Triton weight-gradient kernel accumulates fast only"
-        return grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends)
+        return grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends,
+                                out_dtype=high).to(out_dtype)
     experts = sa_EK.shape[0]
     if ends is None:
+        # torch's FP8 grouped GEMM writes bf16 only
         return torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1), offs=offsets_E,
-                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
-    out = torch.empty(experts, qa_KR.shape[0], qb_NR.shape[0], dtype=torch.bfloat16, device=qa_KR.device)
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast).to(out_dtype)
+    out = torch.empty(experts, qa_KR.shape[0], qb_NR.shape[0], dtype=high, device=qa_KR.device)
     start = 0
     for e, end in enumerate(ends):
         if end > start:
             torch._scaled_mm(qa_KR[:, start:end], qb_NR[:, start:end].t(), scale_a=sa_EK[e][:, None],
-                             scale_b=sb_EN[e][None], out_dtype=torch.bfloat16, use_fast_accum=fast, out=out[e])
+                             scale_b=sb_EN[e][None], out_dtype=high, use_fast_accum=fast, out=out[e])
         else:
             out[e].zero_()  # an expert without tokens has no gradient
         start = end
-    return out
+    return out.to(out_dtype)
 
 
 def _weight_signature(w: Tensor) -> tuple:
@@ -890,7 +895,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dx = _group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ends,
                              fast=recipe.fast("dgrad"), triton=ctx.triton_dgrad)
             dw = _group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ends,
-                                        fast=recipe.fast("wgrad"), aligned_ends=wgrad_aligned_ends)
+                                        fast=recipe.fast("wgrad"), aligned_ends=wgrad_aligned_ends,
+                                        out_dtype=ctx.w_dtype)
             dx = dx.to(ctx.x_dtype)
             grad_probs = None
             if ctx.combine is not None:
@@ -910,7 +916,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             from lightning_moe.nn.permutation import permute_backward
 
             dx = permute_backward(dx, ctx.gather)  # the gradient of the permutation the cast read
-        return dx, dw.to(ctx.w_dtype), *(None,) * 10, grad_probs
+        return dx, dw, *(None,) * 10, grad_probs
 
 
 def _saved_wgrad_layout(qx_t: Tensor, offsets: Tensor, rows: int, aligned: bool) -> Optional[Tensor]:

@@ -127,22 +127,28 @@ def test_combined_second_projection_equals_its_unfused_composition(experts, dtyp
     assert _relative_error(dp, dp_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def _layer_step(deferred: bool, monkeypatch, experts: int = 40, checkpointed: bool = False, fp8: bool = True):
+def _layer_step(deferred: bool, monkeypatch, experts: int = 40, checkpointed: bool = False, fp8: bool = True,
+                master_fp32: bool = False, fast_wgrad: bool = False):
     """Output, token gradient and parameter gradients of one FP8-delayed MoE layer step, with
     the combine fused into the experts (``deferred``) or run by the dispatcher; ``checkpointed``:
     under activation checkpointing (the forward recomputed in the backward); ``fp8=False``: the
-    bf16 layer, as a reference."""
+    bf16 layer, as a reference; ``master_fp32``: the experts hold the same (bf16-representable)
+    weights in fp32, as bf16-mixed training holds master weights; ``fast_wgrad``: fast accumulation
+    in every product (the weight gradient then takes our Triton kernel)."""
     from torch.utils.checkpoint import checkpoint
 
     from lightning_moe.nn import MoEConfig, MoELayer
     from lightning_moe.nn.experts import GroupedExperts
-    from lightning_moe.precision import FP8Precision
+    from lightning_moe.precision import FP8Precision, FP8Recipe
 
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=experts, router_topk=4, expert_alignment=16)
     layer = MoELayer(cfg).cuda()
     layer.experts.to(torch.bfloat16)
-    plugin = FP8Precision(recipe="delayed", backend="torch")
+    if master_fp32:
+        layer.experts.float()
+    recipe = FP8Recipe("delayed", fast_accumulation=("fprop", "dgrad", "wgrad")) if fast_wgrad else "delayed"
+    plugin = FP8Precision(recipe=recipe, backend="torch")
     if fp8:
         plugin.convert_module(layer)
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -182,3 +188,29 @@ def test_fused_combine_under_activation_checkpointing_is_exact(monkeypatch):
     recomputed = _layer_step(True, monkeypatch, checkpointed=True)
     for i, (a, b) in enumerate(zip(plain, recomputed)):
         assert torch.equal(a, b), i
+
+
+def test_fp32_master_weights_get_in_fp32_the_gradient_bf16_weights_get_rounded(monkeypatch):
+    """Experts holding fp32 master weights: the FP8 weight-gradient kernel writes their gradient
+    in fp32 (no bf16 copy widened by a second pass). Every other result of the step equals the
+    bf16-weight layer's bit for bit, and the expert gradients round to its gradients."""
+    import lightning_moe.kernels.fp8_grouped_gemm_triton as kernels
+
+    out_dtypes = []
+    real = kernels.grouped_mm_wgrad
+    monkeypatch.setattr(kernels, "grouped_mm_wgrad",
+                        lambda *a, **k: out_dtypes.append(k.get("out_dtype", torch.bfloat16)) or real(*a, **k))
+    bf16 = _layer_step(True, monkeypatch, fast_wgrad=True)
+    assert out_dtypes == [torch.bfloat16] * 2
+    fp32 = _layer_step(True, monkeypatch, master_fp32=True, fast_wgrad=True)
+    assert out_dtypes[2:] == [torch.float32] * 2
+    widened = 0
+    for i, (a, b) in enumerate(zip(fp32, bf16)):
+        if a.dtype == b.dtype:
+            assert torch.equal(a, b), i
+        else:
+            assert (a.dtype, b.dtype) == (torch.float32, torch.bfloat16), i
+            assert torch.equal(a.to(torch.bfloat16), b), i
+            widened += 1
+            assert not torch.equal(a, b.float()), i  # bits bf16 would drop
+    assert widened == 2  # fc1 and fc2

@@ -113,8 +113,12 @@ def test_grouped_layer_trains_identically_with_the_triton_kernel(monkeypatch, co
     assert not calls and not wgrad_calls
     on = run(True)
     assert len(calls) == 2 and len(wgrad_calls) == 1  # the forward and the data gradient; the weight gradient
-    for a, b in zip(on, off):
+    for a, b in zip(on[:2], off[:2]):
         assert torch.equal(a, b)
+    # fp32 weights: our kernel writes their gradient in fp32, torch's grouped kernel in bf16 (widened after)
+    assert on[2].dtype == off[2].dtype == torch.float32
+    assert torch.equal(on[2].to(torch.bfloat16), off[2].to(torch.bfloat16))
+    assert not torch.equal(on[2], off[2])  # the fp32 gradient keeps bits bf16 drops
 
 
 def test_few_experts_make_no_host_sync_when_the_triton_kernel_takes_both_products(monkeypatch, host_syncs):
@@ -177,14 +181,20 @@ def test_weight_gradient_has_torchs_bits(ends, m, n):
     ref = torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1), sb.reshape(-1), offs=ends_t, out_dtype=torch.bfloat16,
                                    use_fast_accum=True)
     out = grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends)
+    out32 = grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, out_dtype=torch.float32)
+    assert out.dtype == torch.bfloat16 and out32.dtype == torch.float32
+    # the fp32 output is the value the bf16 output rounds (to nearest even)
+    assert torch.equal(out32.to(torch.bfloat16), out)
     start = 0
     for e, end in enumerate(ends):
         if end == start:
-            assert (out[e] == 0).all()
+            assert (out[e] == 0).all() and (out32[e] == 0).all()
         else:
             assert torch.equal(out[e], ref[e]), e
             exact = (a[:, start:end].float() @ b[:, start:end].float().t()) * sa[e][:, None] * sb[e][None]
-            assert float((out[e].float() - exact).norm() / exact.norm()) < 4e-3
+            error = float((out[e].float() - exact).norm() / exact.norm())
+            error32 = float((out32[e] - exact).norm() / exact.norm())
+            assert error < 4e-3 and error32 < error, (error, error32)
         start = end
 
 
