@@ -115,7 +115,34 @@ def grouped_mm_covered(
 ) -> Tensor:
     """`grouped_mm` from offsets already made by `covered_offsets` (callers running several
     GEMMs over the same groups make them once)."""
-    return _GroupedMMCoveredRows.apply(x_RK, w_EKN.to(x_RK.dtype), offsets_E, zero_output, zero_grad_input)
+    return _GroupedMMCoveredRows.apply(x_RK, compute_weight(w_EKN, x_RK.dtype), offsets_E, zero_output,
+                                       zero_grad_input)
+
+
+class _MasterWeightCast(torch.autograd.Function):
+    """fp32 master weight -> bf16 for the GEMM; the bf16 gradient widened back by
+    `kernels.widen_triton.widen_to_fp32` (torch's bf16 -> fp32 copy runs at about half the
+    bandwidth). The same values as ``w.to(torch.bfloat16)`` and its autograd, both ways."""
+
+    @staticmethod
+    def forward(ctx, w_fp32: Tensor) -> Tensor:
+        return w_fp32.to(torch.bfloat16)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_bf16: Tensor) -> Tensor:
+        from lightning_moe.kernels.widen_triton import widen_to_fp32
+
+        return widen_to_fp32(grad_bf16.contiguous())
+
+
+def compute_weight(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """``w`` in the GEMM's ``dtype`` (autograd-tracked). An fp32 master weight going to bf16 on
+    CUDA with Triton (bf16-mixed training) takes `_MasterWeightCast`; everything else ``w.to``."""
+    if w.dtype == torch.float32 and dtype == torch.bfloat16 and w.requires_grad and torch.is_grad_enabled() \
+            and use_triton(w):
+        return _MasterWeightCast.apply(w)
+    return w.to(dtype)
 
 
 def loop_mm(x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:

@@ -124,6 +124,58 @@ def test_grouped_mm_leaves_padding_rows_out_and_zero(sizes):
         torch.testing.assert_close(wa.grad[e].float(), xs.t() @ gs, rtol=2e-2, atol=1e-1)
 
 
+@pytest.mark.parametrize("n", [1, 8191, 8192, 3 * 8192 + 5])
+def test_widen_to_fp32_is_exact(n):
+    """The widening kernel gives every bf16 value's fp32 bits (infinities, signed zeros and
+    subnormals included), NaN where the input is NaN, for sizes around its block."""
+    from lightning_moe.kernels.widen_triton import widen_to_fp32
+
+    torch.manual_seed(n)
+    x = (torch.randn(n, device="cuda") * 1e3).to(torch.bfloat16)
+    specials = torch.tensor([float("inf"), float("-inf"), -0.0, 1e-40, float("nan")], device="cuda")
+    x[:min(n, 5)] = specials[:min(n, 5)].to(torch.bfloat16)
+    out = widen_to_fp32(x)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    want = x.float()
+    assert torch.equal(out.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(out[keep].view(torch.int32), want[keep].view(torch.int32))
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        widen_to_fp32(x.float())
+
+
+def test_fp32_master_weights_get_autocasts_gradients_from_the_widening_kernel(monkeypatch):
+    """The covered-rows grouped GEMM on fp32 master weights (bf16 activations, as under bf16
+    autocast) casts them through `_MasterWeightCast`: the same output and gradients, bit for bit,
+    as ``w.to(bf16)`` under autograd, with the weight gradient widened by our kernel."""
+    import lightning_moe.kernels.widen_triton as widen
+    import lightning_moe.nn.grouped_gemm as grouped_gemm
+
+    calls = []
+    real = widen.widen_to_fp32
+    monkeypatch.setattr(widen, "widen_to_fp32", lambda g: calls.append(g.shape) or real(g))
+    torch.manual_seed(0)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(3, 256, 384, device="cuda") / 16
+    g = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+    sizes = torch.tensor([96, 0, 320], device="cuda")
+
+    def run():
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = grouped_gemm.grouped_mm(xa, wa, sizes)
+        y.backward(g)
+        return y, xa.grad, wa.grad
+
+    fused = run()
+    assert calls == [torch.Size([3, 256, 384])]
+    monkeypatch.setattr(grouped_gemm, "compute_weight", lambda w_, dtype: w_.to(dtype))
+    plain = run()
+    assert len(calls) == 1
+    assert fused[2].dtype == torch.float32
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("end", [0, 5, 16, 300, 513])
 def test_swiglu_rows_end_neither_reads_nor_writes_the_tail(end):
     from lightning_moe.kernels.swiglu_triton import _BF, _BR, _grid, _swiglu_bwd_kernel, _swiglu_fwd_kernel, swiglu
