@@ -144,6 +144,19 @@ def test_widen_to_fp32_is_exact(n):
         widen_to_fp32(x.float())
 
 
+def test_torch_grouped_mm_writes_only_its_operands_dtype():
+    """Why bf16 experts on fp32 master weights widen their weight gradient in a pass of its own
+    (`grouped_gemm._MasterWeightCast`) while the FP8 kernel writes it in fp32: torch's grouped
+    GEMM (2.11) refuses an fp32 output for bf16 operands. If this fails, torch writes it: pass
+    ``out_dtype`` in `_GroupedMMCoveredRows`' weight gradient instead."""
+    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(256, 96, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.tensor([128, 256], device="cuda", dtype=torch.int32)
+    assert torch._grouped_mm(x.t(), dy, offs=offsets).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="output dtype must match"):
+        torch._grouped_mm(x.t(), dy, offs=offsets, out_dtype=torch.float32)
+
+
 def test_fp32_master_weights_get_autocasts_gradients_from_the_widening_kernel(monkeypatch):
     """The covered-rows grouped GEMM on fp32 master weights (bf16 activations, as under bf16
     autocast) casts them through `_MasterWeightCast`: the same output and gradients, bit for bit,
