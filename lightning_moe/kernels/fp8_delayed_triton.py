@@ -408,7 +408,7 @@ def delayed_cast(
                                       or probs_grad.shape != (x_RC.shape[0],)):
             raise ValueError(f"delayed_cast: weighted swiglu_grad writes the probabilities' gradient into "
                              f"probs_grad, fp32 [{x_RC.shape[0]}]")
-    if probs_grad is not None and (swiglu_grad is None or row_probs is None):
+    elif probs_grad is not None:
         raise ValueError("delayed_cast: probs_grad is written with swiglu_grad and row_probs only")
     if row_probs is not None and (row_probs.dtype != torch.float32 or row_probs.shape != (x_RC.shape[0],)):
         raise ValueError(f"delayed_cast: row_probs must be fp32 [{x_RC.shape[0]}] (one per row of h), got "
@@ -425,8 +425,6 @@ def delayed_cast(
     s_row = torch.empty(rows, dtype=torch.float32, device=device) if write_row else None
     s_col = torch.empty(groups, cols, dtype=torch.float32, device=device) if out_col is not None else None
     if not (rows and cols):  # nothing to cast; no amax to record
-        if probs_grad is not None:
-            probs_grad.zero_()  # a sum over no features
         # The generic path's scales: the history's where there is one, else 1 (an empty
         # group's amax is 0); the tail group has no history.
         inv_G = torch.where(scale_G > 0, 1.0 / scale_G, torch.ones_like(scale_G)).to(torch.float32)

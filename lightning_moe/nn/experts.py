@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Protocol
 
 import torch
@@ -235,19 +234,14 @@ class GroupedExperts(nn.Module):
             # One offsets tensor for both projections: a quantized GEMM that needs the group
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0] if permuted is None else permuted.num_rows)
-        if permuted is None and self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) \
-                and use_triton(x_RD):
+        if permuted is not None:
+            h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
+        elif self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
             return _combined(self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten),
                              combine)
-        # h never leaves this module, so a quantization may let the second projection's backward
-        # cast h's gradient for the first (FP8GroupedGemm.paired_swiglu_projections)
-        paired = getattr(self.quantization, "paired_swiglu_projections", None) if self.activation == "swiglu" else None
-        with contextlib.nullcontext() if paired is None else paired():
-            if permuted is not None:
-                h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
-            else:
-                h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
-            return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E, combine)
+        else:
+            h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
+        return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E, combine)
 
     def _second_projection(self, h_RF: Tensor, fc2: Tensor, group_sizes_E: Tensor,
                            offsets_E: Optional[Tensor], combine: Optional[DeferredCombine] = None) -> Tensor:

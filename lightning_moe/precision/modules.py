@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,15 +203,6 @@ class FP8GroupedGemm(nn.Module):
         the tokens and calls `grouped_mm`)."""
         return self._fused_delayed_call(projection, w_EKN, lambda state, key, prefetched: fp8_grouped_mm_gathered(
             tokens_TK, plan, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key, prefetched=prefetched))
-
-    def paired_swiglu_projections(self) -> contextlib.AbstractContextManager:
-        """Context for a caller running fc1 -> SwiGLU -> fc2 through this quantization that reads
-        the first projection's output gradient nowhere else (`GroupedExperts`): the second
-        projection's backward may then cast it into the first's FP8 copies
-        (`scaled_mm.paired_swiglu_projections`)."""
-        from lightning_moe.precision.scaled_mm import paired_swiglu_projections
-
-        return paired_swiglu_projections()
 
     def takes_deferred_combine(self, tokens_TK: Tensor) -> bool:
         """Whether `grouped_mm_swiglu` with ``combine`` would run in this layer (the test of

@@ -47,11 +47,9 @@ first projection run; each GEMM waits only for its own weight's copies.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import os
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -732,30 +730,13 @@ def prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe,
 
 
 # fc1's gradient cast done by fc2's backward straight from the SwiGLU backward's inputs (see
-# `_SwiGLUGradHandoff`), inside `paired_swiglu_projections` only. Off with
-# ``LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST=0`` (read at each forward) or by setting this False.
+# `_SwiGLUGradHandoff`). Off with ``LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST=0`` (read at each forward)
+# or by setting this False.
 FUSED_SWIGLU_GRAD_CAST = True
 
 
-_PAIRED_SWIGLU_PROJECTIONS = contextvars.ContextVar("lightning_moe_paired_swiglu_projections", default=False)
-
-
-@contextlib.contextmanager
-def paired_swiglu_projections() -> Iterator[None]:
-    """Marks the enclosed fc1 -> SwiGLU -> fc2 as run by a caller that reads ``h``'s gradient
-    nowhere else (`GroupedExperts`): only there does fc2's backward cast it for fc1, and hand
-    autograd a placeholder for it (`_SwiGLUGradHandoff`). Other compositions of the exported FP8
-    GEMMs keep ``h``'s real gradient."""
-    token = _PAIRED_SWIGLU_PROJECTIONS.set(True)
-    try:
-        yield
-    finally:
-        _PAIRED_SWIGLU_PROJECTIONS.reset(token)
-
-
 def _fused_swiglu_grad_cast_enabled() -> bool:
-    return (_PAIRED_SWIGLU_PROJECTIONS.get() and FUSED_SWIGLU_GRAD_CAST
-            and os.environ.get("LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST", "1") != "0")
+    return FUSED_SWIGLU_GRAD_CAST and os.environ.get("LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST", "1") != "0"
 
 
 class _SwiGLUGradHandoff:
@@ -764,9 +745,8 @@ class _SwiGLUGradHandoff:
     A delayed-scaling expert pair runs fc1 (``h = x @ w1``), then fc2 on ``silu(gate) * up`` of
     ``h`` (`scaled_grouped_mm_swiglu`). Unfused, fc2's backward writes ``h``'s bf16 gradient
     ``[R, 2F]`` through the SwiGLU backward, and fc1's backward reads it back to cast it into
-    its two FP8 copies. Fused (inside `paired_swiglu_projections`), fc1's training forward
-    attaches one of these to its output ``h``, and fc2's forward keeps it when given that very
-    tensor with the same offsets. fc2's backward then casts ``h``'s
+    its two FP8 copies. Fused, fc1's training forward attaches one of these to its output ``h``,
+    and fc2's forward keeps it when given that very tensor. fc2's backward then casts ``h``'s
     gradient into fc1's copies straight from the SwiGLU backward's inputs
     (`delayed_cast(..., swiglu_grad=)`, the same bits, with fc1's delayed scale and amax record),
     and returns a zero-stride placeholder as ``h``'s gradient. fc1's backward takes the copies

@@ -82,17 +82,3 @@ def test_swiglu_gradient_handoff_gives_its_copies_for_its_placeholder_only():
         handoff.take(torch.zeros(4, 6))  # a real gradient: something changed h's gradient in between
     assert handoff.take(placeholder) == copies
     assert handoff.take(placeholder) is None and handoff.copies is None  # handed over once, then dropped
-
-
-def test_fc1_gradient_cast_is_handed_off_only_inside_paired_projections(monkeypatch):
-    """The second projection's backward casts the first's gradient only for callers that declare
-    the pair (`GroupedExperts`); the switch turns it off there too."""
-    from lightning_moe.precision import scaled_mm
-
-    monkeypatch.delenv("LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST", raising=False)
-    assert not scaled_mm._fused_swiglu_grad_cast_enabled()
-    with scaled_mm.paired_swiglu_projections():
-        assert scaled_mm._fused_swiglu_grad_cast_enabled()
-        monkeypatch.setenv("LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST", "0")
-        assert not scaled_mm._fused_swiglu_grad_cast_enabled()
-    assert not scaled_mm._fused_swiglu_grad_cast_enabled()
