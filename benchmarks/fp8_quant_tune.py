@@ -125,8 +125,8 @@ def tune_delayed() -> dict:
 
             def cast():
                 fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
-                                              cols, groups, total, 0, record, 0, record, record, record, record,
-                                              WRITE_ROW=both, WRITE_COL=True, RECORD=True, SWIGLU=False, BR=br, BC=bc,
+                                              cols, groups, total, 0, record, 0, record, record, WRITE_ROW=both,
+                                              WRITE_COL=True, RECORD=True, SWIGLU=False, BR=br, BC=bc,
                                               num_warps=warps)
             row = {"BR": br, "BC": bc, "warps": warps}
             rows_out.append(row)
@@ -185,7 +185,7 @@ def tune_delayed_variants() -> dict:
 
         def launch():
             fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
-                                          cols, groups, total, 0, record, 0, record, record, record, record,
+                                          cols, groups, total, 0, record, 0, record, record,
                                           WRITE_ROW=write_row,
                                           WRITE_COL=write_col,
                                           RECORD=True, SWIGLU=False, BR=br, BC=bc, GROUP_AXIS=group_axis,

@@ -48,32 +48,20 @@ from lightning_moe.kernels.launch import launch, on_launch_stream
 
 
 @triton.jit
-def _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr, g_ptr,
-              DSWIGLU: tl.constexpr):
-    # The tile(s) the operand's rows are made of, in their stored dtype, as a triple: (gate, up,
-    # gate) with SWIGLU; (gate, up, g) with DSWIGLU, where ``x`` is ``h = [gate | up]`` ``[R, C]``,
-    # ``g`` the SwiGLU output's gradient ``[R, C / 2]`` and operand column ``c`` belongs to
-    # feature ``c mod C / 2`` (gate half, then up half); else the rows three times (see
-    # `_operand_from_raw`). ``m`` is ``row_mask`` x the columns'.
+def _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
+    # The tile(s) of ``x`` the operand's rows are made of, in ``x``'s dtype, as a pair: (gate, up)
+    # with SWIGLU, else the rows twice (see `_operand_from_raw`). ``m`` is ``row_mask`` x the
+    # columns'.
     if GATHER:
         src = tl.load(src_ptr + rows, mask=row_mask, other=T)
         held = m & (src < T)[:, None]
         a = tl.load(x_ptr + src[:, None].to(tl.int64) * C + cols[None, :], mask=held, other=0.0)
-        return a, a, a
-    if DSWIGLU:
-        half = C // 2
-        features = tl.where(cols < half, cols, cols - half)
-        row_base = rows[:, None].to(tl.int64)
-        base = row_base * C + features[None, :]
-        gate = tl.load(x_ptr + base, mask=m, other=0.0)
-        return (gate, tl.load(x_ptr + base + half, mask=m, other=0.0),
-                tl.load(g_ptr + row_base * half + features[None, :], mask=m, other=0.0))
+        return a, a
     if SWIGLU:
         base = rows[:, None].to(tl.int64) * (2 * C) + cols[None, :]
-        gate = tl.load(x_ptr + base, mask=m, other=0.0)
-        return gate, tl.load(x_ptr + base + C, mask=m, other=0.0), gate
+        return tl.load(x_ptr + base, mask=m, other=0.0), tl.load(x_ptr + base + C, mask=m, other=0.0)
     a = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
-    return a, a, a
+    return a, a
 
 
 @triton.jit
@@ -84,26 +72,13 @@ def _load_probs(prob_ptr, rows, row_mask, ROW_PROBS: tl.constexpr):
 
 
 @triton.jit
-def _operand_from_raw(a, b, g, SWIGLU: tl.constexpr, p, ROW_PROBS: tl.constexpr, DSWIGLU: tl.constexpr, cols, C):
-    # fp32 tile of the operand from `_load_raw`'s triple. With SWIGLU the pair is (gate, up) of the
+def _operand_from_raw(a, b, SWIGLU: tl.constexpr, p, ROW_PROBS: tl.constexpr):
+    # fp32 tile of the operand from `_load_raw`'s pair. With SWIGLU the pair is (gate, up) of the
     # fused projection output ``h = [gate | up]`` and the operand is ``silu(gate) * up`` computed
     # and rounded to ``h``'s dtype exactly as ``kernels.swiglu_triton`` does, so the cast sees the
     # values the SwiGLU kernel would have written. With ROW_PROBS (SWIGLU only) each row is also
     # weighted by its routing probability ``p`` (fp32 [BR], `_load_probs`) before that one
-    # rounding, as Megatron-Core's weighted SwiGLU computes it. With DSWIGLU the operand is the
-    # SwiGLU's input gradient ``[d gate | d up]`` from (gate, up, g), weighted by ``p`` under
-    # ROW_PROBS, computed and rounded as ``swiglu_triton``'s (weighted) backward writes it.
-    if DSWIGLU:
-        gate = a.to(tl.float32)
-        up = b.to(tl.float32)
-        grad = g.to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        if ROW_PROBS:
-            grad = grad * p[:, None]
-        d_gate = grad * up * (sig + silu * (1.0 - sig))
-        d_up = grad * silu
-        return tl.where((cols < C // 2)[None, :], d_gate, d_up).to(a.dtype).to(tl.float32)
+    # rounding, as Megatron-Core's weighted SwiGLU computes it.
     if SWIGLU:
         gate = a.to(tl.float32)
         act = gate * tl.sigmoid(gate) * b.to(tl.float32)
@@ -115,32 +90,18 @@ def _operand_from_raw(a, b, g, SWIGLU: tl.constexpr, p, ROW_PROBS: tl.constexpr,
 
 @triton.jit
 def _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr,
-                  prob_ptr, ROW_PROBS: tl.constexpr, g_ptr, DSWIGLU: tl.constexpr):
-    # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is ``h = [gate | up]`` ``[R, 2C]``;
-    # with DSWIGLU ``x`` is ``h`` ``[R, C]`` and ``g`` ``[R, C / 2]`` (see `_operand_from_raw`).
-    # With GATHER ``x`` is ``[T, C]`` and operand row ``r`` is ``x[src[r]]``, zero where
-    # ``src[r] == T`` (a padding row): the permutation's gather, read straight into the cast
-    # instead of written out first.
-    a, b, g = _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER, g_ptr, DSWIGLU)
-    return _operand_from_raw(a, b, g, SWIGLU, _load_probs(prob_ptr, rows, row_mask, ROW_PROBS), ROW_PROBS, DSWIGLU,
-                             cols, C)
-
-
-@triton.jit
-def _store_probs_grad(gp_ptr, a, b, g, rows, row_mask, cols, C, R, col_block, gate_blocks):
-    # The probability-gradient partial of this tile's gate columns, ``sum_f g * silu(gate) * up``
-    # per row (as the weighted SwiGLU backward sums it), into row ``col_block`` of ``gp [., R]``;
-    # column blocks of the up half store nothing (each feature is counted once).
-    if col_block < gate_blocks:
-        gate = a.to(tl.float32)
-        prod = g.to(tl.float32) * (gate * tl.sigmoid(gate)) * b.to(tl.float32)
-        prod = tl.where((cols < C // 2)[None, :], prod, 0.0)
-        tl.store(gp_ptr + col_block.to(tl.int64) * R + rows, tl.sum(prod, 1), mask=row_mask)
+                  prob_ptr, ROW_PROBS: tl.constexpr):
+    # fp32 tile of the operand ``[R, C]``. With SWIGLU ``x`` is ``h = [gate | up]`` ``[R, 2C]``
+    # (see `_operand_from_raw`). With GATHER ``x`` is ``[T, C]`` and operand row ``r`` is
+    # ``x[src[r]]``, zero where ``src[r] == T`` (a padding row): the permutation's gather, read
+    # straight into the cast instead of written out first.
+    a, b = _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER)
+    return _operand_from_raw(a, b, SWIGLU, _load_probs(prob_ptr, rows, row_mask, ROW_PROBS), ROW_PROBS)
 
 
 @triton.jit
 def _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr, SWIGLU: tl.constexpr, src_ptr, T,
-                         GATHER: tl.constexpr, prob_ptr, ROW_PROBS: tl.constexpr, g_ptr, DSWIGLU: tl.constexpr):
+                         GATHER: tl.constexpr, prob_ptr, ROW_PROBS: tl.constexpr):
     # Per-column amax ``[BC]`` of rows [start, end) of the operand as `_load_operand` reads it
     # (with SWIGLU: of the SwiGLU output computed from ``h``).
     amax = tl.zeros(cols.shape, dtype=tl.float32)
@@ -148,16 +109,14 @@ def _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR: tl.constexpr, SW
         rows = r0 + tl.arange(0, BR)
         row_mask = rows < end
         m = row_mask[:, None] & cmask[None, :]
-        x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS, g_ptr,
-                          DSWIGLU)
+        x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS)
         amax = tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
     return amax
 
 
 @triton.jit
-def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_ptr, T, prob_ptr, g_ptr,
-                         SWIGLU: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                         ROW_PROBS: tl.constexpr = False, DSWIGLU: tl.constexpr = False):
+def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_ptr, T, prob_ptr, SWIGLU: tl.constexpr,
+                         GATHER: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ROW_PROBS: tl.constexpr = False):
     # Program (group, column block): the current amax of groups without a scale (and of the
     # tail group G), by atomic max over column blocks; groups with a scale return at once.
     group = tl.program_id(0)
@@ -167,7 +126,7 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_p
         cmask = cols < C
         start, end = _group_bounds(offsets_ptr, group, G, R)
         amax = _operand_column_amax(x_ptr, start, end, cols, cmask, C, BR, SWIGLU, src_ptr, T, GATHER, prob_ptr,
-                                    ROW_PROBS, g_ptr, DSWIGLU)
+                                    ROW_PROBS)
         tl.atomic_max(amax_ptr + group, tl.max(amax, 0))
 
 
@@ -175,17 +134,13 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_p
 def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
                        stride_qc, amax, src_ptr, T, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
                        SWIGLU: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, prob_ptr,
-                       ROW_PROBS: tl.constexpr, g_ptr, DSWIGLU: tl.constexpr, gp_ptr, R, col_block, gate_blocks):
+                       ROW_PROBS: tl.constexpr):
     # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
     # copies (a group's unaligned head and tail); returns the running per-column amax ``[BC]``.
     rows = r0 + tl.arange(0, BR)
     row_mask = (rows >= lo) & (rows < hi)
     m = row_mask[:, None] & cmask[None, :]
-    a, b, g = _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER, g_ptr, DSWIGLU)
-    if DSWIGLU and ROW_PROBS:
-        _store_probs_grad(gp_ptr, a, b, g, rows, row_mask, cols, C, R, col_block, gate_blocks)
-    x = _operand_from_raw(a, b, g, SWIGLU, _load_probs(prob_ptr, rows, row_mask, ROW_PROBS), ROW_PROBS, DSWIGLU,
-                          cols, C)
+    x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS)
     return _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
                        WRITE_ROW, WRITE_COL, False)
 
@@ -215,19 +170,14 @@ def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_bas
 
 @triton.jit
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
-                         record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr, prob_ptr, g_ptr,
-                         gp_ptr, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
+                         record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr, prob_ptr,
+                         WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
-                         GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False,
-                         DSWIGLU: tl.constexpr = False):
+                         GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
-    # axis, so the programs resident together read neighbouring columns of the same rows. With
-    # DSWIGLU and ROW_PROBS the column blocks of the gate half also store their rows' partial
-    # probability gradients in ``gp [cdiv(C / 2, BC), R]`` (see `_store_probs_grad`).
+    # axis, so the programs resident together read neighbouring columns of the same rows.
     group = tl.program_id(GROUP_AXIS)
-    col_block = tl.program_id(1 - GROUP_AXIS)
-    gate_blocks = tl.cdiv(C // 2, BC)
-    cols = col_block * BC + tl.arange(0, BC)
+    cols = tl.program_id(1 - GROUP_AXIS) * BC + tl.arange(0, BC)
     cmask = cols < C
     in_group = group < G
     start, end = _group_bounds(offsets_ptr, group, G, R)
@@ -239,7 +189,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
                               in_group, out_base, C, stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU,
-                              GATHER, 16, prob_ptr, ROW_PROBS, g_ptr, DSWIGLU, gp_ptr, R, col_block, gate_blocks)
+                              GATHER, 16, prob_ptr, ROW_PROBS)
     # The body [lo, hi), whose bounds are multiples of 16: the next tile's load is issued before
     # this tile is cast, so two tiles are in flight per program, the next one held in ``x``'s
     # dtype (1.17x the bandwidth of one at a time at qwen3's operands, fp8_cast_tma_tune_s20f.json;
@@ -247,27 +197,22 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     # fp8_quant_tune_delayed_variants_transpose_stages.json). The amax is kept per element.
     body_amax = tl.zeros([BR, BC], dtype=tl.float32)
     tile_rows = lo + tl.arange(0, BR)
-    ahead_a, ahead_b, ahead_g = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols,
-                                          (tile_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER,
-                                          g_ptr, DSWIGLU)
+    ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols, (tile_rows < hi)[:, None] & cmask[None, :],
+                                 C, SWIGLU, src_ptr, T, GATHER)
     ahead_p = _load_probs(prob_ptr, tile_rows, tile_rows < hi, ROW_PROBS)  # in flight with the tile
     for r0 in tl.range(lo, hi, BR, num_stages=1):
         tile_rows = r0 + tl.arange(0, BR)
-        if DSWIGLU and ROW_PROBS:
-            _store_probs_grad(gp_ptr, ahead_a, ahead_b, ahead_g, tile_rows, tile_rows < hi, cols, C, R, col_block,
-                              gate_blocks)
-        x = _operand_from_raw(ahead_a, ahead_b, ahead_g, SWIGLU, ahead_p, ROW_PROBS, DSWIGLU, cols, C)
+        x = _operand_from_raw(ahead_a, ahead_b, SWIGLU, ahead_p, ROW_PROBS)
         next_rows = tile_rows + BR
-        ahead_a, ahead_b, ahead_g = _load_raw(x_ptr, next_rows, next_rows < hi, cols,
-                                              (next_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T,
-                                              GATHER, g_ptr, DSWIGLU)
+        ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols, (next_rows < hi)[:, None] & cmask[None, :],
+                                     C, SWIGLU, src_ptr, T, GATHER)
         ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
         body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr, cols,
                                 scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, True)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,
-                              ROW_PROBS, g_ptr, DSWIGLU, gp_ptr, R, col_block, gate_blocks)
+                              ROW_PROBS)
     if WRITE_ROW:
         if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the group's row scales
             for r0 in range(start, end, 1024):
@@ -339,8 +284,6 @@ def delayed_cast(
     gather_rows: Optional[Tensor] = None,
     aligned_ends: Optional[Tensor] = None,
     row_probs: Optional[Tensor] = None,
-    swiglu_grad: Optional[Tensor] = None,
-    probs_grad: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -372,15 +315,7 @@ def delayed_cast(
             after the group's rows up to ``aligned_ends[g]``; groups of whole 16-row runs).
         row_probs: fp32 ``[R]`` with ``swiglu``: the operand is ``prob[r] * silu(gate) * up``
             (Megatron-Core's weighted SwiGLU: the routing probabilities applied before the
-            second projection, so the combine after it is an unweighted sum). With
-            ``swiglu_grad``: the weights of the SwiGLU whose input gradient is cast.
-        swiglu_grad: ``[R, C / 2]``, the gradient of a SwiGLU's output: ``x`` is then that
-            SwiGLU's input ``h = [gate | up]`` ``[R, C]`` and the operand is ``h``'s gradient,
-            computed on the fly with `swiglu_triton`'s (weighted, with ``row_probs``) backward
-            arithmetic and rounding, so ``h``'s gradient is never written. Needs ``out_col``.
-        probs_grad: fp32 ``[R]`` written with ``swiglu_grad`` and ``row_probs``: the rows'
-            probability gradients ``sum_f g * silu(gate) * up`` (deterministic: partial sums per
-            column block, added in order).
+            second projection, so the combine after it is an unweighted sum).
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -395,21 +330,8 @@ def delayed_cast(
         raise ValueError("delayed_cast: aligned_ends lays out the transposed copy; it needs out_col")
     if swiglu and gather_rows is not None:
         raise ValueError("delayed_cast: gather_rows is for a permutation's rows, not with swiglu=True")
-    if row_probs is not None and not (swiglu or swiglu_grad is not None):
-        raise ValueError("delayed_cast: row_probs weights the SwiGLU's rows; it needs swiglu=True or swiglu_grad")
-    if swiglu_grad is not None:
-        if swiglu or gather_rows is not None or out_col is None or e5m2:
-            raise ValueError("delayed_cast: swiglu_grad casts a SwiGLU's input gradient into both E4M3 copies; "
-                             "not with swiglu=True, gather_rows or e5m2, and it needs out_col")
-        if x_RC.shape[1] % 2 or swiglu_grad.shape != (x_RC.shape[0], x_RC.shape[1] // 2):
-            raise ValueError(f"delayed_cast: swiglu_grad must be [{x_RC.shape[0]}, {x_RC.shape[1] // 2}] for h "
-                             f"{tuple(x_RC.shape)}, got {tuple(swiglu_grad.shape)}")
-        if row_probs is not None and (probs_grad is None or probs_grad.dtype != torch.float32
-                                      or probs_grad.shape != (x_RC.shape[0],)):
-            raise ValueError(f"delayed_cast: weighted swiglu_grad writes the probabilities' gradient into "
-                             f"probs_grad, fp32 [{x_RC.shape[0]}]")
-    elif probs_grad is not None:
-        raise ValueError("delayed_cast: probs_grad is written with swiglu_grad and row_probs only")
+    if row_probs is not None and not swiglu:
+        raise ValueError("delayed_cast: row_probs weights the SwiGLU's rows; it needs swiglu=True")
     if row_probs is not None and (row_probs.dtype != torch.float32 or row_probs.shape != (x_RC.shape[0],)):
         raise ValueError(f"delayed_cast: row_probs must be fp32 [{x_RC.shape[0]}] (one per row of h), got "
                          f"{row_probs.dtype} {tuple(row_probs.shape)}")
@@ -437,12 +359,10 @@ def delayed_cast(
     offsets_G = offsets_G.contiguous()
     scale_G = scale_G.contiguous()
     row_probs = None if row_probs is None else row_probs.contiguous()
-    swiglu_grad = None if swiglu_grad is None else swiglu_grad.contiguous()
     with on_launch_stream(launch_stream, x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
-                          gather_rows, aligned_ends, row_probs, swiglu_grad, probs_grad):
+                          gather_rows, aligned_ends, row_probs):
         _launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
-                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends, row_probs,
-                             swiglu_grad, probs_grad)
+                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends, row_probs)
     return q_row, s_row, s_col
 
 
@@ -450,8 +370,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
                          record_G: Optional[Tensor], q_row: Optional[Tensor], s_row: Optional[Tensor],
                          out_col: Optional[Tensor], s_col: Optional[Tensor], stride_out_col: int,
                          stride_out_group: int, e5m2: bool, swiglu: bool, gather_rows: Optional[Tensor],
-                         aligned_ends: Optional[Tensor], row_probs: Optional[Tensor],
-                         swiglu_grad: Optional[Tensor] = None, probs_grad: Optional[Tensor] = None) -> None:
+                         aligned_ends: Optional[Tensor], row_probs: Optional[Tensor]) -> None:
     # The kernels of `delayed_cast` (the operand is ``rows x cols`` after the SwiGLU or the
     # gather, if any).
     groups = offsets_G.numel()
@@ -464,11 +383,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
     weighted = row_probs is not None
     probs = row_probs if weighted else dummy
-    dswiglu = swiglu_grad is not None
-    grad = swiglu_grad if dswiglu else dummy
     launch(_missing_amax_kernel, (cast_groups, triton.cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
-           groups, src, num_src, probs, grad, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=weighted,
-           DSWIGLU=dswiglu, num_warps=4)
+           groups, src, num_src, probs, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=weighted, num_warps=4)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
         # shape: fp8_quant_tune.json), instead of per-group column tiles.
@@ -488,20 +404,13 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     # then 128 x 64 tiles with the next one's load in flight (2.9-3.3 TB/s; a bf16 copy of the same
     # tensors: 4.0-4.25 TB/s).
     block_r, block_c = 128, 64
-    # The probability gradient's partial sums, one row per column block of h's gate half
-    partials = (torch.empty(triton.cdiv(cols // 2, block_c), rows, dtype=torch.float32, device=x_RC.device)
-                if dswiglu and weighted else dummy)
     launch(
         _delayed_cast_kernel, (triton.cdiv(cols, block_c), cast_groups),
         x_RC, offsets_G, scale_G, cur_amax,
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
-        rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs, grad, partials,
+        rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted, DSWIGLU=dswiglu,
-        num_warps=4,
+        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted, num_warps=4,
     )
-    if dswiglu and weighted:
-        # Every row is in one group's programs, so each partial is written once; summed in order.
-        torch.sum(partials, 0, out=probs_grad)

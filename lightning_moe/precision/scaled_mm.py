@@ -729,73 +729,6 @@ def prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe,
     return PrefetchedWeight(_weight_signature(w_EKN), layouts, done, w_EKN.device)
 
 
-# fc1's gradient cast done by fc2's backward straight from the SwiGLU backward's inputs (see
-# `_SwiGLUGradHandoff`). Off with ``LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST=0`` (read at each forward)
-# or by setting this False.
-FUSED_SWIGLU_GRAD_CAST = True
-
-
-def _fused_swiglu_grad_cast_enabled() -> bool:
-    return FUSED_SWIGLU_GRAD_CAST and os.environ.get("LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST", "1") != "0"
-
-
-class _SwiGLUGradHandoff:
-    """fc1's gradient cast, done by fc2's backward.
-
-    A delayed-scaling expert pair runs fc1 (``h = x @ w1``), then fc2 on ``silu(gate) * up`` of
-    ``h`` (`scaled_grouped_mm_swiglu`). Unfused, fc2's backward writes ``h``'s bf16 gradient
-    ``[R, 2F]`` through the SwiGLU backward, and fc1's backward reads it back to cast it into
-    its two FP8 copies. Fused, fc1's training forward attaches one of these to its output ``h``,
-    and fc2's forward keeps it when given that very tensor. fc2's backward then casts ``h``'s
-    gradient into fc1's copies straight from the SwiGLU backward's inputs
-    (`delayed_cast(..., swiglu_grad=)`, the same bits, with fc1's delayed scale and amax record),
-    and returns a zero-stride placeholder as ``h``'s gradient. fc1's backward takes the copies
-    when the gradient it receives is that placeholder, and raises if it holds the copies but
-    gets another gradient (something between the two projections changed ``h``'s gradient)."""
-
-    __slots__ = ("recipe", "state", "offsets", "aligned", "copies", "_placeholder")
-
-    def __init__(self, recipe: FP8Recipe, state: DelayedState, offsets: Tensor, aligned: bool) -> None:
-        self.recipe, self.state, self.offsets, self.aligned = recipe, state, offsets, aligned
-        self.copies: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
-        self._placeholder: Optional[Tensor] = None
-
-    def cast(self, h_RF2: Tensor, g_RF: Tensor, row_probs: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-        """Cast the gradient of ``h`` (the SwiGLU's input) given its output's gradient ``g``
-        (weighted by ``row_probs`` fp32 ``[R]``, or None) into fc1's copies. Returns the
-        placeholder to hand autograd as ``h``'s gradient and, when weighted, the rows'
-        probability gradients fp32 ``[R]``."""
-        from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
-
-        rows = h_RF2.shape[0]
-        aligned_ends = _wgrad_aligned_ends(self.offsets) if self.aligned else None
-        q_CR = _transposed_out(h_RF2, rows=rows, aligned_groups=self.offsets.numel() if self.aligned else 0)
-        probs_grad = None if row_probs is None else torch.empty(rows, dtype=torch.float32, device=h_RF2.device)
-        scale, record = _FusedGroupedOperands(self.recipe, self.state)._delayed("grad")
-        q_RC, s_R, s_GC = delayed_cast(h_RF2, self.offsets, scale, record, out_col=q_CR,
-                                       stride_out_col=q_CR.shape[1], aligned_ends=aligned_ends, swiglu_grad=g_RF,
-                                       row_probs=row_probs, probs_grad=probs_grad)
-        self.copies = (q_RC, s_R, q_CR, s_GC.reshape(-1))
-        # The only values autograd will carry as h's gradient: one element, viewed as [R, 2F].
-        self._placeholder = torch.zeros((), dtype=h_RF2.dtype, device=h_RF2.device).expand(h_RF2.shape)
-        return self._placeholder, probs_grad
-
-    def take(self, dy: Tensor) -> Optional[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """fc1's copies when ``dy`` is the placeholder `cast` handed out (then forgotten), None
-        when fc2's backward cast nothing."""
-        if self.copies is None:
-            return None
-        placeholder = self._placeholder
-        assert placeholder is not None
-        if dy.data_ptr() != placeholder.data_ptr() or dy.stride() != placeholder.stride():
-            raise RuntimeError(
-                "FP8 experts: fc2's backward already cast fc1's gradient, but fc1's backward received another "
-                "gradient for h (something between the two projections changed it); run with "
-                "LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST=0")
-        copies, self.copies, self._placeholder = self.copies, None, None
-        return copies
-
-
 class _ScaledGroupedMM(torch.autograd.Function):
     """``x @ w`` per group; with ``input_swiglu`` ``x`` is ``h = [gate | up]`` and the GEMM's
     input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`);
@@ -892,14 +825,6 @@ class _ScaledGroupedMM(torch.autograd.Function):
             per_expert_products = not (triton_fprop and (triton_dgrad or not needs_backward))
             ends = _host_group_ends(offsets, experts) if per_expert_products else None
             y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"), triton=triton_fprop)
-        # fc1 of a delayed SwiGLU pair: fc2's backward may cast this output's gradient for us.
-        handoff = None
-        if fused and state is not None and needs_backward and not input_swiglu and _fused_swiglu_grad_cast_enabled():
-            handoff = _SwiGLUGradHandoff(recipe, state, offsets, wgrad_aligned_ends is not None)
-        ctx.grad_handoff = handoff
-        # fc2: the handoff of the fc1 that made this input, when it is that very tensor, grouped alike
-        input_handoff = getattr(x, "_swiglu_grad_handoff", None) if input_swiglu and fused else None
-        ctx.input_handoff = input_handoff if input_handoff is not None and input_handoff.offsets is offsets else None
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward). Under
             # input_swiglu h is kept for the SwiGLU's backward (the unfused SwiGLU keeps it too).
@@ -921,8 +846,6 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
             # The probabilities were applied before this GEMM: each token's rows are summed as they are.
             y = combine_rows(y, combine.dest_TK)
-        if handoff is not None:
-            y._swiglu_grad_handoff = handoff  # read by the next projection's forward (see there)
         return y
 
     @staticmethod
@@ -933,11 +856,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         saved = ctx.saved_tensors
         offsets = saved[2]
         _assert_groups_aligned(offsets)
-        # fc1 whose gradient cast fc2's backward did: dy is then a placeholder, never read
-        grad_copies = None if ctx.grad_handoff is None else ctx.grad_handoff.take(dy)
         with no_autocast(dy):
-            if grad_copies is None:
-                dy = dy.contiguous()
+            dy = dy.contiguous()
             if ctx.fused:
                 qx_t, sx_t, _, w, qw_saved, sw_saved = saved[:6]
                 quantizer = _FusedGroupedOperands(recipe, state)
@@ -952,8 +872,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 token_rows = None if ctx.combine is None else ctx.combine.row_token_R
                 rows = dy.shape[0] if token_rows is None else token_rows.shape[0]
                 wgrad_aligned_ends = _saved_wgrad_layout(qx_t, offsets, rows, ctx.wgrad_aligned)
-                qdy, sdy_R, qdy_t, sdy_t = grad_copies if grad_copies is not None else quantizer.activation(
-                    dy, offsets, "grad", True, gather_rows=token_rows, aligned_ends=wgrad_aligned_ends)
+                qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True, gather_rows=token_rows,
+                                                                aligned_ends=wgrad_aligned_ends)
             else:
                 x, w, _ = saved
                 wgrad_aligned_ends = None
@@ -978,25 +898,20 @@ class _ScaledGroupedMM(torch.autograd.Function):
                                         fast=recipe.fast("wgrad"), aligned_ends=wgrad_aligned_ends,
                                         out_dtype=ctx.w_dtype)
             dx = dx.to(ctx.x_dtype)
-            grad_probs = grad_rows = None
-            if ctx.input_handoff is not None and ctx.needs_input_grad[0]:
-                # fc2 of a delayed SwiGLU pair: h's gradient goes straight into fc1's FP8 copies
-                # (dx of the weighted SwiGLU under combine), dx becomes their placeholder
-                dx, grad_rows = ctx.input_handoff.cast(saved[6], dx, saved[7] if ctx.combine is not None else None)
-            elif ctx.combine is not None:
+            grad_probs = None
+            if ctx.combine is not None:
                 from lightning_moe.kernels.swiglu_triton import weighted_swiglu_backward
 
                 # dx is the gradient of row_probs * silu(gate) * up
                 dx, grad_rows = weighted_swiglu_backward(saved[6], dx, saved[7])
+                # Each kept assignment (t, k) holds one row, dest[t, k]; dropped ones (dest == R) get 0.
+                grad_probs = torch.cat([grad_rows, grad_rows.new_zeros(1)])[ctx.combine.dest_TK]
+                grad_probs = grad_probs.to(ctx.probs_dtype)
             elif ctx.input_swiglu:
                 from lightning_moe.kernels.swiglu_triton import swiglu_backward
 
                 # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
                 dx = swiglu_backward(saved[6], dx)
-            if grad_rows is not None:
-                # Each kept assignment (t, k) holds one row, dest[t, k]; dropped ones (dest == R) get 0.
-                grad_probs = torch.cat([grad_rows, grad_rows.new_zeros(1)])[ctx.combine.dest_TK]
-                grad_probs = grad_probs.to(ctx.probs_dtype)
         if ctx.gather is not None:
             from lightning_moe.nn.permutation import permute_backward
 

@@ -71,48 +71,6 @@ def test_row_weighted_swiglu_cast_equals_the_cast_of_the_weighted_rows(dtype):
     assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
 
 
-@pytest.mark.parametrize("weighted", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("aligned", [False, True])
-def test_swiglu_gradient_cast_equals_the_cast_of_the_swiglu_backward(dtype, weighted, aligned):
-    """``delayed_cast(h, swiglu_grad=g[, row_probs=p])`` writes the bits of casting what the
-    (weighted) SwiGLU backward writes for ``h``'s gradient, and the probabilities' gradient
-    matches that backward's (summed in another order: fp32 rounding); groups with and without
-    history (the missing-amax pass), an empty group, a tail, features not a multiple of the
-    column block, and the weight-gradient kernel's aligned layout."""
-    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
-    from lightning_moe.kernels.swiglu_triton import swiglu_backward, weighted_swiglu_backward
-    from lightning_moe.precision.scaled_mm import _transposed_width, _wgrad_aligned_ends
-
-    torch.manual_seed(1)
-    rows, features = 704, 200
-    h = (torch.randn(rows, 2 * features, device="cuda") * 3).to(dtype)
-    g = torch.randn(rows, features, device="cuda").to(dtype)
-    p = torch.rand(rows, device="cuda")
-    offsets = torch.tensor([0, 48, 48, 352, 688], device="cuda", dtype=torch.int32)  # 16-row groups; a tail
-    scale = torch.tensor([0.0, 2.0, 0.0, 0.5, 0.0], device="cuda")
-    aligned_ends = _wgrad_aligned_ends(offsets) if aligned else None
-    width = _transposed_width(rows, offsets.numel() if aligned else 0)
-    if weighted:
-        dh, dp_ref = weighted_swiglu_backward(h, g, p)
-    else:
-        dh, dp_ref = swiglu_backward(h, g), None
-    results = []
-    for fused in (True, False):
-        q_col = torch.zeros(2 * features, width, device="cuda", dtype=torch.float8_e4m3fn)
-        record = torch.zeros(5, device="cuda")
-        dp = torch.full((rows,), float("nan"), device="cuda") if fused and weighted else None
-        q, s_row, s_col = delayed_cast(h if fused else dh, offsets, scale, record, out_col=q_col, stride_out_col=width,
-                                       aligned_ends=aligned_ends, swiglu_grad=g if fused else None,
-                                       row_probs=p if fused and weighted else None, probs_grad=dp)
-        results.append((q, s_row, s_col, q_col, record, dp))
-    (q, s_row, s_col, q_col, record, dp), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref, _) = results
-    assert same_bits(q, q_ref) and same_bits(q_col, q_col_ref)
-    assert torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref) and torch.equal(record, record_ref)
-    if weighted:
-        torch.testing.assert_close(dp, dp_ref, rtol=1e-5, atol=1e-5)
-
-
 def _routed(tokens: int, experts: int, topk: int, seed: int):
     """A plan of random routing (16-row aligned groups) and power-of-two probabilities."""
     from lightning_moe.nn.permutation import plan_permutation
@@ -256,45 +214,3 @@ def test_fp32_master_weights_get_in_fp32_the_gradient_bf16_weights_get_rounded(m
             widened += 1
             assert not torch.equal(a, b.float()), i  # bits bf16 would drop
     assert widened == 2  # fc1 and fc2
-
-
-@pytest.mark.parametrize("deferred", [True, False])
-def test_fc1_gradient_cast_in_fc2s_backward_gives_the_same_step(monkeypatch, deferred):
-    """fc2's backward casting h's gradient straight into fc1's FP8 copies (`_SwiGLUGradHandoff`)
-    leaves the step's results as they were: the output and both projections' weight gradients bit
-    for bit. With the combine in the experts (``deferred``) the probabilities' gradient is summed
-    in another order (fp32 rounding), which reaches the router's and the tokens' gradients;
-    without it, every result is bit for bit."""
-    import lightning_moe.kernels.fp8_delayed_triton as delayed
-    from lightning_moe.kernels import swiglu_triton
-    from lightning_moe.precision import scaled_mm
-
-    fused_casts = []
-    real = delayed.delayed_cast
-    monkeypatch.setattr(delayed, "delayed_cast",
-                        lambda *a, **k: fused_casts.append(k.get("swiglu_grad") is not None) or real(*a, **k))
-    backward_kernels = []
-    for name in ("weighted_swiglu_backward", "swiglu_backward"):
-        kernel = getattr(swiglu_triton, name)
-        monkeypatch.setattr(swiglu_triton, name, lambda *a, _k=kernel, **kw: backward_kernels.append(1) or _k(*a, **kw))
-    results = {}
-    for on in (True, False):
-        monkeypatch.setattr(scaled_mm, "FUSED_SWIGLU_GRAD_CAST", on)
-        fused_casts.clear()
-        backward_kernels.clear()
-        results[on] = _layer_step(deferred, monkeypatch, fast_wgrad=True)
-        assert fused_casts.count(True) == (1 if on else 0)
-        assert len(backward_kernels) == (0 if on else 1)
-    names = ["y", "x.grad"] + [name for name, _ in _named_parameters()]
-    for name, a, b in zip(names, results[True], results[False]):
-        if deferred and (name == "x.grad" or name.startswith("router")):
-            assert _relative_error(a, b) < 2e-3, name
-        else:
-            assert torch.equal(a, b), name
-
-
-def _named_parameters():
-    from lightning_moe.nn import MoEConfig, MoELayer
-
-    cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=40, router_topk=4, expert_alignment=16)
-    return list(MoELayer(cfg).named_parameters())

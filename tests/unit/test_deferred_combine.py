@@ -66,19 +66,3 @@ def test_fp8_experts_whose_swiglu_gemm_predates_the_combine_do_not_take_it(monke
     monkeypatch.setattr(FP8GroupedGemm, "takes_deferred_permutation", lambda self, tokens: True)
     assert FP8GroupedGemm("delayed", backend="torch").takes_deferred_combine(tokens)
     assert not OldSwiGLU("delayed", backend="torch").takes_deferred_combine(tokens)
-
-
-def test_swiglu_gradient_handoff_gives_its_copies_for_its_placeholder_only():
-    """fc1's backward takes the FP8 copies fc2's backward made only with the placeholder handed
-    to autograd for h's gradient, once; any other gradient for h is an error naming the switch."""
-    from lightning_moe.precision.scaled_mm import _SwiGLUGradHandoff
-
-    handoff = _SwiGLUGradHandoff(recipe=None, state=None, offsets=torch.zeros(2, dtype=torch.int32), aligned=False)
-    assert handoff.take(torch.zeros(4, 6)) is None  # fc2's backward cast nothing: fc1 casts dy itself
-    copies = tuple(torch.randn(3) for _ in range(4))
-    placeholder = torch.zeros(()).expand(4, 6)
-    handoff.copies, handoff._placeholder = copies, placeholder
-    with pytest.raises(RuntimeError, match="LIGHTNING_MOE_FUSED_SWIGLU_GRAD_CAST=0"):
-        handoff.take(torch.zeros(4, 6))  # a real gradient: something changed h's gradient in between
-    assert handoff.take(placeholder) == copies
-    assert handoff.take(placeholder) is None and handoff.copies is None  # handed over once, then dropped
