@@ -122,15 +122,19 @@ def grouped_mm_covered(
 class _MasterWeightCast(torch.autograd.Function):
     """fp32 master weight -> bf16 for the GEMM; the bf16 gradient widened back by
     `kernels.widen_triton.widen_to_fp32` (torch's bf16 -> fp32 copy runs at about half the
-    bandwidth). The same values as ``w.to(torch.bfloat16)`` and its autograd, both ways."""
+    bandwidth). The same values as ``w.to(torch.bfloat16)`` and its autograd for a defined
+    gradient (None stays None); first order only, as the grouped GEMM that consumes it."""
 
     @staticmethod
     def forward(ctx, w_fp32: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)  # no gradient must stay None, not become fp32 zeros
         return w_fp32.to(torch.bfloat16)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_bf16: Tensor) -> Tensor:
+    def backward(ctx, grad_bf16: Optional[Tensor]) -> Optional[Tensor]:
+        if grad_bf16 is None:
+            return None
         from lightning_moe.kernels.widen_triton import widen_to_fp32
 
         return widen_to_fp32(grad_bf16.contiguous())

@@ -615,27 +615,31 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
                            out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """``dw[e] = a[:, rows of e] @ b[:, rows of e]^T``: both operands ``[features, R]`` with
     per-(expert, feature) scales ``[E, features]``. Returns ``out_dtype`` ``[E, K, N]`` (the
-    weight's dtype: fp32 master weights get their gradient written in fp32 by the kernels that can,
-    instead of bf16 widened by another pass over it). ``aligned_ends``: the operands are in the
-    aligned group layout (`_wgrad_aligned_ends`), for our Triton kernel (fast accumulation only)."""
-    high = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+    weight's dtype). Our Triton kernel writes an fp32 gradient for fp32 master weights directly.
+    torch's grouped kernel writes bf16 only, and its row-scaled ``_scaled_mm`` writes fp32 only on
+    sm90 with cuBLAS >= 12.9, so those paths write bf16, widened after. So fp32 master weights get an unrounded
+    gradient from the Triton kernel and a bf16-rounded one otherwise (under CUDA-graph capture,
+    with the Triton kernel switched off, split accumulation, or off sm90). ``aligned_ends``: the
+    operands are in the aligned group layout (`_wgrad_aligned_ends`), for our Triton kernel (fast
+    accumulation only)."""
     if aligned_ends is not None:
         from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
 
         assert fast, "the Triton weight-gradient kernel accumulates fast only"
+        kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
         return grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends,
-                                out_dtype=high).to(out_dtype)
+                                out_dtype=kernel_dtype).to(out_dtype)
     experts = sa_EK.shape[0]
     if ends is None:
         # torch's FP8 grouped GEMM writes bf16 only
         return torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1), offs=offsets_E,
                                         out_dtype=torch.bfloat16, use_fast_accum=fast).to(out_dtype)
-    out = torch.empty(experts, qa_KR.shape[0], qb_NR.shape[0], dtype=high, device=qa_KR.device)
+    out = torch.empty(experts, qa_KR.shape[0], qb_NR.shape[0], dtype=torch.bfloat16, device=qa_KR.device)
     start = 0
     for e, end in enumerate(ends):
         if end > start:
             torch._scaled_mm(qa_KR[:, start:end], qb_NR[:, start:end].t(), scale_a=sa_EK[e][:, None],
-                             scale_b=sb_EN[e][None], out_dtype=high, use_fast_accum=fast, out=out[e])
+                             scale_b=sb_EN[e][None], out_dtype=torch.bfloat16, use_fast_accum=fast, out=out[e])
         else:
             out[e].zero_()  # an expert without tokens has no gradient
         start = end

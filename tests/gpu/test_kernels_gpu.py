@@ -189,6 +189,39 @@ def test_fp32_master_weights_get_autocasts_gradients_from_the_widening_kernel(mo
         assert torch.equal(a, b)
 
 
+def test_grouped_experts_under_autocast_widen_their_gradients_through_our_kernel(monkeypatch):
+    """SwiGLU experts on fp32 master weights under bf16 autocast (fc1 a flattened view of its 4-D
+    parameter): both weight gradients are widened by our kernel, fp32 and shaped as the
+    parameters, with the same output and gradients, bit for bit, as ``w.to(bf16)``."""
+    import lightning_moe.kernels.widen_triton as widen
+    import lightning_moe.nn.grouped_gemm as grouped_gemm
+    from lightning_moe.nn.experts import GroupedExperts
+
+    calls = []
+    real = widen.widen_to_fp32
+    monkeypatch.setattr(widen, "widen_to_fp32", lambda g: calls.append(tuple(g.shape)) or real(g))
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 64, 96, activation="swiglu", backend="grouped_mm").cuda()
+    x = torch.randn(256, 64, device="cuda")
+    sizes = torch.tensor([64, 0, 100, 92], device="cuda")
+
+    def run():
+        experts.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = experts(x, sizes)
+        y.float().square().sum().backward()
+        return [y.detach()] + [p.grad for p in experts.parameters()]
+
+    fused = run()
+    assert sorted(calls) == [(4, 64, 192), (4, 96, 64)]
+    assert all(p.grad.dtype == torch.float32 and p.grad.shape == p.shape for p in experts.parameters())
+    monkeypatch.setattr(grouped_gemm, "compute_weight", lambda w, dtype: w.to(dtype))
+    plain = run()
+    assert len(calls) == 2
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("end", [0, 5, 16, 300, 513])
 def test_swiglu_rows_end_neither_reads_nor_writes_the_tail(end):
     from lightning_moe.kernels.swiglu_triton import _BF, _BR, _grid, _swiglu_bwd_kernel, _swiglu_fwd_kernel, swiglu

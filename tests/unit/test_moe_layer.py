@@ -204,3 +204,25 @@ def test_deferred_permutation_is_the_permutation(probs_on_input):
     out_ref = layer.experts(rows, sizes)
     (grad_ref,) = torch.autograd.grad(out_ref.square().sum(), x)
     assert torch.equal(out, out_ref) and torch.equal(grad, grad_ref)
+
+
+def test_master_weight_cast_leaves_a_missing_gradient_missing():
+    """`_MasterWeightCast` (fp32 master weight -> bf16, gradient widened back) gives a weight no
+    gradient when none reaches it, as ``w.to(torch.bfloat16)`` does, instead of fp32 zeros that an
+    optimizer would decay."""
+    from lightning_moe.nn.grouped_gemm import _MasterWeightCast
+
+    class DropsGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    for cast in (_MasterWeightCast.apply, lambda w: w.to(torch.bfloat16)):
+        w = torch.randn(3, 4, requires_grad=True)
+        other = torch.randn(2, requires_grad=True)
+        (DropsGradient.apply(cast(w)).float().sum() + other.sum()).backward()
+        assert w.grad is None and other.grad is not None
