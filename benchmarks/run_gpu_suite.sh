@@ -13,7 +13,9 @@
 # GEMM ceilings, block with per-expert GEMMs / fast accumulation / cached weights), fp8
 # (fp8_gemm + moe_block FP8 recipes on TE experts and native rowwise), curves (300-step FP8 vs
 # BF16 loss curves on the embedded corpus, TE tensorwise at micro-batch 1, native rowwise at 4),
-# noise (after curves: the bf16 micro-batch-4 curve against the same steps as 2 x 2 micro-batches).
+# noise (after curves: the bf16 micro-batch-4 curve against the same steps as 2 x 2 micro-batches),
+# fp8ratio (the FP8 block's ratio to bf16 in both parameter modes, bf16 and fp32 masters: qwen3 in
+# interleaved pairs over 50 steps, as its host-bound timing drifts between calls, then the others).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -58,6 +60,22 @@ if has fp8native; then  # without Transformer Engine: our FP8 GEMMs beside bf16
   say "moe_block over an optimizer step of 4 micro-batches (gradient accumulation), bf16 and FP8"
   run python3 benchmarks/moe_block.py --accumulate 4 --iters 10 --tag window_bf16_x4
   run python3 benchmarks/moe_block.py --precision fp8 --cache-weights --accumulate 4 --iters 10 --tag window_fp8_cached_x4
+fi
+if has fp8ratio; then
+  for master in bf16 fp32; do
+    for pair in 1 2; do
+      for precision in bf16 fp8; do
+        say "moe_block qwen3 $precision, $master parameters, pair $pair"
+        run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision "$precision" --master-weights "$master" \
+          --iters 50 --tag "ratio_${precision}_${master}master_qwen3_$pair"
+      done
+    done
+    for precision in bf16 fp8; do
+      say "moe_block mixtral and deepseek $precision, $master parameters"
+      run python3 benchmarks/moe_block.py --cases mixtral_8x7b deepseek_v3_slice --precision "$precision" \
+        --master-weights "$master" --iters 20 --tag "ratio_${precision}_${master}master"
+    done
+  done
 fi
 if has probe && [ "$num_gpus" -ge 2 ]; then say "EP link probe"; run python3 benchmarks/ep_comm_probe.py; fi
 if has fp8; then
