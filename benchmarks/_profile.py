@@ -35,14 +35,18 @@ def _trace_events(prof) -> list[dict]:
             return json.load(f)["traceEvents"]
 
 
+def _gpu_events(events: list[dict]) -> list[dict]:
+    """The kernels, memsets and copies among Chrome-trace ``events``, in start order."""
+    return sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+
+
 def idle_gaps(events: list[dict], top: int = 8) -> tuple[float, list[dict]]:
     """``(wall_ms, gaps)`` from Chrome-trace ``events``: the ``top`` longest gaps between kernels.
 
     A kernel's launch is the CUDA runtime event with the same correlation id; the CPU ops
     whose intervals contain the launch (innermost last) say which code issued it.
     """
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
-                     key=lambda e: e["ts"])
+    kernels = _gpu_events(events)
     if not kernels:
         return 0.0, []
     # runtime launches (cudaLaunchKernel) and driver ones (cuLaunchKernelEx: Triton kernels)
@@ -72,9 +76,7 @@ def idle_gaps(events: list[dict], top: int = 8) -> tuple[float, list[dict]]:
 
 def timeline(events: list[dict]) -> list[list]:
     """``[name (60 characters), ms]`` of each kernel, memset and copy in start order."""
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
-                     key=lambda e: e["ts"])
-    return [[k["name"][:60], round(k.get("dur", 0) / 1e3, 4)] for k in kernels]
+    return [[k["name"][:60], round(k.get("dur", 0) / 1e3, 4)] for k in _gpu_events(events)]
 
 
 def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:

@@ -32,3 +32,14 @@ def triton_available() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
+
+
+def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``; bf16 to fp32 on a GPU with Triton through ``widen_triton.widen_to_fp32``
+    (one vectorized pass, where torch's copy runs its per-element casting loop at about half the
+    bandwidth). The same values either way."""
+    if t.dtype == torch.bfloat16 and dtype == torch.float32 and use_triton(t):
+        from lightning_moe.kernels.widen_triton import widen_to_fp32
+
+        return widen_to_fp32(t.contiguous())
+    return t.to(dtype)

@@ -21,18 +21,22 @@ from lightning_moe.kernels.launch import launch
 
 
 @triton.jit
-def _combine_fwd_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, num_rows, D, K: tl.constexpr, BD: tl.constexpr):
+def _combine_fwd_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, num_rows, D, K: tl.constexpr, BD: tl.constexpr,
+                        HAS_W: tl.constexpr = True):
     # One program per (token, D-block); the K rows are visited in an unrolled loop so the sum
-    # stays in registers (no cross-warp reduction).
+    # stays in registers (no cross-warp reduction). Without HAS_W the rows are summed unweighted
+    # (``w_ptr`` is not read): the same bits as weights of one.
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     dmask = offs_d < D
     acc = tl.zeros([BD], dtype=tl.float32)
     for k in tl.static_range(K):
         dest = tl.load(dest_ptr + t * K + k)
-        w = tl.load(w_ptr + t * K + k).to(tl.float32)
         y = tl.load(y_ptr + dest.to(tl.int64) * D + offs_d, mask=dmask & (dest < num_rows), other=0.0)
-        acc += y.to(tl.float32) * w
+        if HAS_W:
+            acc += y.to(tl.float32) * tl.load(w_ptr + t * K + k).to(tl.float32)
+        else:
+            acc += y.to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * D + offs_d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
@@ -95,8 +99,7 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Optional[Tensor] = None) -> Ten
     each token's rows summed as they are)."""
     y_RD = y_RD.contiguous()
     num_tokens, k = dest_TK.shape
-    if w_TK is None:
-        w_TK = torch.ones(num_tokens, k, dtype=torch.float32, device=y_RD.device)
+    dest_TK = dest_TK.contiguous()
     d = y_RD.shape[1]
     out = torch.empty(num_tokens, d, dtype=y_RD.dtype, device=y_RD.device)
     if num_tokens == 0:
@@ -104,7 +107,9 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Optional[Tensor] = None) -> Ten
     bd = min(triton.next_power_of_2(d), 1024)
     launch(
         _combine_fwd_kernel, (num_tokens, triton.cdiv(d, bd)),
-        y_RD, dest_TK.contiguous(), w_TK.contiguous(), out, y_RD.shape[0], d, K=k, BD=bd, num_warps=4
+        # without weights any pointer fills w_ptr (never read)
+        y_RD, dest_TK, dest_TK if w_TK is None else w_TK.contiguous(), out, y_RD.shape[0], d, K=k, BD=bd,
+        HAS_W=w_TK is not None, num_warps=4
     )
     return out
 

@@ -59,15 +59,20 @@ def _swiglu_fwd_kernel(h_ptr, out_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR:
 
 
 @triton.jit
+def _swiglu_grads(gate, up, g, sig, silu):
+    """``(d gate, d up)`` of ``silu(gate) * up`` given its output's gradient ``g`` (fp32 tiles;
+    ``sig = sigmoid(gate)``, ``silu = gate * sig``)."""
+    return g * up * (sig + silu * (1.0 - sig)), g * silu
+
+
+@triton.jit
 def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr,
                        BF: tl.constexpr):
     if _block_live(R, end_ptr, BR, HAS_END):
         live, base, half, gate, up = _load_tile(h_ptr, end_ptr, R, F, HAS_END, BR, BF)
         g = tl.load(g_ptr + half, mask=live, other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
-        silu = gate * sig
-        d_gate = g * up * (sig + silu * (1.0 - sig))
-        d_up = g * silu
+        d_gate, d_up = _swiglu_grads(gate, up, g, sig, gate * sig)
         tl.store(grad_h_ptr + base, d_gate.to(grad_h_ptr.dtype.element_ty), mask=live)
         tl.store(grad_h_ptr + base + F, d_up.to(grad_h_ptr.dtype.element_ty), mask=live)
 
@@ -93,9 +98,9 @@ def _weighted_swiglu_bwd_kernel(h_ptr, g_ptr, p_ptr, grad_h_ptr, grad_p_ptr, R, 
         sig = tl.sigmoid(gate)
         silu = gate * sig
         grad_p += tl.sum(g * silu * up, 1)
-        g = g * p[:, None]
-        tl.store(grad_h_ptr + base, (g * up * (sig + silu * (1.0 - sig))).to(grad_h_ptr.dtype.element_ty), mask=live)
-        tl.store(grad_h_ptr + base + F, (g * silu).to(grad_h_ptr.dtype.element_ty), mask=live)
+        d_gate, d_up = _swiglu_grads(gate, up, g * p[:, None], sig, silu)
+        tl.store(grad_h_ptr + base, d_gate.to(grad_h_ptr.dtype.element_ty), mask=live)
+        tl.store(grad_h_ptr + base + F, d_up.to(grad_h_ptr.dtype.element_ty), mask=live)
     tl.store(grad_p_ptr + rows, grad_p, mask=row_ok)
 
 

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_moe.kernels import use_triton
+from lightning_moe.kernels import use_triton, widened
 
 
 def group_offsets(group_sizes_E: Tensor, num_rows: int) -> Tensor:
@@ -121,9 +121,9 @@ def grouped_mm_covered(
 
 class _MasterWeightCast(torch.autograd.Function):
     """fp32 master weight -> bf16 for the GEMM; the bf16 gradient widened back by
-    `kernels.widen_triton.widen_to_fp32` (torch's bf16 -> fp32 copy runs at about half the
-    bandwidth). The same values as ``w.to(torch.bfloat16)`` and its autograd for a defined
-    gradient (None stays None); first order only, as the grouped GEMM that consumes it."""
+    `kernels.widened` (torch's bf16 -> fp32 copy runs at about half the bandwidth). The same
+    values as ``w.to(torch.bfloat16)`` and its autograd for a defined gradient (None stays None);
+    first order only, as the grouped GEMM that consumes it."""
 
     @staticmethod
     def forward(ctx, w_fp32: Tensor) -> Tensor:
@@ -133,11 +133,7 @@ class _MasterWeightCast(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_bf16: Optional[Tensor]) -> Optional[Tensor]:
-        if grad_bf16 is None:
-            return None
-        from lightning_moe.kernels.widen_triton import widen_to_fp32
-
-        return widen_to_fp32(grad_bf16.contiguous())
+        return None if grad_bf16 is None else widened(grad_bf16, torch.float32)
 
 
 def compute_weight(w: Tensor, dtype: torch.dtype) -> Tensor:

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_moe.kernels import WGRAD_GROUP_ALIGN
+from lightning_moe.kernels import WGRAD_GROUP_ALIGN, widened
 from lightning_moe.precision.delayed import DelayedState
 from lightning_moe.precision.formats import E4M3, E5M2
 from lightning_moe.precision.gemm import compute_dtype, no_autocast
@@ -617,9 +617,10 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
     per-(expert, feature) scales ``[E, features]``. Returns ``out_dtype`` ``[E, K, N]`` (the
     weight's dtype). Our Triton kernel writes an fp32 gradient for fp32 master weights directly.
     torch's grouped kernel writes bf16 only, and its row-scaled ``_scaled_mm`` writes fp32 only on
-    sm90 with cuBLAS >= 12.9, so those paths write bf16, widened after. So fp32 master weights get an unrounded
-    gradient from the Triton kernel and a bf16-rounded one otherwise (under CUDA-graph capture,
-    with the Triton kernel switched off, split accumulation, or off sm90). ``aligned_ends``: the
+    sm90 with cuBLAS >= 12.9, so those paths write bf16, widened after (`kernels.widened`). So fp32
+    master weights get an unrounded gradient from the Triton kernel and a bf16-rounded one
+    otherwise (the Triton kernel switched off, split accumulation, the generic quantizers, off
+    sm90). ``aligned_ends``: the
     operands are in the aligned group layout (`_wgrad_aligned_ends`), for our Triton kernel (fast
     accumulation only)."""
     if aligned_ends is not None:
@@ -632,8 +633,9 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
     experts = sa_EK.shape[0]
     if ends is None:
         # torch's FP8 grouped GEMM writes bf16 only
-        return torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1), offs=offsets_E,
-                                        out_dtype=torch.bfloat16, use_fast_accum=fast).to(out_dtype)
+        return widened(torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1),
+                                                offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=fast),
+                       out_dtype)
     out = torch.empty(experts, qa_KR.shape[0], qb_NR.shape[0], dtype=torch.bfloat16, device=qa_KR.device)
     start = 0
     for e, end in enumerate(ends):
@@ -643,7 +645,7 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
         else:
             out[e].zero_()  # an expert without tokens has no gradient
         start = end
-    return out.to(out_dtype)
+    return widened(out, out_dtype)
 
 
 def _weight_signature(w: Tensor) -> tuple:
@@ -765,6 +767,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 row_probs = gather_row_probs(probs, combine).float()
             if prefetched is not None and not fused:
                 prefetched.release()
+            # Whether our Triton grouped GEMMs can run here; each product also needs fast accumulation.
+            triton_here = _triton_grouped(x, True)
             if fused:
                 # Both copies of the input and of the weight from one fused quantizer each: the
                 # backward keeps FP8 operands (input^T for wgrad, weight for dgrad), not bf16.
@@ -776,7 +780,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 # Our weight-gradient kernel where it runs: the transposed copies (this input's now,
                 # the gradient's in the backward) are then cast into its aligned group layout.
                 wgrad_aligned_ends = None
-                if needs_backward and _triton_grouped(x, recipe.fast("wgrad")):
+                if needs_backward and triton_here and recipe.fast("wgrad"):
                     # The aligned layout's buffer bound holds for 16-row groups only: checked on the
                     # device before the first cast writes it (once per offsets tensor and version).
                     _assert_groups_aligned(offsets)
@@ -821,8 +825,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
 
                 sx_R = _per_row(sx, rx)
                 qw_ENK, sw_EN = cached(cache, weight_key, w, "grouped_fprop", weight_fprop)
-            triton_fprop = _triton_grouped(qx, recipe.fast("fprop"))
-            triton_dgrad = needs_backward and _triton_grouped(qx, recipe.fast("dgrad"))
+            triton_fprop = triton_here and recipe.fast("fprop")
+            triton_dgrad = needs_backward and triton_here and recipe.fast("dgrad")
             # The host list of group ends only where a product will run per expert: none when the
             # Triton kernels take the forward and, in training, the data gradient (the weight
             # gradient then takes ours or torch's grouped kernel, with no host sync at all).
