@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -88,8 +88,8 @@ def _zero_unowned_rows_kernel(out_ptr, row_token_ptr, end_ptr, num_tokens, R, D,
 
 
 def _meta(D: int, K: int) -> tuple[int, int, int]:
-    kp = triton.next_power_of_2(K)
-    bd = min(triton.next_power_of_2(D), max(128, 4096 // kp))
+    kp = next_power_of_2(K)
+    bd = min(next_power_of_2(D), max(128, 4096 // kp))
     warps = 4 if bd * kp <= 2048 else 8
     return kp, bd, warps
 
@@ -104,9 +104,9 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Optional[Tensor] = None) -> Ten
     out = torch.empty(num_tokens, d, dtype=y_RD.dtype, device=y_RD.device)
     if num_tokens == 0:
         return out
-    bd = min(triton.next_power_of_2(d), 1024)
+    bd = min(next_power_of_2(d), 1024)
     launch(
-        _combine_fwd_kernel, (num_tokens, triton.cdiv(d, bd)),
+        _combine_fwd_kernel, (num_tokens, cdiv(d, bd)),
         # without weights any pointer fills w_ptr (never read)
         y_RD, dest_TK, dest_TK if w_TK is None else w_TK.contiguous(), out, y_RD.shape[0], d, K=k, BD=bd,
         HAS_W=w_TK is not None, num_warps=4
@@ -130,9 +130,9 @@ def combine_backward(
     if row_token_R is not None and num_rows and d:
         block_rows = 64
         launch(
-            _zero_unowned_rows_kernel, (triton.cdiv(num_rows, block_rows),),
+            _zero_unowned_rows_kernel, (cdiv(num_rows, block_rows),),
             grad_y, row_token_R.contiguous(), row_token_R if rows_end is None else rows_end, num_tokens, num_rows,
-            d, BR=block_rows, BD=min(triton.next_power_of_2(d), 256), HAS_END=rows_end is not None, num_warps=4,
+            d, BR=block_rows, BD=min(next_power_of_2(d), 256), HAS_END=rows_end is not None, num_warps=4,
         )
     if num_tokens == 0:
         return grad_y, grad_w

@@ -44,7 +44,7 @@ from lightning_moe.kernels.fp8_quant_triton import (
     _scale_from_amax,
     _zero_aligned_gap,
 )
-from lightning_moe.kernels.launch import launch, on_launch_stream
+from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launch_stream
 
 
 @triton.jit
@@ -383,12 +383,12 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
     weighted = row_probs is not None
     probs = row_probs if weighted else dummy
-    launch(_missing_amax_kernel, (cast_groups, triton.cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
+    launch(_missing_amax_kernel, (cast_groups, cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
            groups, src, num_src, probs, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=weighted, num_warps=4)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
         # shape: fp8_quant_tune.json), instead of per-group column tiles.
-        block = min(triton.next_power_of_2(cols), 2048)
+        block = min(next_power_of_2(cols), 2048)
         launch(
             _delayed_row_kernel, (rows,),
             x_RC, offsets_G, scale_G, cur_amax, q_row, s_row, record_G if record_G is not None else dummy,
@@ -405,7 +405,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     # tensors: 4.0-4.25 TB/s).
     block_r, block_c = 128, 64
     launch(
-        _delayed_cast_kernel, (triton.cdiv(cols, block_c), cast_groups),
+        _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),
         x_RC, offsets_G, scale_G, cur_amax,
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_moe.kernels import WGRAD_GROUP_ALIGN
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import launch, next_power_of_2
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
         num_stages = 4 if k < 2048 else 3
     launch(_grouped_fprop_kernel, (programs,),
            a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, rows, o, out.stride(0),
-           K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(experts),
+           K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=next_power_of_2(experts),
            NUM_PROGRAMS=programs, NUM_STAGES=num_stages, num_warps=num_warps)
     return out
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.launch import launch, on_launch_stream
+from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launch_stream
 
 _E4M3_MAX = 448.0
 _FLT_MAX = 3.4028234663852886e38
@@ -232,7 +232,7 @@ def rowwise_quantize(x_PL: Tensor) -> tuple[Tensor, Tensor]:
     scale_inv = torch.empty(rows, dtype=torch.float32, device=x_PL.device)
     if rows and length:
         # fp8_quant_tune.json (H200): short rows want few warps, long rows many
-        block = min(triton.next_power_of_2(length), 2048)
+        block = min(next_power_of_2(length), 2048)
         launch(_rowwise_kernel, (rows,), x_PL, q, scale_inv, length, BL=block, num_warps=2 if length <= 4096 else 16)
     elif rows:
         scale_inv.fill_(1.0)
@@ -254,7 +254,7 @@ def group_column_quantize(
     if groups and cols:
         block_c = 64  # with 128-row tiles: 1.4x the bandwidth of 64 x 64 (fp8_quant_tune.json, H200)
         launch(
-            _group_column_kernel, (groups, triton.cdiv(cols, block_c)),
+            _group_column_kernel, (groups, cdiv(cols, block_c)),
             x_RC, offsets_G.contiguous(), out, scale_inv, cols, stride_out_col, stride_out_group,
             BR=128, BC=block_c, num_warps=4,
         )
@@ -287,7 +287,7 @@ def dual_quantize(
         with on_launch_stream(launch_stream, x_RC, offsets_G, out_col, q_row, s_row, s_col, aligned_ends):
             row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
             col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
-            grid = (groups + 1, triton.cdiv(cols, 64))
+            grid = (groups + 1, cdiv(cols, 64))
             # fp8_quant_tune_dual_vec.json (H200): 128-row tiles for the amax, 64-row for the cast
             launch(_dual_amax_kernel, grid, x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64,
                    num_warps=4)

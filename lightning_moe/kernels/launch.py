@@ -143,12 +143,18 @@ def _signature(kernel: Any) -> Optional[list[tuple[str, Any, bool]]]:
     """``(name, default, is_constexpr)`` of every parameter of ``kernel``'s Python function, in
     order (``inspect.Parameter.empty``: no default; every parameter counts as a constexpr, keyed
     exactly, when the kernel does not say); None if it has no plain signature."""
+    return _described(kernel)[0]
+
+
+def _described(kernel: Any) -> tuple[Optional[list[tuple[str, Any, bool]]], tuple[bool, ...]]:
+    """`_signature` of ``kernel`` and its parameters' constexpr flags as a tuple (for `_call_key`),
+    worked out at the first call and kept."""
     entry = _signatures.get(id(kernel))
     if entry is None:
         try:
             parameters = list(inspect.signature(kernel.fn).parameters.values())
         except (AttributeError, TypeError, ValueError):
-            entry = (kernel, None)
+            entry = (kernel, None, ())
         else:
             plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in parameters)
             declared = getattr(kernel, "params", None)
@@ -157,9 +163,46 @@ def _signature(kernel: Any) -> Optional[list[tuple[str, Any, bool]]]:
             else:
                 constexpr = [True] * len(parameters)
             described = [(p.name, p.default, c) for p, c in zip(parameters, constexpr)]
-            entry = (kernel, described if plain else None)
+            entry = (kernel, described, tuple(constexpr)) if plain else (kernel, None, ())
         _signatures[id(kernel)] = entry
-    return entry[1]
+    return entry[1], entry[2]
+
+
+_Tensor = torch.Tensor
+_PLAIN_EXACT = frozenset((bool, int, str, type(None)))  # keyed by value and type as they are
+
+
+def _call_key(args: tuple, constexpr: tuple[bool, ...], kwargs: dict) -> tuple:
+    """The key of a call (see the module docstring), as `_arg_key` would make it, written out
+    for the common kinds because it runs at every launch:
+
+    - a tensor adds its dtype and alignment as two entries of their own (only a tensor adds a
+      bare dtype, always followed by its alignment; every other kind adds one tuple);
+    - a runtime integer in int32's range adds ``(== 1, divisible by 16)`` (other integers take
+      `_int_class`, whose tuples start with ``int``);
+    - keyword arguments that are all bools, ints, strings or None are keyed by their items and
+      their types (``True`` and ``1`` compile differently), others one by one.
+    """
+    key: list = []
+    add = key.append
+    for value, exact in zip(args, constexpr):
+        kind = type(value)
+        if kind is _Tensor:
+            add(value.dtype)
+            add(value.data_ptr() % 16 == 0)
+        elif kind is int and not exact and -2**31 <= value < 2**31:
+            add((value == 1, value % 16 == 0))
+        elif isinstance(value, _Tensor):
+            add(value.dtype)
+            add(value.data_ptr() % 16 == 0)
+        else:
+            add(_arg_key(value, exact))
+    types = tuple(map(type, kwargs.values()))
+    if _PLAIN_EXACT.issuperset(types):
+        named: tuple = ("plain", tuple(kwargs.items()), types)
+    else:
+        named = ("keyed", *((name, _arg_key(value, True)) for name, value in kwargs.items()))
+    return tuple(key), named
 
 
 class _CompiledLaunch:
@@ -195,9 +238,21 @@ class _CompiledLaunch:
             values.append(kwargs[name] if name in kwargs else default)
         compiled = self.compiled
         enter, exit_ = _launch_hooks()
-        metadata = compiled.launch_metadata(grid, stream, *values)
+        # Triton's launch_metadata returns None without an enter hook; skip the call then.
+        metadata = None if enter is None else compiled.launch_metadata(grid, stream, *values)
         compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata,
                      enter, exit_, *values)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code: Triton's is a constexpr function whose every host call goes
+    through its JIT wrapper (about 5 us, several per launch)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (0 for 0, like Triton's), without its wrapper."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
@@ -207,15 +262,13 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     if not fast_launch_enabled() or callable(grid) or torch.compiler.is_compiling():
         kernel[grid](*args, **kwargs)
         return
-    signature = _signature(kernel)
+    signature, constexpr = _described(kernel)
     if signature is None or getattr(kernel, "pre_run_hooks", None) or len(args) > len(signature):
         kernel[grid](*args, **kwargs)
         return
     device, stream = _device_and_stream()
     try:
-        key = (id(kernel), device, _compilation_state(kernel),
-               tuple(_arg_key(value, signature[i][2]) for i, value in enumerate(args)),
-               tuple((name, _arg_key(value, True)) for name, value in kwargs.items()))
+        key = (id(kernel), device, _compilation_state(kernel), *_call_key(args, constexpr, kwargs))
     except _Unkeyable:
         kernel[grid](*args, **kwargs)
         return

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import launch, next_power_of_2
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def gather_rows_until(x_TD: Tensor, row_token_R: Tensor, end: Tensor) -> Tensor:
     num_rows, d = row_token_R.shape[0], x_TD.shape[1]
     out = torch.empty(num_rows, d, dtype=x_TD.dtype, device=x_TD.device)
     if num_rows and d:
-        block = min(triton.next_power_of_2(d), 2048)
+        block = min(next_power_of_2(d), 2048)
         launch(_gather_rows_kernel, (num_rows,), x_TD, row_token_R.contiguous(), out, end, x_TD.shape[0], d, BD=block,
                num_warps=4)
     return out

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -81,11 +81,11 @@ def plan_rows(sorted_expert_N: Tensor, order_N: Tensor, bounds: Tensor, num_expe
     sizes_E = torch.empty(num_experts, dtype=torch.long, device=device)
     starts_E = torch.empty(num_experts, dtype=torch.long, device=device)
     launch(_group_starts_kernel, (1,), bounds, sizes_E, starts_E, num_experts, alignment, rows_per_expert or 0,
-           PAD_TO_CAPACITY=rows_per_expert is not None, BE=triton.next_power_of_2(max(num_experts, 1)), num_warps=4)
+           PAD_TO_CAPACITY=rows_per_expert is not None, BE=next_power_of_2(max(num_experts, 1)), num_warps=4)
     dest_N = torch.empty(n, dtype=torch.long, device=device)
     row_assignment_R = torch.full((num_rows,), n, dtype=torch.long, device=device)
     if n:
         block = 1024
-        launch(_plan_rows_kernel, (triton.cdiv(n, block),), sorted_expert_N, order_N, bounds, starts_E, dest_N,
+        launch(_plan_rows_kernel, (cdiv(n, block),), sorted_expert_N, order_N, bounds, starts_E, dest_N,
                row_assignment_R, n, num_experts, num_rows, BLOCK=block, num_warps=4)
     return dest_N, row_assignment_R, sizes_E

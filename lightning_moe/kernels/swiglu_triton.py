@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import cdiv, launch
 
 
 @triton.jit
@@ -108,7 +108,7 @@ _BR, _BF = 16, 128
 
 
 def _grid(r: int, f: int):
-    return (triton.cdiv(r, _BR), triton.cdiv(f, _BF))
+    return (cdiv(r, _BR), cdiv(f, _BF))
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -163,7 +163,7 @@ def weighted_swiglu_backward(h_RF2: Tensor, g_RF: Tensor, p_R: Tensor) -> tuple[
     grad_h = torch.empty_like(h_RF2)
     grad_p = torch.empty(r, dtype=torch.float32, device=h_RF2.device)
     if r:
-        launch(_weighted_swiglu_bwd_kernel, (triton.cdiv(r, _BR),), h_RF2, g_RF.contiguous(), p_R.contiguous(),
+        launch(_weighted_swiglu_bwd_kernel, (cdiv(r, _BR),), h_RF2, g_RF.contiguous(), p_R.contiguous(),
                grad_h, grad_p, r, f2 // 2, BR=_BR, BF=_BF, num_warps=4)
     return grad_h, grad_p
 

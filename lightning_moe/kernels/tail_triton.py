@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import cdiv, launch
 
 
 @triton.jit
@@ -40,6 +40,6 @@ def zero_rows_from_triton(y_RC: Tensor, end: Tensor) -> None:
     if y_RC.stride(1) != 1:
         raise ValueError("zero_rows_from_triton needs unit column stride")
     launch(
-        _zero_tail_kernel, (triton.cdiv(r, _BR), triton.cdiv(c, _BC)),
+        _zero_tail_kernel, (cdiv(r, _BR), cdiv(c, _BC)),
         y_RC, end, r, c, y_RC.stride(0), BR=_BR, BC=_BC, num_warps=4
     )

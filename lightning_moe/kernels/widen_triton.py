@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.launch import launch
+from lightning_moe.kernels.launch import cdiv, launch
 
 
 @triton.jit
@@ -37,5 +37,5 @@ def widen_to_fp32(x: Tensor) -> Tensor:
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     n = x.numel()
     if n:
-        launch(_widen_kernel, (triton.cdiv(n, _BLOCK),), x, out, n, BLOCK=_BLOCK, num_warps=8)
+        launch(_widen_kernel, (cdiv(n, _BLOCK),), x, out, n, BLOCK=_BLOCK, num_warps=8)
     return out

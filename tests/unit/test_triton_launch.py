@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_moe.kernels import launch as launch_module
-from lightning_moe.kernels.launch import clear_launch_cache, launch
+from lightning_moe.kernels.launch import cdiv, clear_launch_cache, launch, next_power_of_2
 
 
 class _Compiled:
@@ -126,6 +126,34 @@ def test_anything_triton_may_specialize_on_takes_the_plain_path(second):
     kwargs = {"BLOCK": 64, **second.get("kwargs", {})}
     launch(kernel, (1,), *second["args"], **kwargs)
     assert _kinds(kernel) == ["plain", "plain"]
+
+
+def test_keyword_true_and_one_are_keyed_apart_and_a_float_keyword_by_its_bits():
+    kernel = _Kernel()
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5, FLAG=True)
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5, FLAG=1)
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5, FLAG=float("nan"))
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5, FLAG=float("nan"))
+    assert _kinds(kernel) == ["plain", "plain", "plain", "direct"]
+
+
+def test_a_parameter_is_keyed_as_its_tensor():
+    kernel = _Kernel()
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    launch(kernel, (1,), torch.nn.Parameter(torch.ones(64)), 100, 0.5)
+    launch(kernel, (1,), torch.nn.Parameter(torch.ones(64, dtype=torch.float64)), 100, 0.5)
+    assert _kinds(kernel) == ["plain", "direct", "plain"]
+
+
+def test_host_grid_helpers_equal_tritons_definitions():
+    # triton.cdiv is (a + b - 1) // b; triton.next_power_of_2 is the smallest power of 2 >= n, 0 for 0.
+    for a in range(-40, 2000):
+        for b in (1, 3, 16, 64, 128):
+            assert cdiv(a, b) == (a + b - 1) // b
+    assert next_power_of_2(0) == 0
+    for n in range(1, 5000):
+        p = next_power_of_2(n)
+        assert p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
 
 
 def test_runtime_integers_with_the_same_specialization_reuse_it():
