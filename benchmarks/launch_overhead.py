@@ -123,6 +123,14 @@ def _wrap_phases(timer: _PhaseTimer, layer) -> None:
     import lightning_moe.kernels.launch as launch_module
     import lightning_moe.nn.dispatcher as dispatcher_module
 
+    # The whole forward and the layer's own checks between its parts: what the parts below
+    # leave out of the forward's host time shows up here.
+    timer.wrap(layer, "forward", "layer.forward")
+    timer.wrap(layer, "_route_and_combine", "layer._route_and_combine")
+    timer.wrap(layer.experts, "takes_deferred_permutation", "experts.takes_deferred_permutation")
+    timer.wrap(layer.experts, "takes_deferred_combine", "experts.takes_deferred_combine")
+    timer.wrap(layer.experts, "release_prefetched", "experts.release_prefetched")
+    timer.wrap(layer.dispatcher, "deferred_combine", "dispatcher.deferred_combine")
     timer.wrap(layer.experts, "prefetch", "experts.prefetch")
     timer.wrap(layer.router, "forward", "router")
     timer.wrap(layer.dispatcher, "dispatch", "dispatch")
@@ -153,6 +161,10 @@ def _wrap_phases(timer: _PhaseTimer, layer) -> None:
         timer.wrap(delayed, "_launch_delayed_cast", "_launch_delayed_cast")
         timer.wrap(scaled_mm, "_group_gemm", "_group_gemm")
         timer.wrap(scaled_mm, "_host_group_ends", "_host_group_ends")
+        timer.wrap(scaled_mm, "_wgrad_aligned_ends", "_wgrad_aligned_ends")
+        timer.wrap(scaled_mm, "_assert_groups_aligned", "_assert_groups_aligned")
+        timer.wrap(scaled_mm, "_transposed_out", "_transposed_out")
+        timer.wrap(quantization, "grouped_mm_gathered", "fp8.grouped_mm_gathered")
 
 
 def _primitive_costs(repeats: int = 200) -> dict[str, float]:

@@ -129,9 +129,19 @@ class FP8GroupedGemm(nn.Module):
         expert and role (as Transformer Engine's two GroupedLinear modules do), as two halves
         of this module's buffers, so one update covers both. Other names take fc1's half."""
         state = ensure_delayed_state(self, self.recipe, len(_PROJECTIONS) * experts, device)
+        # The views are kept while the buffers are the same tensors over the same memory (several
+        # calls per forward; each slicing is a dispatcher call): an update writes into them in place.
+        identity = (id(state.amax_history), state.amax_history.data_ptr(), id(state.scale), state.scale.data_ptr())
+        views = self.__dict__.setdefault("_delayed_views", {})  # not module state
+        kept = views.get((projection, experts))
+        if kept is not None and kept[0] == identity:
+            return kept[2]
         part = _PROJECTIONS.index(projection) if projection in _PROJECTIONS else 0
         groups = slice(part * experts, (part + 1) * experts)
-        return DelayedState(state.amax_history[:, :, groups], state.scale[:, groups])
+        view = DelayedState(state.amax_history[:, :, groups], state.scale[:, groups])
+        # The buffers ride along so that their ids cannot be reused while the entry is kept.
+        views[(projection, experts)] = (identity, (state.amax_history, state.scale), view)
+        return view
 
     def _state_and_key(self, projection: str, w_EKN: Tensor) -> tuple[Optional[DelayedState], Optional[tuple]]:
         """The projection's delayed-scaling state (None unless delayed) and weight-cache key."""

@@ -275,10 +275,21 @@ def _wgrad_aligned_ends(offsets_E: Tensor) -> Tensor:
     each group's size rounded up to ``WGRAD_GROUP_ALIGN``. Made once per offsets tensor and
     version (the layer's two projections and their backwards share it); under CUDA-graph
     capture made afresh each call, so that the graph computes it from the offsets it replays
-    with and no graph-pool tensor is kept on an eager one (as `_expert_row_ends`)."""
+    with and no graph-pool tensor is kept on an eager one (as `_expert_row_ends`).
+
+    With Triton on CUDA one kernel (``kernels.aligned_ends_triton``) makes the ends and the flag
+    of `_assert_groups_aligned`'s check, which is then issued from it (and so done for this
+    offsets version): two launches instead of about twelve in the forward."""
+    from lightning_moe.kernels import use_triton
     from lightning_moe.nn.permutation import round_up
 
     def make() -> Tensor:
+        if use_triton(offsets_E):
+            from lightning_moe.kernels.aligned_ends_triton import aligned_group_ends
+
+            ends, aligned_ok = aligned_group_ends(offsets_E, WGRAD_GROUP_ALIGN, _ALIGN)
+            _once_per_version(offsets_E, "_aligned_checked", lambda: torch._assert_async(aligned_ok, _ALIGNED_MESSAGE))
+            return ends
         sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
         return round_up(sizes, WGRAD_GROUP_ALIGN).cumsum(0).to(torch.int32)
 
@@ -382,11 +393,15 @@ def _once_per_version(offsets: Tensor, name: str, make: Callable[[], Any]) -> An
     return value
 
 
+_ALIGNED_MESSAGE = "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens"
+
+
 def _assert_groups_aligned(offsets: Tensor) -> None:
     """Device-side check that every group end is a multiple of 16 (the grouped FP8 kernels'
-    requirement), once per offsets tensor and version (4 launches each time)."""
-    message = "torch._scaled_grouped_mm needs expert groups padded to a multiple of 16 tokens"
-    _once_per_version(offsets, "_aligned_checked", lambda: torch._assert_async((offsets % _ALIGN == 0).all(), message))
+    requirement), once per offsets tensor and version (4 launches each time, none when
+    `_wgrad_aligned_ends` already checked this version)."""
+    _once_per_version(offsets, "_aligned_checked",
+                      lambda: torch._assert_async((offsets % _ALIGN == 0).all(), _ALIGNED_MESSAGE))
 
 
 def _weight_as_groups(w_EKN: Tensor) -> tuple[Tensor, Tensor, Tensor, int, int]:
@@ -782,9 +797,10 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 wgrad_aligned_ends = None
                 if needs_backward and triton_here and recipe.fast("wgrad"):
                     # The aligned layout's buffer bound holds for 16-row groups only: checked on the
-                    # device before the first cast writes it (once per offsets tensor and version).
-                    _assert_groups_aligned(offsets)
+                    # device before the first cast writes it (once per offsets tensor and version;
+                    # with Triton the ends' kernel makes the check's flag, so it comes first).
                     wgrad_aligned_ends = _wgrad_aligned_ends(offsets)
+                    _assert_groups_aligned(offsets)
                 qx, sx_R, qx_t, sx_t = quantizer.activation(
                     source, offsets, "input", needs_backward, swiglu=input_swiglu,
                     gather_rows=None if gather is None else gather.row_token_R, aligned_ends=wgrad_aligned_ends,

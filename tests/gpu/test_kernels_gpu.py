@@ -398,3 +398,26 @@ def test_padded_plan_kernels_equal_the_torch_plan(mode, monkeypatch):
             assert getattr(cpu, name) == getattr(cuda, name), name
     if mode != "keep":  # keep with alignment 1 takes the sorted-position path
         assert kernel_plans, "the CUDA plans never took the Triton kernels"
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_aligned_group_ends_kernel_equals_the_torch_ops(dtype):
+    """One launch for the weight gradient's aligned ends and the 16-row check: the ends of the
+    torch ops (group sizes rounded up to 128, summed) and the flag of ``(offsets % 16 == 0).all()``,
+    for empty groups, one expert, ends past int16, and a misaligned end anywhere."""
+    from lightning_moe.kernels.aligned_ends_triton import aligned_group_ends
+
+    gen = torch.Generator().manual_seed(7)
+    for experts in (1, 3, 128, 257):
+        for misaligned in (None, 0, experts - 1):
+            sizes = torch.randint(0, 200, (experts,), generator=gen) * 16
+            sizes[torch.randint(0, experts, (experts // 3,), generator=gen)] = 0  # empty groups
+            ends = sizes.cumsum(0)
+            if misaligned is not None:
+                ends[misaligned:] += 3
+            offsets = ends.to(dtype).to("cuda")
+            aligned, ok = aligned_group_ends(offsets, 128, 16)
+            prev = torch.cat([ends.new_zeros(1), ends[:-1]])
+            reference = ((ends - prev + 127) // 128 * 128).cumsum(0).to(torch.int32)
+            assert aligned.dtype == torch.int32 and torch.equal(aligned.cpu(), reference)
+            assert ok.item() == int(bool((ends % 16 == 0).all()))
