@@ -112,7 +112,7 @@ def tune_delayed() -> dict:
         x = torch.randn(total, cols, device="cuda", dtype=torch.bfloat16)
         offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
         scale = torch.full((groups,), 4.0, device="cuda")
-        cur_amax, record = torch.zeros(groups + 1, device="cuda"), torch.zeros(groups, device="cuda")
+        record = torch.zeros(groups, device="cuda")
         both = copies == "both"
         q_row = torch.empty(total, cols, dtype=torch.float8_e4m3fn, device="cuda")
         s_row = torch.empty(total, device="cuda")
@@ -124,7 +124,7 @@ def tune_delayed() -> dict:
             grid = (groups + 1 if both else groups, triton.cdiv(cols, bc))
 
             def cast():
-                fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
+                fd._delayed_cast_kernel[grid](x, offsets, scale, q_row, s_row, q_col, s_col, record, total,
                                               cols, groups, total, 0, record, 0, record, record, WRITE_ROW=both,
                                               WRITE_COL=True, RECORD=True, SWIGLU=False, BR=br, BC=bc,
                                               num_warps=warps)
@@ -173,7 +173,7 @@ def tune_delayed_variants() -> dict:
         if (br, bc, warps, group_axis) != (128, 64, 4, 1)]
     keys = ("BR", "BC", "warps", "group_axis")
 
-    def cast_fn(x, offsets, scale, cur_amax, groups, config, write_row=True, write_col=True):
+    def cast_fn(x, offsets, scale, groups, config, write_row=True, write_col=True):
         """(launch, outputs) of one configuration on fresh output buffers."""
         br, bc, warps, group_axis = config
         total, cols = x.shape
@@ -184,7 +184,7 @@ def tune_delayed_variants() -> dict:
         grid = (groups + 1, triton.cdiv(cols, bc))[::-1 if group_axis else 1]
 
         def launch():
-            fd._delayed_cast_kernel[grid](x, offsets, scale, cur_amax, q_row, s_row, q_col, s_col, record, total,
+            fd._delayed_cast_kernel[grid](x, offsets, scale, q_row, s_row, q_col, s_col, record, total,
                                           cols, groups, total, 0, record, 0, record, record,
                                           WRITE_ROW=write_row,
                                           WRITE_COL=write_col,
@@ -197,14 +197,13 @@ def tune_delayed_variants() -> dict:
         x = torch.randn(total, cols, device="cuda", dtype=torch.bfloat16)
         offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
         scale = torch.full((groups,), 4.0, device="cuda")
-        cur_amax = torch.zeros(groups + 1, device="cuda")
         nbytes = x.numel() * 4
         copy_out = torch.empty_like(x)
         copy_ms, _ = cuda_time_ms(lambda: copy_out.copy_(x), warmup=2, iters=5)
         reference = None
         rows_out = []
         for config in configs:
-            launch, outputs = cast_fn(x, offsets, scale, cur_amax, groups, config)
+            launch, outputs = cast_fn(x, offsets, scale, groups, config)
             row = dict(zip(keys, config))
             rows_out.append(row)
             if not _timed(row, launch):
@@ -218,7 +217,7 @@ def tune_delayed_variants() -> dict:
         best = next(r for r in rows_out if r.get("bytes_equal"))
         one_copy = {}
         for copy in ("row", "col"):
-            launch, _ = cast_fn(x, offsets, scale, cur_amax, groups, tuple(best[k] for k in keys),
+            launch, _ = cast_fn(x, offsets, scale, groups, tuple(best[k] for k in keys),
                                 write_row=copy == "row", write_col=copy == "col")
             ms, _ = cuda_time_ms(launch, warmup=2, iters=5)
             one_copy[copy] = x.numel() * 3 / ms / 1e6

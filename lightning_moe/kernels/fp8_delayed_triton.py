@@ -1,4 +1,4 @@
-"""Delayed-scaling float8 casts for the native FP8 GEMMs, one read of the operand (two for
+"""Delayed-scaling float8 casts for the native FP8 GEMMs, one read of the operand (more for
 token groups without history, see below). The operand may also be computed on the way in: the
 SwiGLU of a fused projection output, or the rows of a permutation gathered from the tokens.
 
@@ -18,9 +18,12 @@ Dense linears (one group) take the row copy alone, in E5M2 for the hybrid format
 the grouped kernels take E4M3 only.
 
 Numbers are those of the generic path (``precision.operands``): a group without history
-(scale 0: first step, or an expert never routed to) is scaled from its current amax, found by
-a pre-pass that skips every group that has a scale; rows past the last group are the extra
-tail group of ``groups_axis`` and always take their current amax. Scale, cast and rounding
+(scale 0: first step, or an expert never routed to) is scaled from its current amax. The tile
+kernel finds it itself (each program of such a group reads the whole group first, which happens
+only where no history exists yet), so a cast is one launch; the row kernel, one program per row,
+needs a pre-pass that skips every group that has a scale. Rows past the last group (the extra
+tail group of ``groups_axis``, read by no GEMM) take their current amax in the row kernel, as in
+the generic path, and scale 1 in the tile kernel. Scale, cast and rounding
 follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest even,
 ``scale_inv = 1 / scale`` in IEEE division).
 """
@@ -169,7 +172,7 @@ def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_bas
 
 
 @triton.jit
-def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
+def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
                          record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr, prob_ptr,
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
@@ -181,8 +184,18 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_row_ptr,
     cmask = cols < C
     in_group = group < G
     start, end = _group_bounds(offsets_ptr, group, G, R)
-    history = tl.load(scale_ptr + group, mask=in_group, other=0.0)
-    scale = tl.where(history > 0.0, history, _scale_from_amax(tl.load(cur_amax_ptr + group)))
+    history = tl.load(scale_ptr + group, mask=in_group, other=1.0)
+    scale = history
+    if (history > 0.0) == 0:  # a group without history (also a NaN scale): its current amax decides
+        # Over every column of the group, so each of its column blocks' programs reads the whole
+        # group: only where no history exists yet (the first step; an expert that never had a
+        # token is empty), in place of a separate amax pass launched at every cast.
+        group_amax = 0.0
+        for c0 in range(0, C, BC):
+            block = c0 + tl.arange(0, BC)
+            group_amax = tl.maximum(group_amax, tl.max(_operand_column_amax(
+                x_ptr, start, end, block, block < C, C, 32, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS), 0))
+        scale = _scale_from_amax(group_amax)
     scale_inv = tl.math.div_rn(1.0, scale)
     out_base = group.to(tl.int64) * stride_qg + _aligned_group_shift(aligned_ends_ptr, group, in_group, start, ALIGN)
     lo, hi = _aligned_body(start, end)
@@ -292,8 +305,8 @@ def delayed_cast(
     Args:
         record_G: fp32 ``[G]`` this micro-batch's per-group amax is max-folded into (the amax
             history's current row), or None to record nothing (evaluation).
-        write_row: write the row copy (float8 ``[R, C]``, every row incl. the tail) and its
-            ``scale_inv [R]``.
+        write_row: write the row copy (float8 ``[R, C]``, every row incl. the tail, which is
+            cast with scale 1 when ``out_col`` is given) and its ``scale_inv [R]``.
         out_col: preallocated float8 buffer for the transposed copy: row ``r`` of group ``g``,
             column ``c`` goes to ``out_col.flatten()[g * stride_out_group + c * stride_out_col
             + r]`` (rows past the last group are not written); None: no transposed copy.
@@ -375,28 +388,33 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     # gather, if any).
     groups = offsets_G.numel()
     write_row = q_row is not None
-    cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=x_RC.device)  # atomic-max target
-    # The tail group only exists for the row copy (no GEMM reads a transposed tail).
-    cast_groups = groups + 1 if write_row else groups
-    dummy = cur_amax  # pointer for the outputs a launch does not write (never dereferenced)
     gather = gather_rows is not None
-    src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
     weighted = row_probs is not None
-    probs = row_probs if weighted else dummy
-    launch(_missing_amax_kernel, (cast_groups, cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
-           groups, src, num_src, probs, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=weighted, num_warps=4)
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
-        # shape: fp8_quant_tune.json), instead of per-group column tiles.
+        # shape: fp8_quant_tune.json), instead of per-group column tiles. A program sees one row,
+        # so the current amax of groups without history (and of the tail) comes from a pre-pass.
+        cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=x_RC.device)  # atomic-max target
+        src, num_src = (gather_rows, x_RC.shape[0]) if gather else (cur_amax, 0)
+        launch(_missing_amax_kernel, (groups + 1, cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
+               groups, src, num_src, cur_amax, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=False,
+               num_warps=4)
         block = min(next_power_of_2(cols), 2048)
         launch(
             _delayed_row_kernel, (rows,),
-            x_RC, offsets_G, scale_G, cur_amax, q_row, s_row, record_G if record_G is not None else dummy,
+            x_RC, offsets_G, scale_G, cur_amax, q_row, s_row, record_G if record_G is not None else cur_amax,
             cols, groups, src, num_src, SEARCH_STEPS=max(groups, 1).bit_length(), RECORD=record_G is not None,
             E5M2=e5m2, BL=block, GATHER=gather,
             num_warps=2 if cols <= 4096 else 16,
         )
         return
+    # The tile kernel finds the current amax of a group without history itself (one launch per
+    # cast, no pre-pass and no zeroed buffer: two launches fewer on the host). The tail group
+    # only exists for the row copy (no GEMM reads a transposed tail).
+    cast_groups = groups + 1 if write_row else groups
+    dummy = scale_G  # pointer for the operands a launch does not touch (never dereferenced)
+    src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
+    probs = row_probs if weighted else dummy
     align, aligned_ends_ptr = _column_layout(aligned_ends, dummy)
     # Launch shape from fp8_quant_tune_delayed_variants_*.json and fp8_cast_tma_tune_s20f.json (H200,
     # both copies of the FP8 block's operands): amax kept per element until the loop ends, column
@@ -406,7 +424,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     block_r, block_c = 128, 64
     launch(
         _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),
-        x_RC, offsets_G, scale_G, cur_amax,
+        x_RC, offsets_G, scale_G,
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
         record_G if record_G is not None else dummy,
