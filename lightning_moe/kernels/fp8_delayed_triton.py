@@ -240,6 +240,16 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
 
 
 @triton.jit
+def _fill_missing_scales_kernel(scale_ptr, amax_ptr, out_ptr, G, BLOCK: tl.constexpr):
+    # out[g] = scale[g] where it is > 0, else the scale of the current amax (a NaN scale too).
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = g < G
+    history = tl.load(scale_ptr + g, mask=m, other=1.0)
+    current = _scale_from_amax(tl.load(amax_ptr + g, mask=m, other=0.0))
+    tl.store(out_ptr + g, tl.where(history > 0.0, history, current), mask=m)
+
+
+@triton.jit
 def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_ptr, record_ptr, C, G, src_ptr, T,
                         SEARCH_STEPS: tl.constexpr, RECORD: tl.constexpr, E5M2: tl.constexpr, BL: tl.constexpr,
                         GATHER: tl.constexpr = False):
@@ -415,6 +425,20 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     dummy = scale_G  # pointer for the operands a launch does not touch (never dereferenced)
     src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
     probs = row_probs if weighted else dummy
+    if record_G is None:
+        # Evaluation (amax recording paused) may run on groups that never get a history (a loaded
+        # checkpoint holds no FP8 state, and evaluation updates none), where the kernel's own
+        # amax would read each such group once per column block at every call. Here the amax
+        # pre-pass runs instead and the missing scales are filled in before the cast, so the
+        # kernel never takes that branch; the same scales, so the same bits.
+        cur_amax = torch.zeros(groups, dtype=torch.float32, device=x_RC.device)  # atomic-max target
+        launch(_missing_amax_kernel, (groups, cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
+               groups, src, num_src, probs, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=weighted,
+               num_warps=4)
+        filled = torch.empty_like(scale_G)
+        launch(_fill_missing_scales_kernel, (cdiv(groups, 1024),), scale_G, cur_amax, filled, groups, BLOCK=1024,
+               num_warps=4)
+        scale_G = filled
     align, aligned_ends_ptr = _column_layout(aligned_ends, dummy)
     # Launch shape from fp8_quant_tune_delayed_variants_*.json and fp8_cast_tma_tune_s20f.json (H200,
     # both copies of the FP8 block's operands): amax kept per element until the loop ends, column

@@ -47,7 +47,7 @@ _MAX_ENTRIES = 4096  # keys kept; beyond that (say, ever new constexpr values) s
 
 _cache: dict[tuple, Optional["_CompiledLaunch"]] = {}
 # id(kernel) -> (kernel, signature): the reference keeps the id from being reused while keyed.
-_signatures: dict[int, tuple[Any, Optional[list[tuple[str, Any, bool]]]]] = {}
+_signatures: dict[int, tuple[Any, Optional[list[tuple[str, Any, bool]]], tuple[bool, ...]]] = {}
 
 
 def fast_launch_enabled() -> bool:
@@ -87,6 +87,14 @@ def _compilation_state(kernel: Any) -> tuple:
         return (getattr(kernel, "debug", None),)
     return (getattr(kernel, "debug", None), knobs.runtime.debug,
             getattr(knobs.compilation, "instrumentation_mode", None))
+
+
+def _active(hook: Optional[Callable]) -> Optional[Callable]:
+    """``hook``, or None when it calls nothing: Triton 3.6 keeps its launch hooks as ``HookChain``
+    objects that are never None, an empty chain calling nothing."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
 
 
 class _Unkeyable(Exception):
@@ -139,16 +147,11 @@ def _arg_key(value: Any, exact: bool) -> Any:
     raise _Unkeyable
 
 
-def _signature(kernel: Any) -> Optional[list[tuple[str, Any, bool]]]:
+def _described(kernel: Any) -> tuple[Optional[list[tuple[str, Any, bool]]], tuple[bool, ...]]:
     """``(name, default, is_constexpr)`` of every parameter of ``kernel``'s Python function, in
     order (``inspect.Parameter.empty``: no default; every parameter counts as a constexpr, keyed
-    exactly, when the kernel does not say); None if it has no plain signature."""
-    return _described(kernel)[0]
-
-
-def _described(kernel: Any) -> tuple[Optional[list[tuple[str, Any, bool]]], tuple[bool, ...]]:
-    """`_signature` of ``kernel`` and its parameters' constexpr flags as a tuple (for `_call_key`),
-    worked out at the first call and kept."""
+    exactly, when the kernel does not say), None if it has no plain signature; and the
+    constexpr flags as a tuple (for `_call_key`). Worked out at the first call and kept."""
     entry = _signatures.get(id(kernel))
     if entry is None:
         try:
@@ -187,12 +190,9 @@ def _call_key(args: tuple, constexpr: tuple[bool, ...], kwargs: dict) -> tuple:
     add = key.append
     for value, exact in zip(args, constexpr):
         kind = type(value)
-        if kind is _Tensor:
-            add(value.dtype)
-            add(value.data_ptr() % 16 == 0)
-        elif kind is int and not exact and -2**31 <= value < 2**31:
+        if kind is int and not exact and -2**31 <= value < 2**31:
             add((value == 1, value % 16 == 0))
-        elif isinstance(value, _Tensor):
+        elif kind is _Tensor or isinstance(value, _Tensor):
             add(value.dtype)
             add(value.data_ptr() % 16 == 0)
         else:
@@ -237,9 +237,10 @@ class _CompiledLaunch:
         for name, default in self.tail:
             values.append(kwargs[name] if name in kwargs else default)
         compiled = self.compiled
-        enter, exit_ = _launch_hooks()
-        # Triton's launch_metadata returns None without an enter hook; skip the call then.
-        metadata = None if enter is None else compiled.launch_metadata(grid, stream, *values)
+        enter, exit_ = (_active(hook) for hook in _launch_hooks())
+        # The metadata is only the hooks' argument: without a hook it is never read (the launcher
+        # skips None hooks), so neither it nor the hooks' calls are made.
+        metadata = None if enter is None and exit_ is None else compiled.launch_metadata(grid, stream, *values)
         compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata,
                      enter, exit_, *values)
 

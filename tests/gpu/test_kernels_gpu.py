@@ -421,3 +421,22 @@ def test_aligned_group_ends_kernel_equals_the_torch_ops(dtype):
             reference = ((ends - prev + 127) // 128 * 128).cumsum(0).to(torch.int32)
             assert aligned.dtype == torch.int32 and torch.equal(aligned.cpu(), reference)
             assert ok.item() == int(bool((ends % 16 == 0).all()))
+    aligned, ok = aligned_group_ends(torch.zeros(0, dtype=dtype, device="cuda"), 128, 16)  # no experts
+    assert aligned.shape == (0,) and ok.item() == 1
+
+
+def test_wgrad_aligned_ends_do_the_alignment_check_for_their_offsets(count_calls):
+    """On CUDA the aligned ends' kernel also issues the 16-row check, so the forward's
+    `_assert_groups_aligned` on the same offsets (same version) launches nothing more; a new
+    version is checked again."""
+    from lightning_moe.precision import scaled_mm
+
+    offsets = torch.tensor([16, 48, 48, 96], dtype=torch.int32, device="cuda")
+    ends = scaled_mm._wgrad_aligned_ends(offsets)
+    assert ends.tolist() == [128, 256, 256, 384]
+    asserts = count_calls(torch, "_assert_async")
+    scaled_mm._assert_groups_aligned(offsets)
+    assert len(asserts) == 0
+    offsets.add_(16)  # a new version: the torch check runs
+    scaled_mm._assert_groups_aligned(offsets)
+    assert len(asserts) == 1

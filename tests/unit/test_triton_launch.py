@@ -145,6 +145,37 @@ def test_a_parameter_is_keyed_as_its_tensor():
     assert _kinds(kernel) == ["plain", "direct", "plain"]
 
 
+def test_empty_hook_chains_are_not_called_and_no_metadata_is_built(monkeypatch):
+    class _Chain:  # Triton 3.6's HookChain: never None, empty when no profiler is attached
+        def __init__(self, calls):
+            self.calls = calls
+
+        def __call__(self, *args):
+            for call in self.calls:
+                call(*args)
+
+    built = []
+
+    class _Metadata(_Compiled):
+        def launch_metadata(self, grid, stream, *values):
+            built.append(grid)
+            return "metadata"
+
+    kernel = _Kernel()
+    compiled = _Metadata(kernel.log)
+    monkeypatch.setattr(_Kernel, "__getitem__", lambda self, grid: (lambda *a, **k: compiled))
+    monkeypatch.setattr(launch_module, "_launch_hooks", lambda: (_Chain([]), _Chain([])))
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    call = kernel.log[-1][1]
+    assert call[6:9] == (None, None, None) and built == []  # metadata, enter hook, exit hook
+    seen = []
+    monkeypatch.setattr(launch_module, "_launch_hooks", lambda: (_Chain([seen.append]), _Chain([])))
+    launch(kernel, (1,), torch.zeros(64), 100, 0.5)
+    call = kernel.log[-1][1]
+    assert call[6] == "metadata" and call[7] is not None and call[8] is None and built == [(1,)]
+
+
 def test_host_grid_helpers_equal_tritons_definitions():
     # triton.cdiv is (a + b - 1) // b; triton.next_power_of_2 is the smallest power of 2 >= n, 0 for 0.
     for a in range(-40, 2000):
@@ -154,6 +185,14 @@ def test_host_grid_helpers_equal_tritons_definitions():
     for n in range(1, 5000):
         p = next_power_of_2(n)
         assert p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
+    try:  # and Triton's own, where it is installed
+        import triton
+    except ImportError:
+        return
+    for n in [*range(-3, 3000), *(2**k + d for k in range(12, 63) for d in (-1, 0, 1))]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 16, 64, 128):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
 
 
 def test_runtime_integers_with_the_same_specialization_reuse_it():
