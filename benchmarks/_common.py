@@ -90,11 +90,13 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:
-    """Write ``payload`` (plus metadata) to ``benchmarks/results/<name>.json`` (and ``$OUT`` if set)."""
+def write_results(name: str, payload: dict, out_dir: str | None = None, results_dir: str | Path | None = None) -> Path:
+    """Write ``payload`` (plus metadata) to ``benchmarks/results/<name>.json`` (or ``results_dir``),
+    and to ``$OUT`` if set."""
     payload = {"meta": metadata(), **payload}
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    directory = RESULTS_DIR if results_dir is None else Path(results_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     text = json.dumps(payload, indent=2)
     path.write_text(text)
     extra = out_dir or os.environ.get("OUT")

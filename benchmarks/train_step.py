@@ -13,6 +13,14 @@ TFLOP/s and MFU = model FLOPs per step
 (``model_flops_per_token``: active parameters + attention, fwd+bwd) / (time x 787e12), and
 the Lightning overhead = trainer median / bare median - 1. Writes
 ``benchmarks/results/train_step_<tag>.json``.
+
+Several GPUs (the Lightning run only, ``--skip-bare``): ``--devices N`` with the folded layout's
+sizes, e.g. ``--devices 8 --tensor-parallel 2 --expert-parallel 4`` (dense TP2 x DP4, experts EP4 x
+EDP2 over the same ranks). Lightning starts one process per device. Each data-parallel rank takes
+its own micro-batches (tensor-parallel peers the same ones), so an optimizer step covers
+``micro_batch x seq x accumulate x DP`` tokens; tokens/s and TFLOP/s are the whole job's, MFU is
+per GPU (divided by N x 787e12), and rank 0 writes the results. ``--accelerator cpu`` runs the
+same on CPU processes (gloo), a plumbing check: its MFU means nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +39,18 @@ from benchmarks._common import write_results  # noqa: E402
 from benchmarks.moe_block import expert_alignment  # noqa: E402
 
 H200_BF16_PEAK = 787e12  # measured dense bf16 GEMM rate on one H200 (BENCHMARKS.md)
+
+
+def sync(args) -> None:
+    """Wait for the device's queued work (a host sync; nothing to wait for on CPU)."""
+    if args.accelerator == "cuda":
+        torch.cuda.synchronize()
+
+
+def data_parallel_size(args) -> int:
+    """Ranks that take different micro-batches: the devices over the tensor-parallel size (the
+    layout validates the sizes when the strategy sets up)."""
+    return max(args.devices // args.tensor_parallel, 1)
 
 
 def build_module(args):
@@ -130,7 +150,7 @@ def lightning_run(args) -> list[float]:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self.last_end is None:
-                torch.cuda.synchronize()  # host sync: the first step's start
+                sync(args)  # host sync: the first step's start
                 self.last_end = time.perf_counter()
 
         window_loss = 0.0
@@ -141,14 +161,16 @@ def lightning_run(args) -> list[float]:
             self.window_loss = self.window_loss + outputs["loss"].detach()
             if (batch_idx + 1) % args.accumulate:
                 return
-            torch.cuda.synchronize()  # host sync: end of the timed step (same in the bare loop)
+            sync(args)  # host sync: end of the timed step (same in the bare loop)
             now = time.perf_counter()
             times.append(now - self.last_end)
             self.last_end = now
             losses.append(self.window_loss)
             self.window_loss = 0.0
 
-    num_batches = (args.warmup + args.steps) * args.accumulate
+    # Every data-parallel rank takes its share (the strategy's distributed sampler) of DP times the
+    # micro-batches one rank runs.
+    num_batches = (args.warmup + args.steps) * args.accumulate * data_parallel_size(args)
     data = list(batches(args, module.model_config.vocab_size, num_batches, "cpu"))
     precision: dict = {"precision": "bf16-mixed"}
     if args.precision != "bf16":
@@ -158,18 +180,27 @@ def lightning_run(args) -> list[float]:
         plugin = FP8Precision(recipe=FP8Recipe(args.precision, fast_accumulation=fast), backend=args.fp8_backend,
                               cache_fp8_weights=args.cache_fp8_weights)
         precision = {"plugins": [plugin]}
+    strategy = MegatronMoEStrategy(
+        tensor_parallel_size=args.tensor_parallel, expert_parallel_size=args.expert_parallel,
+        expert_tensor_parallel_size=args.expert_tensor_parallel, sharding=args.sharding,
+        expert_sharding=args.expert_sharding, token_dispatcher=args.dispatcher, print_layout=False,
+    )
     trainer = L.Trainer(
-        accelerator="cuda", devices=1, strategy=MegatronMoEStrategy(print_layout=False),
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy,
         **precision, max_steps=args.warmup + args.steps, logger=False,
         accumulate_grad_batches=args.accumulate,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=args.clip, callbacks=[Timer()], num_sanity_val_steps=0, limit_val_batches=0,
-        # The micro-batches are already a deterministic stream: keep their order, as the bare
-        # loop does (a distributed strategy would otherwise get Lightning's shuffling sampler,
-        # whose permutation depends on the number of micro-batches).
-        use_distributed_sampler=False,
+        # On one device the micro-batches are already a deterministic stream: keep their order, as
+        # the bare loop does (a distributed strategy would otherwise get Lightning's shuffling
+        # sampler, whose permutation depends on the number of micro-batches). On several, the
+        # strategy's sampler deals them to the data-parallel ranks.
+        use_distributed_sampler=args.devices > 1,
     )
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None, pin_memory=True))
+    loader = torch.utils.data.DataLoader(data, batch_size=None, pin_memory=args.accelerator == "cuda")
+    trainer.fit(module, loader)
+    if not trainer.is_global_zero:
+        return None
     return times[args.warmup :], [float(x) for x in losses]
 
 
@@ -195,13 +226,27 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one bare step")
+    parser.add_argument("--devices", type=int, default=1, help="devices (processes) of the Lightning run")
+    parser.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: the Lightning run on CPU processes, a check of the multi-process plumbing")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="MegatronMoEStrategy tensor_parallel_size")
+    parser.add_argument("--expert-parallel", type=int, default=1, help="MegatronMoEStrategy expert_parallel_size")
+    parser.add_argument("--expert-tensor-parallel", type=int, default=1,
+                        help="MegatronMoEStrategy expert_tensor_parallel_size")
+    parser.add_argument("--sharding", choices=["fsdp", "ddp"], default="fsdp", help="dense parameters")
+    parser.add_argument("--expert-sharding", choices=["fsdp", "ddp"], default="fsdp", help="expert parameters")
+    parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default=None,
+                        help="token dispatcher under expert parallelism (default: the strategy's)")
+    parser.add_argument("--results-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("train_step.py needs a CUDA GPU")
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("train_step.py needs a CUDA GPU (or --accelerator cpu for the Lightning run on CPU)")
+    if (args.devices > 1 or args.accelerator == "cpu") and not args.skip_bare:
+        raise SystemExit("the bare loop runs on one GPU: add --skip-bare for --devices > 1 or --accelerator cpu")
     from lightning_moe.models import get_preset, model_flops_per_token
 
     cfg = get_preset(args.preset, num_layers=args.layers, max_seq_length=args.seq)
-    tokens = args.micro_batch * args.seq * args.accumulate  # per optimizer step
+    tokens = args.micro_batch * args.seq * args.accumulate * data_parallel_size(args)  # per optimizer step, all ranks
     flops_per_step = model_flops_per_token(cfg, args.seq) * tokens
     results = {}
     runs = (("bare_torch", bare_loop), ("lightning", lightning_run))
@@ -209,34 +254,41 @@ def main(argv=None) -> None:
         runs = runs[1:]
     elif args.precision != "bf16":
         raise SystemExit("--precision applies to the Lightning run only: add --skip-bare")
+    cuda = args.accelerator == "cuda"
     for name, fn in runs:
-        torch.cuda.reset_peak_memory_stats()
-        times, losses = fn(args)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        outcome = fn(args)
+        if outcome is None:  # a rank other than 0 of a multi-process run: rank 0 reports
+            return
+        times, losses = outcome
         final_loss = losses[-1]
         median = statistics.median(times)
         results[name] = {
             "median_step_s": median,
             "tokens_per_s": tokens / median,
             "tflops": flops_per_step / median / 1e12,
-            "mfu": flops_per_step / (median * H200_BF16_PEAK),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "mfu": flops_per_step / (median * H200_BF16_PEAK * args.devices),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "final_loss": final_loss,
             "step_times_s": times,
             "losses": losses,
         }
         r = results[name]
+        peak = "" if r["peak_gib"] is None else f" peak {r['peak_gib']:.1f} GiB"
         print(f"{name:11s} {median*1e3:8.1f} ms/step {r['tokens_per_s']:9.0f} tok/s {r['tflops']:6.1f} TFLOP/s "
-              f"MFU {r['mfu']*100:5.1f}% peak {r['peak_gib']:.1f} GiB loss {final_loss:.3f}", flush=True)
+              f"MFU {r['mfu']*100:5.1f}%{peak} loss {final_loss:.3f}", flush=True)
     overhead = None
     if "bare_torch" in results:
         overhead = results["lightning"]["median_step_s"] / results["bare_torch"]["median_step_s"] - 1
         print(f"Lightning overhead: {overhead*100:+.2f}%")
     tag = args.tag or f"{args.preset}_{args.layers}l"
     write_results(f"train_step_{tag}", {
-        "config": {**vars(args), "tokens_per_step": tokens, "model_flops_per_step": flops_per_step},
+        "config": {**vars(args), "tokens_per_step": tokens, "model_flops_per_step": flops_per_step,
+                   "data_parallel_size": data_parallel_size(args)},
         "results": results,
         "lightning_overhead": overhead,
-    })
+    }, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":
