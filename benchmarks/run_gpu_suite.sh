@@ -15,7 +15,9 @@
 # BF16 loss curves on the embedded corpus, TE tensorwise at micro-batch 1, native rowwise at 4),
 # noise (after curves: the bf16 micro-batch-4 curve against the same steps as 2 x 2 micro-batches),
 # fp8ratio (the FP8 block's ratio to bf16 in both parameter modes, bf16 and fp32 masters: qwen3 in
-# interleaved pairs over 50 steps, as its host-bound timing drifts between calls, then the others).
+# interleaved pairs over 50 steps, as its host-bound timing drifts between calls, then the others),
+# trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
+# layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -76,6 +78,16 @@ if has fp8ratio; then
         --master-weights "$master" --iters 20 --tag "ratio_${precision}_${master}master"
     done
   done
+fi
+if has trainmulti && [ "$num_gpus" -ge 4 ]; then
+  layers="${TRAIN_LAYERS:-16}"
+  say "train_step on $num_gpus GPUs, EP=$num_gpus"
+  run python3 benchmarks/train_step.py --skip-bare --devices "$num_gpus" --expert-parallel "$num_gpus" \
+    --layers "$layers" --steps 10 --tag "qwen3_${layers}l_${num_gpus}gpu_ep${num_gpus}"
+  say "train_step on $num_gpus GPUs, TP2 x EP=$((num_gpus / 2))"
+  run python3 benchmarks/train_step.py --skip-bare --devices "$num_gpus" --tensor-parallel 2 \
+    --expert-parallel "$((num_gpus / 2))" --layers "$layers" --steps 10 \
+    --tag "qwen3_${layers}l_${num_gpus}gpu_tp2_ep$((num_gpus / 2))"
 fi
 if has probe && [ "$num_gpus" -ge 2 ]; then say "EP link probe"; run python3 benchmarks/ep_comm_probe.py; fi
 if has fp8; then
