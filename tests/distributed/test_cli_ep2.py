@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _launch import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "ep2_cpu.yaml"
@@ -37,12 +38,7 @@ model:
 
 
 def _fit(tmp: Path, version: str, *extra: str) -> None:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    env = subprocess_env(str(ROOT))
     cmd = [
         sys.executable, "-m", "lightning_moe", "fit",
         "--config", str(CONFIG),

@@ -10,24 +10,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, MICRO, STEPS = 32, 2, 2
 
 
 def _run(tmp: Path, tag: str, *layout: str) -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    env = subprocess_env(str(ROOT))
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--accelerator", "cpu", "--devices", "2",
         *layout, "--preset", "tiny", "--layers", "2", "--seq", str(SEQ), "--micro-batch", str(MICRO),
