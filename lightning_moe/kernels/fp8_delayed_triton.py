@@ -307,6 +307,7 @@ def delayed_cast(
     gather_rows: Optional[Tensor] = None,
     aligned_ends: Optional[Tensor] = None,
     row_probs: Optional[Tensor] = None,
+    amax_prepass: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -339,6 +340,10 @@ def delayed_cast(
         row_probs: fp32 ``[R]`` with ``swiglu``: the operand is ``prob[r] * silu(gate) * up``
             (Megatron-Core's weighted SwiGLU: the routing probabilities applied before the
             second projection, so the combine after it is an unweighted sum).
+        amax_prepass: the tile kernel takes the current amax of groups without a scale from a
+            pre-pass (as the row kernel always does and evaluation does) instead of finding it
+            itself, which reads such a group once per column block: for a state that has no
+            scales yet (`DelayedState.fresh`). The same values either way.
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -385,7 +390,8 @@ def delayed_cast(
     with on_launch_stream(launch_stream, x_RC, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
                           gather_rows, aligned_ends, row_probs):
         _launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
-                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends, row_probs)
+                             stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends, row_probs,
+                             amax_prepass)
     return q_row, s_row, s_col
 
 
@@ -393,7 +399,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
                          record_G: Optional[Tensor], q_row: Optional[Tensor], s_row: Optional[Tensor],
                          out_col: Optional[Tensor], s_col: Optional[Tensor], stride_out_col: int,
                          stride_out_group: int, e5m2: bool, swiglu: bool, gather_rows: Optional[Tensor],
-                         aligned_ends: Optional[Tensor], row_probs: Optional[Tensor]) -> None:
+                         aligned_ends: Optional[Tensor], row_probs: Optional[Tensor], amax_prepass: bool) -> None:
     # The kernels of `delayed_cast` (the operand is ``rows x cols`` after the SwiGLU or the
     # gather, if any).
     groups = offsets_G.numel()
@@ -425,12 +431,12 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     dummy = scale_G  # pointer for the operands a launch does not touch (never dereferenced)
     src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
     probs = row_probs if weighted else dummy
-    if record_G is None:
+    if record_G is None or amax_prepass:
         # Evaluation (amax recording paused) may run on groups that never get a history (a loaded
-        # checkpoint holds no FP8 state, and evaluation updates none), where the kernel's own
-        # amax would read each such group once per column block at every call. Here the amax
-        # pre-pass runs instead and the missing scales are filled in before the cast, so the
-        # kernel never takes that branch; the same scales, so the same bits.
+        # checkpoint holds no FP8 state, and evaluation updates none), and a state's first step
+        # has no scale at all: there the kernel's own amax would read each group once per column
+        # block. Here the amax pre-pass runs instead and the missing scales are filled in before
+        # the cast, so the kernel never takes that branch; the same scales, so the same bits.
         cur_amax = torch.zeros(groups, dtype=torch.float32, device=x_RC.device)  # atomic-max target
         launch(_missing_amax_kernel, (groups, cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
                groups, src, num_src, probs, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=weighted,

@@ -34,10 +34,20 @@ SLOTS = {role: i for i, role in enumerate(ROLES)}
 
 
 class DelayedState(NamedTuple):
-    """Views of one module's delayed-scaling buffers handed to the GEMM functions."""
+    """Views of one module's delayed-scaling buffers handed to the GEMM functions.
+
+    ``fresh``: the buffers have not been through `update_delayed_scaling` since they were
+    allocated, so no scale exists yet. Only a speed hint (the values do not depend on it): the
+    native casts then find every group's current amax by a pre-pass, where otherwise a group
+    without a scale finds it inside the cast (cheap for the few such groups of later steps).
+    """
 
     amax_history: torch.Tensor  # [H, 3, G]
     scale: torch.Tensor  # [3, G]
+    fresh: bool = False
+
+
+_FRESH = "_fp8_delayed_fresh"  # module attribute: its buffers have had no update yet
 
 
 def register_delayed_buffers(module: nn.Module) -> None:
@@ -54,13 +64,14 @@ def ensure_delayed_state(module: nn.Module, recipe: FP8Recipe, groups: int, devi
     if module.fp8_scale is None or module.fp8_scale.shape[1] != groups:
         module.fp8_amax_history = torch.zeros(recipe.amax_history_len, len(ROLES), groups, device=device)
         module.fp8_scale = torch.zeros(len(ROLES), groups, device=device)
-    return DelayedState(module.fp8_amax_history, module.fp8_scale)
+        module.__dict__[_FRESH] = True
+    return DelayedState(module.fp8_amax_history, module.fp8_scale, module.__dict__.get(_FRESH, False))
 
 
 def delayed_state(module: nn.Module) -> Optional[DelayedState]:
     """``module``'s allocated delayed-scaling state, if any."""
     history = getattr(module, "fp8_amax_history", None)
-    return None if history is None else DelayedState(history, module.fp8_scale)
+    return None if history is None else DelayedState(history, module.fp8_scale, module.__dict__.get(_FRESH, False))
 
 
 _AMAX_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_moe_amax_recording", default=True)
@@ -124,9 +135,10 @@ def update_delayed_scaling(
     ``group``: ranks whose amaxes are reduced (None: the default group when
     ``torch.distributed`` is initialized, else no reduction).
     """
-    states = [s for s in (delayed_state(m) for m in modules) if s is not None]
-    if not states:
+    owners = [(m, s) for m, s in ((m, delayed_state(m)) for m in modules) if s is not None]
+    if not owners:
         return
+    states = [s for _, s in owners]
     # All modules' states as one [H, 3, sum G] block per (device, history length), so that the
     # update is a dozen batched kernels instead of about ten per module (a model has hundreds of
     # FP8 modules, and the next forward waits for these launches).
@@ -151,3 +163,5 @@ def update_delayed_scaling(
         sizes = [s.scale.shape[1] for s in members]
         torch._foreach_copy_([s.amax_history for s in members], list(history.split(sizes, 2)))
         torch._foreach_copy_([s.scale for s in members], list(scale.split(sizes, 1)))
+    for module, _ in owners:
+        module.__dict__[_FRESH] = False  # scales exist now (for every group that has seen a value)

@@ -131,14 +131,15 @@ class FP8GroupedGemm(nn.Module):
         state = ensure_delayed_state(self, self.recipe, len(_PROJECTIONS) * experts, device)
         # The views are kept while the buffers are the same tensors over the same memory (several
         # calls per forward; each slicing is a dispatcher call): an update writes into them in place.
-        identity = (id(state.amax_history), state.amax_history.data_ptr(), id(state.scale), state.scale.data_ptr())
+        identity = (id(state.amax_history), state.amax_history.data_ptr(), id(state.scale), state.scale.data_ptr(),
+                    state.fresh)
         views = self.__dict__.setdefault("_delayed_views", {})  # not module state
         kept = views.get((projection, experts))
         if kept is not None and kept[0] == identity:
             return kept[2]
         part = _PROJECTIONS.index(projection) if projection in _PROJECTIONS else 0
         groups = slice(part * experts, (part + 1) * experts)
-        view = DelayedState(state.amax_history[:, :, groups], state.scale[:, groups])
+        view = DelayedState(state.amax_history[:, :, groups], state.scale[:, groups], state.fresh)
         # The buffers ride along so that their ids cannot be reused while the entry is kept.
         views[(projection, experts)] = (identity, (state.amax_history, state.scale), view)
         return view

@@ -484,7 +484,7 @@ class _FusedGroupedOperands:
         q_RC, s_R, s_GC = delayed_cast(t_RC, offsets_G, *self._delayed(role), out_col=q_CR,
                                        stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu,
                                        gather_rows=gather_rows, aligned_ends=aligned_ends if transposed else None,
-                                       row_probs=row_probs)
+                                       row_probs=row_probs, amax_prepass=self.state.fresh)
         return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
 
     def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -495,7 +495,8 @@ class _FusedGroupedOperands:
 
         rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
         _, _, s_EN = delayed_cast(rows, ends, *self._delayed("weight"), write_row=False, out_col=q_ENK,
-                                  stride_out_col=stride_col, stride_out_group=stride_group)
+                                  stride_out_col=stride_col, stride_out_group=stride_group,
+                                  amax_prepass=self.state.fresh)
         return q_ENK, s_EN
 
     def weight_dgrad(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -523,7 +524,8 @@ class _FusedGroupedOperands:
         rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
         scale, record = self._delayed("weight")
         q_dgrad, s_dgrad, s_EN = delayed_cast(rows, ends, scale, record, out_col=q_ENK, stride_out_col=stride_col,
-                                              stride_out_group=stride_group, launch_stream=launch_stream)
+                                              stride_out_group=stride_group, launch_stream=launch_stream,
+                                              amax_prepass=self.state.fresh)
         return q_ENK, s_EN, q_dgrad, s_dgrad
 
 

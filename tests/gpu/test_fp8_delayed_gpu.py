@@ -315,3 +315,39 @@ def test_permutation_read_inside_the_fc1_cast_trains_identically(monkeypatch, co
         plain = _train_delayed_layer(experts, dtype)
     assert len(gathered_calls) == 10
     _assert_all_equal(gathered, plain)
+
+
+def test_amax_prepass_only_while_the_state_is_fresh(monkeypatch):
+    """A layer's first training step (no scale yet) finds the amaxes by the pre-pass; after the
+    first update the tile casts run alone (one launch each), and evaluation (recording paused)
+    runs the pre-pass again, as its groups may have no history."""
+    import lightning_moe.kernels.fp8_delayed_triton as fd
+    from lightning_moe.nn import MoEConfig, MoELayer
+    from lightning_moe.precision import FP8Precision
+
+    kernels = []
+    real = fd.launch
+    monkeypatch.setattr(fd, "launch", lambda kernel, *a, **k: kernels.append(kernel) or real(kernel, *a, **k))
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, router_topk=2, expert_alignment=16)
+    layer = MoELayer(cfg).cuda().to(torch.bfloat16)
+    plugin = FP8Precision(recipe="delayed", backend="torch")
+    plugin.convert_module(layer)
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def prepasses_of_a_step() -> int:
+        kernels.clear()
+        with plugin.forward_context():
+            layer(x).float().square().mean().backward()
+        return sum(k is fd._missing_amax_kernel for k in kernels)
+
+    fresh = prepasses_of_a_step()
+    update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
+    later = prepasses_of_a_step()
+    assert fresh >= 4 and later < fresh  # the tile casts' pre-passes are gone
+    assert later == sum(k is fd._delayed_row_kernel for k in kernels)  # those left belong to row casts
+    kernels.clear()
+    with torch.no_grad(), plugin._eval_context():
+        layer(x)
+    assert any(k is fd._missing_amax_kernel for k in kernels)
+    assert any(k is fd._fill_missing_scales_kernel for k in kernels)

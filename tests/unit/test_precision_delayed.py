@@ -195,3 +195,24 @@ def test_evaluation_forwards_do_not_record_amax():
     assert torch.equal(layer.fp8_amax_history, before)
     layer(torch.randn(16, 64) * 100)  # a training forward records again
     assert not torch.equal(layer.fp8_amax_history, before)
+
+
+def test_a_state_is_fresh_until_its_first_update():
+    """`DelayedState.fresh` (the native casts' hint to find every amax by a pre-pass) holds from
+    the buffers' allocation until `update_delayed_scaling`, for the module's state and for the
+    projections' kept views; a reallocation (another expert count) makes the state fresh again."""
+    from lightning_moe.precision.delayed import delayed_state
+
+    recipe = FP8Recipe("delayed", amax_history_len=2)
+    gemm = FP8GroupedGemm(recipe)
+    offsets = torch.tensor([16, 32, 48], dtype=torch.int32)
+    x, w = torch.randn(48, 32, requires_grad=True), torch.randn(3, 32, 16, requires_grad=True)
+    gemm.grouped_mm(x, w, offsets, "fc1").sum().backward()
+    assert delayed_state(gemm).fresh and gemm._delayed_state("fc1", 3, x.device).fresh
+    update_delayed_scaling([gemm], recipe)
+    assert not delayed_state(gemm).fresh and not gemm._delayed_state("fc1", 3, x.device).fresh
+    assert (gemm.fp8_scale[:, :3] > 0).all()  # every group of fc1 has a scale now
+    gemm.grouped_mm(x, w, offsets, "fc1").sum().backward()
+    update_delayed_scaling(iter([gemm]), recipe)  # any iterable, consumed once
+    assert not delayed_state(gemm).fresh
+    assert gemm._delayed_state("fc1", 4, x.device).fresh  # buffers for 4 experts: reallocated
