@@ -17,10 +17,12 @@ the Lightning overhead = trainer median / bare median - 1. Writes
 Several GPUs (the Lightning run only, ``--skip-bare``): ``--devices N`` with the folded layout's
 sizes, e.g. ``--devices 8 --tensor-parallel 2 --expert-parallel 4`` (dense TP2 x DP4, experts EP4 x
 EDP2 over the same ranks). Lightning starts one process per device. Each data-parallel rank takes
-its own micro-batches (tensor-parallel peers the same ones), so an optimizer step covers
-``micro_batch x seq x accumulate x DP`` tokens; tokens/s and TFLOP/s are the whole job's, MFU is
-per GPU (divided by N x 787e12), and rank 0 writes the results. ``--accelerator cpu`` runs the
-same on CPU processes (gloo), a plumbing check: its MFU means nothing.
+its own micro-batches (tensor-parallel peers the same ones) through Lightning's distributed
+sampler, which also shuffles them, so the loss curve is not the one-device stream's. An optimizer
+step covers ``micro_batch x seq x accumulate x DP`` tokens; tokens/s and TFLOP/s are the whole
+job's, MFU is per GPU (divided by N x 787e12). Rank 0 writes the results; the losses and the peak
+memory in them are rank 0's own. ``--accelerator cpu`` runs the same on CPU processes (gloo), a
+plumbing check: its MFU means nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -132,7 +135,7 @@ def bare_loop(args) -> list[float]:
     return times[args.warmup :], losses_list
 
 
-def lightning_run(args) -> list[float]:
+def lightning_run(args) -> Optional[tuple[list[float], list[float]]]:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -239,6 +242,9 @@ def main(argv=None) -> None:
                         help="token dispatcher under expert parallelism (default: the strategy's)")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.devices < 1 or args.tensor_parallel < 1 or args.devices % args.tensor_parallel:
+        raise SystemExit(f"--devices {args.devices} must be a positive multiple of --tensor-parallel "
+                         f"{args.tensor_parallel}")
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         raise SystemExit("train_step.py needs a CUDA GPU (or --accelerator cpu for the Lightning run on CPU)")
     if (args.devices > 1 or args.accelerator == "cpu") and not args.skip_bare:

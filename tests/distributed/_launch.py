@@ -194,13 +194,14 @@ def _collect(procs: list, conns: list, timeout: float, grace: float = 2.0) -> li
 
 _LAUNCHER_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+    "OUT",  # the benchmark scripts copy their JSON there: not a test's files
 )
 
 
 def subprocess_env(root: str) -> dict[str, str]:
     """The environment for a script that launches its own processes (Lightning re-runs
     ``sys.argv``): this process's, without any launcher variables (a test may run inside a
-    distributed job), one OpenMP thread per process, and ``root`` on ``PYTHONPATH``."""
+    distributed job) or ``$OUT``, one OpenMP thread per process, and ``root`` on ``PYTHONPATH``."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
     return env

@@ -56,7 +56,15 @@ def test_multi_device_lightning_run_counts_every_data_parallel_rank(tmp_path, la
     assert run["peak_gib"] is None  # no CUDA memory on CPU
 
 
-def test_bare_loop_refuses_several_devices(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--accelerator", "cpu", "--devices", "2"]
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--devices", "2"), "--skip-bare"),  # the bare loop runs on one device
+        (("--devices", "3", "--tensor-parallel", "2", "--skip-bare"), "multiple of --tensor-parallel"),
+        (("--devices", "0", "--skip-bare"), "positive multiple"),
+    ],
+)
+def test_bad_device_counts_are_refused_before_any_run(tmp_path, flags, message):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--accelerator", "cpu", *flags]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode != 0 and "--skip-bare" in proc.stderr
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
