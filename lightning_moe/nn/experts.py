@@ -250,7 +250,7 @@ class GroupedExperts(nn.Module):
         if fused_swiglu is not None:
             # the SwiGLU computed inside the FP8 cast of fc2's input, where that runs (and the
             # combine after it, where the quantization offers that)
-            fuses_combine = combine is not None and hasattr(self.quantization, "takes_deferred_combine")
+            fuses_combine = combine is not None and _swiglu_takes_combine(self.quantization)
             y = fused_swiglu(h_RF, fc2, offsets_E, "fc2", **({"combine": combine} if fuses_combine else {}))
             if y is not None:
                 return y if fuses_combine else _combined(y, combine)
@@ -339,3 +339,11 @@ class SharedExperts(nn.Module):
         if self.gate_weight is not None:
             y_TD = y_TD * torch.sigmoid(F.linear(x_TD, self.gate_weight.to(x_TD.dtype)))
         return y_TD
+
+
+def _swiglu_takes_combine(quantization: object) -> bool:
+    """Whether ``quantization.grouped_mm_swiglu`` accepts ``combine=``: by its class's signature,
+    so a subclass that overrides it without ``combine`` gets the combine carried out after it."""
+    from lightning_moe.precision.modules import swiglu_takes_combine  # lazily: only with a quantization
+
+    return swiglu_takes_combine(type(quantization))

@@ -102,9 +102,11 @@ _PROJECTIONS = ("fc1", "fc2")
 
 
 @functools.lru_cache(maxsize=None)
-def _swiglu_takes_combine(cls: type) -> bool:
+@functools.lru_cache(maxsize=None)
+def swiglu_takes_combine(cls: type) -> bool:
     """Whether ``cls.grouped_mm_swiglu`` accepts ``combine=`` (a subclass may override it with the
-    signature it had before the combine moved in)."""
+    signature it had before the combine moved in). Worked out once per class: it is asked at
+    every forward."""
     import inspect
 
     return "combine" in inspect.signature(cls.grouped_mm_swiglu).parameters
@@ -220,7 +222,7 @@ class FP8GroupedGemm(nn.Module):
         `takes_deferred_permutation`, in a training pass); where it then declines after all, the
         experts carry the combine out themselves."""
         # takes_deferred_permutation holds for the delayed recipe's native casts only
-        return (torch.is_grad_enabled() and _swiglu_takes_combine(type(self))
+        return (torch.is_grad_enabled() and swiglu_takes_combine(type(self))
                 and self.takes_deferred_permutation(tokens_TK))
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,

@@ -66,3 +66,26 @@ def test_fp8_experts_whose_swiglu_gemm_predates_the_combine_do_not_take_it(monke
     monkeypatch.setattr(FP8GroupedGemm, "takes_deferred_permutation", lambda self, tokens: True)
     assert FP8GroupedGemm("delayed", backend="torch").takes_deferred_combine(tokens)
     assert not OldSwiGLU("delayed", backend="torch").takes_deferred_combine(tokens)
+
+
+def test_experts_handed_the_combine_directly_keep_an_old_signature_swiglu_gemm_working():
+    """Experts called with ``combine=`` by hand (not through the layer, which asks first) and a
+    quantization whose ``grouped_mm_swiglu`` predates ``combine``: the combine is carried out after
+    the GEMM instead of passed to it, so the old override is called as it was written."""
+    from lightning_moe.precision import FP8GroupedGemm
+
+    calls = []
+
+    class OldSwiGLU(FP8GroupedGemm):
+        def grouped_mm_swiglu(self, h_RF2, w_EFN, offsets_E, projection=""):
+            calls.append(projection)
+            return None  # declines: the experts apply the SwiGLU and fc2 themselves
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 32, backend="grouped_mm")
+    experts.quantization = OldSwiGLU("delayed", backend="emulated")
+    plan, probs_TK = _routed()
+    x_RD = permute(torch.randn(24, 16), plan)
+    y_TD = experts(x_RD, plan.group_sizes_E, combine=DeferredCombine(plan, probs_TK))
+    assert calls == ["fc2"] and y_TD.shape == (24, 16)
+    torch.testing.assert_close(y_TD, unpermute(experts(x_RD, plan.group_sizes_E), probs_TK, plan))
