@@ -395,6 +395,17 @@ def delayed_cast(
     return q_row, s_row, s_col
 
 
+def _current_amaxes(x_RC: Tensor, offsets_G: Tensor, scale_G: Tensor, rows: int, cols: int, amax_groups: int,
+                    src: Tensor, num_src: int, row_probs: Optional[Tensor], swiglu: bool, gather: bool) -> Tensor:
+    """fp32 ``[amax_groups]``: the current amax of every group without a scale (0 elsewhere) by the
+    pre-pass; ``amax_groups`` is the group count, plus one for the tail group's."""
+    cur_amax = torch.zeros(amax_groups, dtype=torch.float32, device=x_RC.device)  # atomic-max target
+    launch(_missing_amax_kernel, (amax_groups, cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
+           offsets_G.numel(), src, num_src, cur_amax if row_probs is None else row_probs, SWIGLU=swiglu,
+           GATHER=gather, BR=128, BC=64, ROW_PROBS=row_probs is not None, num_warps=4)
+    return cur_amax
+
+
 def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, scale_G: Tensor,
                          record_G: Optional[Tensor], q_row: Optional[Tensor], s_row: Optional[Tensor],
                          out_col: Optional[Tensor], s_col: Optional[Tensor], stride_out_col: int,
@@ -410,11 +421,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
         # shape: fp8_quant_tune.json), instead of per-group column tiles. A program sees one row,
         # so the current amax of groups without history (and of the tail) comes from a pre-pass.
-        cur_amax = torch.zeros(groups + 1, dtype=torch.float32, device=x_RC.device)  # atomic-max target
-        src, num_src = (gather_rows, x_RC.shape[0]) if gather else (cur_amax, 0)
-        launch(_missing_amax_kernel, (groups + 1, cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
-               groups, src, num_src, cur_amax, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=False,
-               num_warps=4)
+        src, num_src = (gather_rows, x_RC.shape[0]) if gather else (scale_G, 0)
+        cur_amax = _current_amaxes(x_RC, offsets_G, scale_G, rows, cols, groups + 1, src, num_src, None, swiglu, gather)
         block = min(next_power_of_2(cols), 2048)
         launch(
             _delayed_row_kernel, (rows,),
@@ -437,10 +445,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         # has no scale at all: there the kernel's own amax would read each group once per column
         # block. Here the amax pre-pass runs instead and the missing scales are filled in before
         # the cast, so the kernel never takes that branch; the same scales, so the same bits.
-        cur_amax = torch.zeros(groups, dtype=torch.float32, device=x_RC.device)  # atomic-max target
-        launch(_missing_amax_kernel, (groups, cdiv(cols, 64)), x_RC, offsets_G, scale_G, cur_amax, rows, cols,
-               groups, src, num_src, probs, SWIGLU=swiglu, GATHER=gather, BR=128, BC=64, ROW_PROBS=weighted,
-               num_warps=4)
+        cur_amax = _current_amaxes(x_RC, offsets_G, scale_G, rows, cols, groups, src, num_src, row_probs, swiglu,
+                                   gather)
         filled = torch.empty_like(scale_G)
         launch(_fill_missing_scales_kernel, (cdiv(groups, 1024),), scale_G, cur_amax, filled, groups, BLOCK=1024,
                num_warps=4)
