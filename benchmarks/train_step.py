@@ -51,9 +51,9 @@ def sync(args) -> None:
 
 
 def data_parallel_size(args) -> int:
-    """Ranks that take different micro-batches: the devices over the tensor-parallel size (the
-    layout validates the sizes when the strategy sets up)."""
-    return max(args.devices // args.tensor_parallel, 1)
+    """Ranks that take different micro-batches: the devices over the tensor-parallel size (`main`
+    checks that it divides them)."""
+    return args.devices // args.tensor_parallel
 
 
 def build_module(args):

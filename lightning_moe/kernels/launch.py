@@ -237,7 +237,8 @@ class _CompiledLaunch:
         for name, default in self.tail:
             values.append(kwargs[name] if name in kwargs else default)
         compiled = self.compiled
-        enter, exit_ = (_active(hook) for hook in _launch_hooks())
+        enter, exit_ = _launch_hooks()
+        enter, exit_ = _active(enter), _active(exit_)
         # The metadata is only the hooks' argument: without a hook it is never read (the launcher
         # skips None hooks), so neither it nor the hooks' calls are made.
         metadata = None if enter is None and exit_ is None else compiled.launch_metadata(grid, stream, *values)
