@@ -210,7 +210,8 @@ def run_case(name: str, c: dict, precision: str, args) -> dict:
     torch.manual_seed(0)
     recipe, fast = (FP8_DEFAULT if precision == "fp8" else (precision, None))
     layer = build_layer(c, "grouped_mm", torch.bfloat16, expert_alignment(recipe))
-    context, _, optimizer_step_work = apply_precision(layer, recipe, fast_accumulation=fast)
+    context, _, optimizer_step_work = apply_precision(layer, recipe, fast_accumulation=fast,
+                                                      graph_weight_casts=args.graph_weight_casts and recipe != "bf16")
     x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "step_work": []}
@@ -259,7 +260,8 @@ def run_case(name: str, c: dict, precision: str, args) -> dict:
             phases_ms = {label: {"median_ms": statistics.median(v), "calls": calls[label]}
                          for label, v in per_step.items()}
         host_profile = _host_profile(step, args.top) if args.host_profile else None
-    result = {"shape": c, "precision": recipe, "fast_accumulation": fast, "kernel_launches": launches}
+    result = {"shape": c, "precision": recipe, "fast_accumulation": fast, "kernel_launches": launches,
+              "graph_weight_casts": args.graph_weight_casts and recipe != "bf16"}
     for phase, values in phases.items():
         result[f"{phase}_host_ms"] = statistics.median(values)
         result[f"{phase}_host_ms_max"] = max(values)
@@ -281,6 +283,8 @@ def main(argv=None) -> None:
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--phases", action="store_true",
                         help="host time of the layer's parts, the FP8 casts and GEMMs and the Triton launches")
+    parser.add_argument("--graph-weight-casts", action="store_true",
+                        help="FP8 runs with FP8Recipe(graph_weight_casts=True)")
     parser.add_argument("--top", type=int, default=40, help="functions and ops listed by --host-profile")
     parser.add_argument("--tag", default="latest")
     args = parser.parse_args(argv)

@@ -90,7 +90,7 @@ def expert_alignment(precision: str) -> int:
 
 
 def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False,
-                    fast_accumulation: Optional[list[str]] = None):
+                    fast_accumulation: Optional[list[str]] = None, graph_weight_casts: bool = False):
     """bf16: nothing to do. Otherwise ``precision`` is an FP8 recipe name ("tensorwise",
     "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin. Returns the
     plugin's forward context (a factory: each ``with`` needs a fresh one), its FP8 weight cache
@@ -101,7 +101,8 @@ def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False
     from lightning_moe.precision import FP8Precision, FP8Recipe, update_delayed_scaling  # lazily: optional
     from lightning_moe.precision.modules import fp8_modules
 
-    recipe = FP8Recipe(precision, fast_accumulation=None if fast_accumulation is None else tuple(fast_accumulation))
+    recipe = FP8Recipe(precision, fast_accumulation=None if fast_accumulation is None else tuple(fast_accumulation),
+                       graph_weight_casts=graph_weight_casts)
     plugin = FP8Precision(recipe=recipe, backend="auto", cache_fp8_weights=cache_weights)
     plugin.convert_module(layer)
     if recipe.name != "delayed":
@@ -160,7 +161,7 @@ def run_case(name: str, c: dict, args) -> dict:
                         expert_alignment(args.precision))
     reference = fp32_reference(layer)
     context, weight_cache, optimizer_step_work = apply_precision(layer, args.precision, args.cache_weights,
-                                                                 args.fast_accumulation)
+                                                                 args.fast_accumulation, args.graph_weight_casts)
     if master_fp32 and args.precision == "bf16":
         context = bf16_mixed_context  # FP8Precision's context is bf16 autocast already
     tokens = min(4096, c["B"] * c["S"])
@@ -210,6 +211,7 @@ def run_case(name: str, c: dict, args) -> dict:
         "precision": args.precision,
         "fast_accumulation": args.fast_accumulation,
         "cache_weights": args.cache_weights,
+        "graph_weight_casts": args.graph_weight_casts,
         "master_weights": args.master_weights,
         "median_ms": median_ms,
         "min_ms": min(times),
@@ -244,6 +246,9 @@ def main(argv=None) -> None:
                         help="FP8Precision(cache_fp8_weights=True). With --accumulate 1 the cache is never "
                              "cleared, so every timed step reuses FP8 weights quantized in warm-up (the later "
                              "micro-batches of a window); with --accumulate N > 1 each window starts empty")
+    parser.add_argument("--graph-weight-casts", action="store_true",
+                        help="FP8Recipe(graph_weight_casts=True): each forward replays a CUDA graph of the expert "
+                             "weights' casts instead of launching them (rowwise and delayed recipes)")
     parser.add_argument("--master-weights", default="bf16", choices=["bf16", "fp32"],
                         help="dtype of the experts' parameters: bf16 (default, weights cast before the block) or fp32 "
                              "(master weights under bf16 autocast, as bf16-mixed training runs the block)")
@@ -256,6 +261,7 @@ def main(argv=None) -> None:
     default_tag = "_".join([args.backend, args.precision]
                            + (["fast-" + "-".join(args.fast_accumulation)] if args.fast_accumulation else [])
                            + (["cached"] if args.cache_weights else [])
+                           + (["graphed"] if args.graph_weight_casts else [])
                            + (["fp32master"] if args.master_weights == "fp32" else [])
                            + ([f"x{args.accumulate}"] if args.accumulate > 1 else []))
     if args.precision == "fp8":

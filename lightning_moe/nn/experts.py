@@ -150,6 +150,10 @@ class GroupedExperts(nn.Module):
 
         if not isinstance(self, FSDPModule):
             start({"fc1": fc1_matrix(local_tensor(self.fc1_weight)), "fc2": local_tensor(self.fc2_weight)})
+        elif getattr(getattr(self.quantization, "recipe", None), "graph_weight_casts", False):
+            raise ValueError("FP8Recipe(graph_weight_casts=True) needs experts not sharded by FSDP (their weights "
+                             "are gathered only inside their forward); shard them with DDP or set "
+                             "graph_weight_casts=False.")
 
     def release_prefetched(self) -> None:
         """Drop whatever `prefetch` started that `forward` did not take (a forward that stopped

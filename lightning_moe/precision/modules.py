@@ -36,6 +36,7 @@ from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
 if TYPE_CHECKING:
     from lightning_moe.nn.permutation import DeferredCombine, PermutationPlan
+    from lightning_moe.precision.graphed_casts import GraphedWeightCasts
     from lightning_moe.precision.scaled_mm import PrefetchedWeight
 
 ModuleFilter = Callable[[str, nn.Module], bool]
@@ -125,6 +126,9 @@ class FP8GroupedGemm(nn.Module):
         self.backend = backend
         if self.recipe.name == "delayed":
             register_delayed_buffers(self)  # one history per projection and local expert, sized at the first call
+        if self.recipe.graph_weight_casts and backend not in ("torch", "auto"):
+            raise ValueError(f"FP8Recipe(graph_weight_casts=True) graphs the native backend's casts; this grouped GEMM "
+                             f"runs backend {backend!r}. Use backend 'torch' (or 'auto' on a Hopper GPU).")
 
     def _delayed_state(self, projection: str, experts: int, device: torch.device) -> DelayedState:
         """The delayed-scaling state of one projection: fc1 and fc2 keep separate scales per
@@ -165,17 +169,37 @@ class FP8GroupedGemm(nn.Module):
         self.release_prefetched()
         from lightning_moe.precision.scaled_mm import can_prefetch_weight_layouts, prefetch_weight_layouts
 
-        started = {}
+        jobs = []
         for projection, w_EKN in weights.items():
             if not can_prefetch_weight_layouts(w_EKN, self.recipe):
                 continue
             if resolve_backend(self.recipe, self.backend, device=w_EKN.device.type, grouped=True) != "torch":
+                if self.recipe.graph_weight_casts:
+                    raise ValueError("FP8Recipe(graph_weight_casts=True): these experts' FP8 GEMMs do not run on the "
+                                     "native backend here (no Hopper GPU); set graph_weight_casts=False.")
                 continue
             if self.recipe.name == "delayed" and not self._delayed_state_fits(w_EKN.shape[0]):
                 continue
             state, _ = self._state_and_key(projection, w_EKN)
-            started[projection] = prefetch_weight_layouts(w_EKN, self.recipe, state)
+            jobs.append((projection, w_EKN, state))
+        started = None
+        if self.recipe.graph_weight_casts:
+            started = self.graphed_weight_casts.start(jobs, self.recipe)
+        if started is None:
+            started = {projection: prefetch_weight_layouts(w_EKN, self.recipe, state)
+                       for projection, w_EKN, state in jobs}
         self.__dict__["_prefetched"] = started  # not module state: per forward, never saved
+
+    @property
+    def graphed_weight_casts(self) -> "GraphedWeightCasts":
+        """The CUDA graph of this GEMM's prefetched weight casts (``FP8Recipe.graph_weight_casts``),
+        made at first use; not module state (a copy of the module starts without one)."""
+        graphed = self.__dict__.get("_graphed_weight_casts")
+        if graphed is None:
+            from lightning_moe.precision.graphed_casts import GraphedWeightCasts
+
+            graphed = self.__dict__["_graphed_weight_casts"] = GraphedWeightCasts()
+        return graphed
 
     def _delayed_state_fits(self, experts: int) -> bool:
         state = delayed_state(self)

@@ -89,6 +89,12 @@ class FP8Precision(MixedPrecision):
                 f"cache_fp8_weights needs the native backend (backend='torch'); this plugin runs {self.backend!r}. "
                 "Transformer Engine keeps its own weight casts; the emulated backend is for numerics only."
             )
+        if self.recipe.graph_weight_casts and (self.backend != "torch" or cache_fp8_weights):
+            raise ValueError(
+                "FP8Recipe(graph_weight_casts=True) graphs the native backend's expert weight casts: it needs "
+                f"backend='torch' (this plugin runs {self.backend!r}) and no cache_fp8_weights (cached weights are "
+                "cast once per optimizer step, nothing is left to graph)."
+            )
         self.weight_cache: Optional[FP8WeightCache] = FP8WeightCache() if cache_fp8_weights else None
 
     @override

@@ -387,6 +387,11 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         from lightning_moe.precision.recipes import FP8Recipe
 
         recipe = getattr(plugin, "recipe", None)
+        if self._experts_fsdp and isinstance(recipe, FP8Recipe) and recipe.graph_weight_casts:
+            raise ValueError(
+                "FP8Recipe(graph_weight_casts=True) graphs the casts of whole expert weights, which FSDP-sharded "
+                "experts gather only inside their own forward: use expert_sharding='ddp', or graph_weight_casts=False."
+            )
         if self._experts_fsdp and isinstance(recipe, FP8Recipe) and recipe.quantize_weights_once is None:
             plugin.recipe = dataclasses.replace(recipe, quantize_weights_once=False)
 

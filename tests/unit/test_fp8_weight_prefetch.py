@@ -100,3 +100,87 @@ def test_moe_layer_releases_what_a_failed_forward_left(recorded, monkeypatch):
         layer(torch.randn(2, 3, 16))
     assert len(recorded) == 2 and [s.released for s in recorded] == [1, 1]
     assert "_prefetched" not in layer.experts.quantization.__dict__
+
+
+def test_graphed_casts_take_the_prefetch_when_they_run(recorded, monkeypatch):
+    """With ``graph_weight_casts`` the prefetch offers its casts to the layer's graph first (the
+    same projections, weights and states the eager casts would get) and casts eagerly only where
+    the graph declines."""
+    import dataclasses
+
+    from lightning_moe.precision.graphed_casts import GraphedWeightCasts
+
+    gemm = _delayed_gemm_after_one_forward(experts=4)
+    gemm.recipe = dataclasses.replace(gemm.recipe, graph_weight_casts=True)
+    offered, answer = [], {"value": None}
+
+    def start(self, jobs, recipe):
+        offered.append(jobs)
+        return answer["value"]
+
+    monkeypatch.setattr(GraphedWeightCasts, "start", start)
+    weights = {"fc1": torch.randn(4, 16, 8, requires_grad=True), "fc2": torch.randn(4, 8, 16, requires_grad=True)}
+    gemm.prefetch_weights(weights)  # declined: eager casts
+    assert [(p, w is weights[p]) for p, w, _ in offered[0]] == [("fc1", True), ("fc2", True)]
+    assert offered[0][1][2].scale.data_ptr() == gemm.fp8_scale[:, 4:].data_ptr()
+    assert len(recorded) == 2 and gemm._take_prefetched("fc1") is recorded[0]
+    answer["value"] = {"fc1": "graphed fc1", "fc2": "graphed fc2"}
+    monkeypatch.setattr(scaled_mm.PrefetchedWeight, "release", lambda self: None, raising=False)
+    gemm.__dict__["_prefetched"] = {}
+    gemm.prefetch_weights(weights)  # taken: nothing cast eagerly
+    assert len(recorded) == 2 and gemm._take_prefetched("fc2") == "graphed fc2"
+    # the graph is the module's own, not state: a copy starts without one
+    import copy
+
+    assert isinstance(gemm.graphed_weight_casts, GraphedWeightCasts)
+    assert copy.deepcopy(gemm).__dict__.get("_graphed_weight_casts") is not gemm.graphed_weight_casts
+
+
+def test_graph_weight_casts_options_are_checked(monkeypatch):
+    """Every combination in which no cast would be graphed is refused up front, naming the fix."""
+    from lightning_moe.precision import FP8Precision
+
+    for recipe in ("tensorwise", "blockwise"):
+        with pytest.raises(ValueError, match="graph_weight_casts.*'delayed' or 'rowwise'"):
+            FP8Recipe(recipe, graph_weight_casts=True)
+    with pytest.raises(ValueError, match="quantize_weights_once"):
+        FP8Recipe("delayed", graph_weight_casts=True, quantize_weights_once=False)
+    assert "CUDA-graphed" in FP8Recipe("rowwise", graph_weight_casts=True).describe()
+    graphed = FP8Recipe("delayed", graph_weight_casts=True)
+    with pytest.raises(ValueError, match="backend='torch'"):
+        FP8Precision(recipe=graphed, backend="emulated", device="cpu")
+    with pytest.raises(ValueError, match="backend 'torch'"):
+        FP8GroupedGemm(graphed, backend="emulated")
+    # "auto" that resolves to another backend where the casts would run: refused there
+    gemm = FP8GroupedGemm(graphed, backend="auto")
+    monkeypatch.setattr(scaled_mm, "can_prefetch_weight_layouts", lambda w, recipe: True)
+    monkeypatch.setattr(fp8_modules, "resolve_backend", lambda *args, **kwargs: "te")
+    with pytest.raises(ValueError, match="graph_weight_casts=False"):
+        gemm.prefetch_weights({"fc1": torch.randn(4, 16, 8, requires_grad=True)})
+
+
+def test_graph_weight_casts_refused_with_fsdp_sharded_experts(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_moe.nn.experts import GroupedExperts
+
+    experts = GroupedExperts(num_experts=4, hidden_size=16, ffn_hidden_size=8)
+    experts.quantization = FP8GroupedGemm(FP8Recipe("delayed", graph_weight_casts=True), backend="auto")
+    experts.__class__ = type("ShardedExperts", (FSDPModule, GroupedExperts), {})  # as fully_shard makes it
+    with pytest.raises(ValueError, match="not sharded by FSDP"):
+        experts.prefetch()
+
+
+def test_strategy_refuses_graphed_casts_with_fsdp_sharded_experts(monkeypatch):
+    from lightning_moe.precision import FP8Precision
+    from lightning_moe.precision import plugin as plugin_module
+    from lightning_moe.strategies import MegatronMoEStrategy
+
+    monkeypatch.setattr(plugin_module, "resolve_backend", lambda recipe, backend, device: "torch")
+    strategy = MegatronMoEStrategy()
+    strategy._precision_plugin = FP8Precision(recipe=FP8Recipe("delayed", graph_weight_casts=True), backend="torch",
+                                              device="cpu")
+    strategy._check_fp8_options()  # experts not sharded: fine
+    strategy._experts_fsdp = True
+    with pytest.raises(ValueError, match="expert_sharding='ddp'.*graph_weight_casts=False"):
+        strategy._check_fp8_options()
