@@ -15,7 +15,8 @@
 # BF16 loss curves on the embedded corpus, TE tensorwise at micro-batch 1, native rowwise at 4),
 # noise (after curves: the bf16 micro-batch-4 curve against the same steps as 2 x 2 micro-batches),
 # fp8ratio (the FP8 block's ratio to bf16 in both parameter modes, bf16 and fp32 masters: qwen3 in
-# interleaved pairs over 50 steps, as its host-bound timing drifts between calls, then the others),
+# interleaved rounds of bf16, FP8 and FP8 with graphed weight casts over 50 steps, as its host-bound
+# timing drifts between calls, then the others),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only).
 set -uo pipefail
@@ -66,10 +67,11 @@ fi
 if has fp8ratio; then
   for master in bf16 fp32; do
     for pair in 1 2; do
-      for precision in bf16 fp8; do
-        say "moe_block qwen3 $precision, $master parameters, pair $pair"
-        run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision "$precision" --master-weights "$master" \
-          --iters 50 --tag "ratio_${precision}_${master}master_qwen3_$pair"
+      for precision in bf16 fp8 fp8_graphed; do
+        say "moe_block qwen3 $precision, $master parameters, round $pair"
+        graphed=(); [ "$precision" = fp8_graphed ] && graphed=(--graph-weight-casts)
+        run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision "${precision%_graphed}" \
+          --master-weights "$master" ${graphed[@]+"${graphed[@]}"} --iters 50 --tag "ratio_${precision}_${master}master_qwen3_$pair"
       done
     done
     for precision in bf16 fp8; do

@@ -180,8 +180,8 @@ def lightning_run(args) -> Optional[tuple[list[float], list[float]]]:
         from lightning_moe.precision import FP8Precision, FP8Recipe
 
         fast = None if args.fast_accumulation is None else tuple(args.fast_accumulation)
-        plugin = FP8Precision(recipe=FP8Recipe(args.precision, fast_accumulation=fast), backend=args.fp8_backend,
-                              cache_fp8_weights=args.cache_fp8_weights)
+        recipe = FP8Recipe(args.precision, fast_accumulation=fast, graph_weight_casts=args.graph_weight_casts)
+        plugin = FP8Precision(recipe=recipe, backend=args.fp8_backend, cache_fp8_weights=args.cache_fp8_weights)
         precision = {"plugins": [plugin]}
     strategy = MegatronMoEStrategy(
         tensor_parallel_size=args.tensor_parallel, expert_parallel_size=args.expert_parallel,
@@ -225,6 +225,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fast-accumulation", nargs="*", default=None, choices=["fprop", "dgrad", "wgrad"],
                         help="FP8Recipe.fast_accumulation (default: the recipe's)")
     parser.add_argument("--cache-fp8-weights", action="store_true", help="FP8Precision(cache_fp8_weights=True)")
+    parser.add_argument("--graph-weight-casts", action="store_true", help="FP8Recipe(graph_weight_casts=True)")
     parser.add_argument("--expert-backend", default="auto", help="grouped GEMM backend: auto, grouped_mm, te")
     parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")
     parser.add_argument("--tag", default=None)

@@ -69,9 +69,10 @@ class FP8Recipe:
             layer's expert weight casts (the ones started before routing) in a CUDA graph and
             replay it at every training forward, one launch instead of about a millisecond of host
             work per layer (`precision.graphed_casts`). Costs memory: both FP8 layouts of the
-            local expert weights (2 bytes per parameter) stay allocated between steps, which
-            raises the peak under activation checkpointing. Same bits as without it. Needs
-            ``quantize_weights_once`` not False, no FP8 weight cache, experts not sharded by FSDP.
+            local expert weights (2 bytes per parameter) stay allocated for good, about one byte
+            per parameter more at peak than the eager casts (two under activation
+            checkpointing). Same bits as without it. Needs ``quantize_weights_once`` not False,
+            no FP8 weight cache, experts not sharded by FSDP.
 
     ``alignment`` (derived) is the multiple each expert's token group must be padded to:
     16 for FP8, 32 for MXFP8, 128 for NVFP4 (TE's ``get_align_size_for_quantization``).
