@@ -16,7 +16,8 @@
 # noise (after curves: the bf16 micro-batch-4 curve against the same steps as 2 x 2 micro-batches),
 # fp8ratio (the FP8 block's ratio to bf16 in both parameter modes, bf16 and fp32 masters: qwen3 in
 # interleaved rounds of bf16, FP8 and FP8 with graphed weight casts over 50 steps, as its host-bound
-# timing drifts between calls, then the others),
+# timing drifts between calls, then the others; RATIO_ROUNDS (default 2) rounds per mode, RATIO_MASTERS
+# (default "bf16 fp32") the modes),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only).
 set -uo pipefail
@@ -65,8 +66,8 @@ if has fp8native; then  # without Transformer Engine: our FP8 GEMMs beside bf16
   run python3 benchmarks/moe_block.py --precision fp8 --cache-weights --accumulate 4 --iters 10 --tag window_fp8_cached_x4
 fi
 if has fp8ratio; then
-  for master in bf16 fp32; do
-    for pair in 1 2; do
+  for master in ${RATIO_MASTERS:-bf16 fp32}; do
+    for pair in $(seq 1 "${RATIO_ROUNDS:-2}"); do
       for precision in bf16 fp8 fp8_graphed; do
         say "moe_block qwen3 $precision, $master parameters, round $pair"
         graphed=(); [ "$precision" = fp8_graphed ] && graphed=(--graph-weight-casts)
@@ -74,10 +75,11 @@ if has fp8ratio; then
           --master-weights "$master" ${graphed[@]+"${graphed[@]}"} --iters 50 --tag "ratio_${precision}_${master}master_qwen3_$pair"
       done
     done
-    for precision in bf16 fp8; do
+    for precision in bf16 fp8 fp8_graphed; do
       say "moe_block mixtral and deepseek $precision, $master parameters"
-      run python3 benchmarks/moe_block.py --cases mixtral_8x7b deepseek_v3_slice --precision "$precision" \
-        --master-weights "$master" --iters 20 --tag "ratio_${precision}_${master}master"
+      graphed=(); [ "$precision" = fp8_graphed ] && graphed=(--graph-weight-casts)
+      run python3 benchmarks/moe_block.py --cases mixtral_8x7b deepseek_v3_slice --precision "${precision%_graphed}" \
+        --master-weights "$master" ${graphed[@]+"${graphed[@]}"} --iters 20 --tag "ratio_${precision}_${master}master"
     done
   done
 fi
