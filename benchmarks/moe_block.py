@@ -24,6 +24,10 @@ With ``--master-weights fp32`` the experts keep fp32 parameters and every step r
 autocast, as ``Trainer(precision="bf16-mixed")`` (or FP8Precision) trains them: the bf16 block then
 casts its weights to bf16 in the step and the FP8 block casts fp32 to FP8, and the weight
 gradients arrive in fp32. The default (bf16 parameters) times the block on weights cast before it.
+With ``--cuda-graph`` the block's forward and backward are captured once each in CUDA graphs
+(`lightning_moe.nn.capture_moe_layer`, after warm-up steps) and every timed step replays them: the
+GPU's time for the block without the host's launch cost, for bf16 and FP8 alike. Before timing, a
+replay on new data is compared with an eager step on the same data and scales (``graph_rel_diff``).
 FLOPs (fwd+bwd = 3 x fwd), T = B*S: ``3 * (2*T*D*E + 3 * 2*T*k*D*F)``.
 """
 
@@ -154,6 +158,66 @@ def error_bound(precision: str) -> float:
     return 3e-2 if precision == "bf16" else 0.3 if precision == "nvfp4" else 0.15
 
 
+def _eager_step(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    """One forward + backward from fresh gradients: copies of the output and of every gradient."""
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    y = layer(x)
+    y.backward(dy)
+    return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+
+def capture_and_check(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor, optimizer_step_work,
+                      accumulate: int) -> dict:
+    """``--cuda-graph``: capture ``layer`` (forward and backward) on ``x``'s shape, after eager
+    steps that compile the kernels and, for delayed scaling, give every state its scales. Then a
+    replay on new data must match an eager step on the same data at the same scales (no
+    delayed-scaling update in between): the largest relative difference over the output and every
+    gradient is returned, and a graph that replays stale data (a difference of order 1) stops the
+    run. Call under the timed context (autocast with its cache off)."""
+    from lightning_moe.nn import capture_moe_layer
+
+    for _ in range(2):
+        _eager_step(layer, x, dy)
+        if optimizer_step_work is not None:
+            optimizer_step_work()
+    x_new, dy_new = torch.randn_like(x), torch.randn_like(dy)
+    with torch.no_grad():
+        x_keep, dy_keep = x.clone(), dy.clone()
+        x.copy_(x_new)
+        dy.copy_(dy_new)
+    eager = _eager_step(layer, x, dy)
+    with torch.no_grad():
+        x.copy_(x_keep)  # capture on other values than the check's
+    capture_moe_layer(layer, x, accumulate_grads=accumulate > 1)
+    with torch.no_grad():
+        x.copy_(x_new)
+    replayed = _eager_step(layer, x, dy)
+    with torch.no_grad():
+        x.copy_(x_keep)
+        dy.copy_(dy_keep)
+    diff = max(relative_error(r.float(), e.float()) for r, e in zip(replayed, eager))
+    if not diff <= 1e-2:  # also catches NaN
+        raise SystemExit(f"the CUDA-graphed block differs from the eager one by {diff:.3e} (relative); not timing it")
+    return {"graph_rel_diff": diff}
+
+
+def graph_context(context):
+    """``context`` with bf16 autocast's weight cache off, which CUDA-graph capture requires (each
+    weight is cast once per step either way; autocast stays off where ``context`` leaves it off)."""
+
+    @contextlib.contextmanager
+    def entered():
+        with context():
+            if torch.is_autocast_enabled("cuda"):
+                with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+                    yield
+            else:
+                yield
+
+    return entered
+
+
 def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
     master_fp32 = args.master_weights == "fp32"
@@ -198,6 +262,12 @@ def run_case(name: str, c: dict, args) -> dict:
         if optimizer_step_work is not None:
             optimizer_step_work()
 
+    graph_check = {}
+    if args.cuda_graph:
+        context = graph_context(context)
+        with context():
+            graph_check = capture_and_check(layer, x, dy, optimizer_step_work, args.accumulate)
+
     torch.cuda.reset_peak_memory_stats()
     with context():
         median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
@@ -212,6 +282,8 @@ def run_case(name: str, c: dict, args) -> dict:
         "fast_accumulation": args.fast_accumulation,
         "cache_weights": args.cache_weights,
         "graph_weight_casts": args.graph_weight_casts,
+        "cuda_graph": args.cuda_graph,
+        **graph_check,
         "master_weights": args.master_weights,
         "median_ms": median_ms,
         "min_ms": min(times),
@@ -249,6 +321,9 @@ def main(argv=None) -> None:
     parser.add_argument("--graph-weight-casts", action="store_true",
                         help="FP8Recipe(graph_weight_casts=True): each forward replays a CUDA graph of the expert "
                              "weights' casts instead of launching them (rowwise and delayed recipes)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture the whole block (forward and backward) in CUDA graphs and time their replays "
+                             "(capture_moe_layer): the block's GPU time without the host's launch cost")
     parser.add_argument("--master-weights", default="bf16", choices=["bf16", "fp32"],
                         help="dtype of the experts' parameters: bf16 (default, weights cast before the block) or fp32 "
                              "(master weights under bf16 autocast, as bf16-mixed training runs the block)")
@@ -262,6 +337,7 @@ def main(argv=None) -> None:
                            + (["fast-" + "-".join(args.fast_accumulation)] if args.fast_accumulation else [])
                            + (["cached"] if args.cache_weights else [])
                            + (["graphed"] if args.graph_weight_casts else [])
+                           + (["cudagraph"] if args.cuda_graph else [])
                            + (["fp32master"] if args.master_weights == "fp32" else [])
                            + ([f"x{args.accumulate}"] if args.accumulate > 1 else []))
     if args.precision == "fp8":

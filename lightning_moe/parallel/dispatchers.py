@@ -252,6 +252,13 @@ class AllToAllDispatcher:
     def describe(self) -> str:
         return _describe("all-to-all", self.ep_size, self.etp_size)
 
+    @property
+    def syncs_host(self) -> bool:
+        """Whether dispatch reads device values on the host (the dropless path's split sizes), so
+        that it cannot run under CUDA-graph capture."""
+        cfg = self.cfg
+        return not (cfg.pad_expert_input_to_capacity and cfg.expert_capacity_factor is not None)
+
     def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, Any]:
         if _pads_to_capacity(self.cfg, routing):
             return self._dispatch_assignments(x_TD, routing)
@@ -300,6 +307,12 @@ class AllToAllDispatcher:
         # Host sync (the only one per micro-batch): all_to_all_single takes its split sizes as
         # Python ints; each expert buffer's exact (aligned) size comes along, so no GEMM sees
         # spare rows.
+        if send_RXC.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the dropless all-to-all dispatch reads its split sizes on the host, which CUDA-graph capture "
+                "cannot record: set MoEConfig(expert_capacity_factor=..., pad_expert_input_to_capacity=True) "
+                "or use the all-gather dispatcher"
+            )
         sizes = torch.cat(
             [send_RXC[..., el].t().reshape(-1), received_PSXC[..., el].permute(2, 0, 1).reshape(-1), aligned_rows_X]
         ).tolist()

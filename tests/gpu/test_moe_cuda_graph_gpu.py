@@ -1,0 +1,134 @@
+"""`capture_moe_layer`: a whole MoE layer (forward and backward) replayed from CUDA graphs trains
+bit for bit as the same layer run eagerly (bf16 and native FP8 delayed scaling, bf16 and fp32
+parameters, optimizer steps and delayed-scaling updates between replays, new data every step),
+accumulates gradients when asked to and raises when a backward would overwrite ``.grad`` otherwise,
+and refuses what a graph cannot replay (CUDA)."""
+
+import contextlib
+
+import pytest
+import torch
+
+from lightning_moe.nn import MoEConfig, MoELayer, capture_moe_layer
+from lightning_moe.precision import FP8Precision, FP8Recipe, update_delayed_scaling
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                            reason="needs a Hopper GPU (the native FP8 casts)")
+
+
+def _layer(precision: str, dtype: torch.dtype):
+    """The layer, its forward context factory (autocast with its cache off over fp32 parameters)
+    and what runs once per optimizer step (delayed scaling's update, or nothing)."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, router_topk=2,
+                    expert_alignment=16 if precision == "fp8" else 1)
+    layer = MoELayer(cfg).cuda().to(dtype)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False, enabled=dtype == torch.float32)
+
+    if precision == "bf16":
+        return layer, autocast, lambda: None
+    recipe = FP8Recipe("delayed", fast_accumulation=("fprop", "dgrad", "wgrad"))
+    plugin = FP8Precision(recipe=recipe, backend="torch")
+    plugin.convert_module(layer)
+
+    @contextlib.contextmanager
+    def context():
+        with plugin.forward_context(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            yield
+
+    return layer, context, lambda: update_delayed_scaling(plugin._delayed_modules, recipe)
+
+
+def _train(precision: str, dtype: torch.dtype, captured: bool, steps: int = 4) -> list:
+    """Outputs and gradients of ``steps`` SGD steps on new data each, the first one eager (it gives
+    delayed scaling its scales); with ``captured`` the layer is captured after it."""
+    layer, context, step_work = _layer(precision, dtype)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    gen = torch.Generator("cuda").manual_seed(1)
+    x = torch.empty(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    seen = []
+    for step in range(steps):
+        if captured and step == 1:
+            with context():
+                capture_moe_layer(layer, x)
+        with torch.no_grad():
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        x.grad = None
+        with context():
+            y = layer(x)
+        y.float().square().mean().backward()
+        seen += [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_work()
+    seen += [p.detach().clone() for p in layer.parameters()] + [b.clone() for b in layer.buffers()]
+    return seen
+
+
+def _assert_all_equal(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), (i, (x.float() - y.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=hopper)])
+def test_captured_layer_trains_bit_for_bit(precision, dtype):
+    _assert_all_equal(_train(precision, dtype, True), _train(precision, dtype, False))
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=hopper)])
+def test_gradient_accumulation(precision):
+    """Two backwards into the same ``.grad``: the sum with ``accumulate_grads=True`` (as eager),
+    an error without it (the graph's buffer would have been overwritten)."""
+    sums = []
+    for captured in (True, False):
+        layer, context, step_work = _layer(precision, torch.bfloat16)
+        x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with context():
+            layer(x).float().square().mean().backward()
+        step_work()
+        layer.zero_grad(set_to_none=True)
+        if captured:
+            with context():
+                capture_moe_layer(layer, x, accumulate_grads=True)
+        for seed in (2, 3):
+            with torch.no_grad():
+                x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+            with context():
+                layer(x).float().square().mean().backward()
+        sums.append([p.grad.clone() for p in layer.parameters()])
+    _assert_all_equal(*sums)
+
+    layer, context, step_work = _layer(precision, torch.bfloat16)
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with context():
+        layer(x).float().square().mean().backward()
+    step_work()
+    layer.zero_grad(set_to_none=True)
+    with context():
+        capture_moe_layer(layer, x)
+        layer(x).float().square().mean().backward()
+        with pytest.raises(RuntimeError, match="accumulate_grads=True"):
+            layer(x).float().square().mean().backward()
+
+
+@hopper
+def test_refuses_what_a_graph_cannot_replay():
+    layer, context, step_work = _layer("fp8", torch.bfloat16)
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with context():
+        layer(x).float().square().mean().backward()
+        with pytest.raises(ValueError, match="update_delayed_scaling"):
+            capture_moe_layer(layer, x)  # no scales yet
+    step_work()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="cache_enabled=False"):
+            capture_moe_layer(layer, x)
+    layer.eval()
+    with pytest.raises(ValueError, match="layer.train"):
+        capture_moe_layer(layer, x)
