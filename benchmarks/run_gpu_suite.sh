@@ -19,7 +19,8 @@
 # timing drifts between calls, then the others; RATIO_ROUNDS (default 2) rounds per mode, RATIO_MASTERS
 # (default "bf16 fp32") the modes),
 # cudagraph (the whole block captured in CUDA graphs, capture_moe_layer: its GPU tests, then qwen3 in
-# rounds of bf16 eager, bf16 graphed and FP8 graphed per parameter mode, then mixtral and deepseek),
+# rounds of bf16 eager, bf16 graphed and FP8 graphed per parameter mode (CUDAGRAPH_VARIANTS), then
+# mixtral and deepseek in bf16 and FP8 (CUDAGRAPH_OTHERS; empty: skipped)),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only).
 set -uo pipefail
@@ -89,7 +90,7 @@ if has cudagraph; then
   say "CUDA-graphed MoE layer tests"; run python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_cuda_graph_gpu.py
   for master in ${RATIO_MASTERS:-bf16 fp32}; do
     for pair in $(seq 1 "${RATIO_ROUNDS:-2}"); do
-      for variant in bf16 bf16_cudagraph fp8_cudagraph; do
+      for variant in ${CUDAGRAPH_VARIANTS:-bf16 bf16_cudagraph fp8_cudagraph}; do
         say "moe_block qwen3 $variant, $master parameters, round $pair"
         graph=(); [[ "$variant" == *_cudagraph ]] && graph=(--cuda-graph)
         run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision "${variant%_cudagraph}" \
@@ -97,7 +98,7 @@ if has cudagraph; then
       done
     done
   done
-  for precision in bf16 fp8; do
+  for precision in ${CUDAGRAPH_OTHERS-bf16 fp8}; do
     say "moe_block mixtral and deepseek $precision, CUDA-graphed, fp32 parameters"
     run python3 benchmarks/moe_block.py --cases mixtral_8x7b deepseek_v3_slice --precision "$precision" \
       --master-weights fp32 --cuda-graph --iters 20 --tag "ratio_${precision}_cudagraph_fp32master"

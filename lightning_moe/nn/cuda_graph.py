@@ -101,6 +101,22 @@ def _guard_gradient(param: nn.Parameter, accumulate_grads: bool) -> None:
     param.register_hook(hook)
 
 
+def _warm_capture_stream(layer: nn.Module, sample_x: Tensor) -> None:
+    """One forward and backward on the stream torch will capture on. torch before 2.12 warms up on
+    one side stream and captures on another, so handles that libraries keep per stream (cuBLASLt's)
+    would be created inside the capture, which CUDA refuses ("operation would make the legacy
+    stream depend on a capturing blocking stream"). ``.grad`` is untouched (``autograd.grad``)."""
+    if torch.cuda.graph.default_capture_stream is None:  # what torch.cuda.graph does lazily
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    stream = torch.cuda.graph.default_capture_stream
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = layer(sample_x)
+        inputs = [t for t in (sample_x, *layer.parameters()) if t.requires_grad]
+        torch.autograd.grad(out, inputs, grad_outputs=torch.zeros_like(out), allow_unused=True)
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int = 3,
                       accumulate_grads: bool = False) -> nn.Module:
     """Capture ``layer``'s forward and backward in CUDA graphs; later calls replay them.
@@ -122,6 +138,7 @@ def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int 
     buffers = list(layer.buffers())
     with torch.no_grad():
         before = [b.clone() for b in buffers]
+    _warm_capture_stream(layer, sample_x)
     graphed = torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
     with torch.no_grad():
         for buffer, value in zip(buffers, before):

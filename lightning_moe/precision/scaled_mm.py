@@ -723,12 +723,14 @@ def can_prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe) -> bool:
     """Whether the training forward of `scaled_grouped_mm` would cast both layouts of ``w`` itself
     with the fused casts, so that `prefetch_weight_layouts` may start them early: CUDA, the
     rowwise or delayed recipe (E4M3, no power-of-2 scales for rowwise),
-    ``FP8Recipe.quantize_weights_once``, no weight cache, gradients on, not under CUDA-graph
-    capture. Reads no delayed-scaling state."""
+    ``FP8Recipe.quantize_weights_once``, no weight cache, gradients on. Under CUDA-graph capture
+    too: the side stream forks from the capturing stream and joins it again at the GEMM's event
+    wait (or at `PrefetchedWeight.release`), so the graph keeps the casts beside the routing.
+    Reads no delayed-scaling state."""
     needs_backward = torch.is_grad_enabled() and w_EKN.requires_grad
     if not (w_EKN.is_cuda and needs_backward and _both_weight_layouts_now(recipe, needs_backward)):
         return False
-    if torch.cuda.is_current_stream_capturing() or training_cache(w_EKN) is not None:
+    if training_cache(w_EKN) is not None:
         return False
     if recipe.name == "delayed":
         return _local_triton_operands(w_EKN)
