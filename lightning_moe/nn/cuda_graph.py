@@ -19,6 +19,9 @@ What a graph freezes, and so what the caller must keep fixed after the capture:
   keep forever), and that update keeps running outside the graph, in place, once per step.
 - the capture itself leaves no trace: the layer's buffers (FP8 amax histories and scales) hold
   afterwards what they held before it, and ``.grad`` is untouched.
+- no autograd graph of an earlier step alive at the capture (a kept loss or output): its leaves'
+  AccumulateGrad nodes would tie the captured backward to the stream that step ran on (an error
+  that says so is raised).
 - one micro-batch in flight: the outputs and the tensors saved for backward live in the graph's
   memory, so the next forward overwrites them. Run each forward's backward before the next
   forward (no pipelining of several micro-batches through one captured layer).
@@ -101,20 +104,24 @@ def _guard_gradient(param: nn.Parameter, accumulate_grads: bool) -> None:
     param.register_hook(hook)
 
 
-def _warm_capture_stream(layer: nn.Module, sample_x: Tensor) -> None:
-    """One forward and backward on the stream torch will capture on. torch before 2.12 warms up on
-    one side stream and captures on another, so handles that libraries keep per stream (cuBLASLt's)
-    would be created inside the capture, which CUDA refuses ("operation would make the legacy
-    stream depend on a capturing blocking stream"). ``.grad`` is untouched (``autograd.grad``)."""
-    if torch.cuda.graph.default_capture_stream is None:  # what torch.cuda.graph does lazily
-        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
-    stream = torch.cuda.graph.default_capture_stream
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        out = layer(sample_x)
-        inputs = [t for t in (sample_x, *layer.parameters()) if t.requires_grad]
-        torch.autograd.grad(out, inputs, grad_outputs=torch.zeros_like(out), allow_unused=True)
-    torch.cuda.current_stream().wait_stream(stream)
+def _capture(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int) -> nn.Module:
+    """`torch.cuda.make_graphed_callables`, with its most common failure explained. When the
+    backward's capture fails, torch leaves its capture stream current (``torch.cuda.graph``'s exit
+    raises before restoring it): the caller's stream is put back before raising."""
+    stream = torch.cuda.current_stream()
+    try:
+        return torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
+    except RuntimeError as error:  # torch.AcceleratorError is a RuntimeError
+        torch.cuda.set_stream(stream)
+        if "capturing" not in str(error) and "capture" not in str(error):
+            raise
+        raise RuntimeError(
+            "capturing the MoE layer's backward failed. The usual cause: an autograd graph of an earlier "
+            "eager step is still alive (a loss or an output kept in a variable), so the leaves' AccumulateGrad "
+            "nodes stay tied to the stream that step ran on, which the capture cannot wait on. Drop those "
+            "references (del loss, output) before capture_moe_layer, or run the eager steps on a side stream. "
+            f"CUDA said: {error}" + (f" (after: {error.__context__})" if error.__context__ else "")
+        ) from error
 
 
 def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int = 3,
@@ -138,11 +145,12 @@ def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int 
     buffers = list(layer.buffers())
     with torch.no_grad():
         before = [b.clone() for b in buffers]
-    _warm_capture_stream(layer, sample_x)
-    graphed = torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
-    with torch.no_grad():
-        for buffer, value in zip(buffers, before):
-            buffer.copy_(value)
+    try:
+        graphed = _capture(layer, sample_x, num_warmup_iters)
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, before):
+                buffer.copy_(value)
     for param in layer.parameters():
         _guard_gradient(param, accumulate_grads)
     return graphed

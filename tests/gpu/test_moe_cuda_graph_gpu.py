@@ -62,6 +62,7 @@ def _train(precision: str, dtype: torch.dtype, captured: bool, steps: int = 4) -
             y = layer(x)
         y.float().square().mean().backward()
         seen += [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        del y  # kept alive, its autograd graph would tie the next capture to this step's stream
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_work()
@@ -75,11 +76,12 @@ def _assert_all_equal(a: list, b: list) -> None:
         assert torch.equal(x, y), (i, (x.float() - y.float()).abs().max().item())
 
 
-def _assert_all_close(a: list, b: list, bound: float = 1e-3) -> None:
+def _assert_all_close(a: list, b: list, bound: float = 5e-3) -> None:
     """Within ``bound`` relative (norm) error each. Not bit for bit: under capture cuBLAS may pick
-    another kernel for the router's fp32 products (split-K or not) and autograd may sum the input's
-    three gradient contributions in another order, which moves bf16 values by an ulp. A graph that
-    replays stale data or stale FP8 scales is off by far more (order 1, or the ~1e-2 of FP8)."""
+    other kernels (split-K or not, another reduction order), which moves many bf16 values by an
+    ulp: 1e-3 to 2.3e-3 of norm measured on an H200 (a bf16 ulp is 2^-8 = 3.9e-3 relative). A graph
+    that replays stale data is off by order 1; one that replays stale FP8 scales by the FP8
+    quantization noise, ~6e-2."""
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         x, y = x.double(), y.double()
@@ -144,3 +146,40 @@ def test_refuses_what_a_graph_cannot_replay():
     layer.eval()
     with pytest.raises(ValueError, match="layer.train"):
         capture_moe_layer(layer, x)
+
+
+_KEPT_GRAPH = """
+import torch
+from lightning_moe.nn import MoEConfig, MoELayer, capture_moe_layer
+layer = MoELayer(MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, router_topk=2)).cuda().bfloat16()
+x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+loss = layer(x).float().square().mean()
+loss.backward()
+stream = torch.cuda.current_stream()
+try:
+    capture_moe_layer(layer, x)
+except RuntimeError as error:
+    assert torch.cuda.current_stream() == stream, "the caller's stream was not restored"
+    print("RAISED", error)
+else:
+    del loss
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    layer(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in layer.parameters())
+    print("CAPTURED")
+"""
+
+
+def test_kept_autograd_graph_is_explained():
+    """A loss kept alive from an eager step on the default stream: capture raises, naming the fix
+    (in a child process: a failed capture leaves the allocator's capture pool behind). A torch that
+    redirects such streams by itself may capture instead; then the graph must run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _KEPT_GRAPH], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if "CAPTURED" not in done.stdout:
+        assert "RAISED" in done.stdout and "del loss" in done.stdout, done.stdout[-3000:]
