@@ -95,18 +95,25 @@ def test_captured_layer_trains_as_eager(precision, dtype):
     _assert_all_close(_train(precision, dtype, True), _train(precision, dtype, False))
 
 
+def _layer_after_one_step(precision: str):
+    """A bf16 layer after one eager training step (delayed scaling updated, gradients cleared),
+    its forward context and an input leaf."""
+    layer, context, step_work = _layer(precision, torch.bfloat16)
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with context():
+        layer(x).float().square().mean().backward()
+    step_work()
+    layer.zero_grad(set_to_none=True)
+    return layer, context, x
+
+
 @pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=hopper)])
 def test_gradient_accumulation(precision):
     """Two backwards into the same ``.grad``: the sum with ``accumulate_grads=True`` (as eager),
     an error without it (the graph's buffer would have been overwritten)."""
     sums = []
     for captured in (True, False):
-        layer, context, step_work = _layer(precision, torch.bfloat16)
-        x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        with context():
-            layer(x).float().square().mean().backward()
-        step_work()
-        layer.zero_grad(set_to_none=True)
+        layer, context, x = _layer_after_one_step(precision)
         if captured:
             with context():
                 capture_moe_layer(layer, x, accumulate_grads=True)
@@ -118,12 +125,7 @@ def test_gradient_accumulation(precision):
         sums.append([p.grad.clone() for p in layer.parameters()])
     _assert_all_close(*sums, bound=1e-5)
 
-    layer, context, step_work = _layer(precision, torch.bfloat16)
-    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with context():
-        layer(x).float().square().mean().backward()
-    step_work()
-    layer.zero_grad(set_to_none=True)
+    layer, context, x = _layer_after_one_step(precision)
     with context():
         capture_moe_layer(layer, x)
         layer(x).float().square().mean().backward()
