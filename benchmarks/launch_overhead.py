@@ -220,7 +220,8 @@ def run_case(name: str, c: dict, precision: str, args) -> dict:
         layer.zero_grad(set_to_none=True)
         x.grad = None
         t0 = time.perf_counter()
-        y = layer(x)
+        with context():  # the forward only: a training loop calls backward outside autocast
+            y = layer(x)
         t1 = time.perf_counter()
         y.backward(dy)
         t2 = time.perf_counter()
@@ -232,34 +233,33 @@ def run_case(name: str, c: dict, precision: str, args) -> dict:
             phases["backward"].append((t2 - t1) * 1e3)
             phases["step_work"].append((t3 - t2) * 1e3)
 
-    with context():
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        for _ in range(args.iters):
-            torch.cuda._sleep(SLEEP_CYCLES)  # the GPU is busy for the whole host side of the step
-            step(record=True)
-            torch.cuda.synchronize()  # one step at a time: the next sleep starts on an idle GPU
-        launches = _kernel_launches(step)
-        phases_ms = None
-        if args.phases:
-            timer = _PhaseTimer()
-            _wrap_phases(timer, layer)
-            try:
-                per_step: dict[str, list[float]] = {}
-                for _ in range(args.iters):
-                    timer.reset()
-                    torch.cuda._sleep(SLEEP_CYCLES)
-                    step()
-                    torch.cuda.synchronize()  # one step at a time, as above
-                    for label, total in timer.totals.items():
-                        per_step.setdefault(label, []).append(total * 1e3)
-                calls = dict(timer.calls)
-            finally:
-                timer.restore()
-            phases_ms = {label: {"median_ms": statistics.median(v), "calls": calls[label]}
-                         for label, v in per_step.items()}
-        host_profile = _host_profile(step, args.top) if args.host_profile else None
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    for _ in range(args.iters):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the GPU is busy for the whole host side of the step
+        step(record=True)
+        torch.cuda.synchronize()  # one step at a time: the next sleep starts on an idle GPU
+    launches = _kernel_launches(step)
+    phases_ms = None
+    if args.phases:
+        timer = _PhaseTimer()
+        _wrap_phases(timer, layer)
+        try:
+            per_step: dict[str, list[float]] = {}
+            for _ in range(args.iters):
+                timer.reset()
+                torch.cuda._sleep(SLEEP_CYCLES)
+                step()
+                torch.cuda.synchronize()  # one step at a time, as above
+                for label, total in timer.totals.items():
+                    per_step.setdefault(label, []).append(total * 1e3)
+            calls = dict(timer.calls)
+        finally:
+            timer.restore()
+        phases_ms = {label: {"median_ms": statistics.median(v), "calls": calls[label]}
+                     for label, v in per_step.items()}
+    host_profile = _host_profile(step, args.top) if args.host_profile else None
     result = {"shape": c, "precision": recipe, "fast_accumulation": fast, "kernel_launches": launches,
               "graph_weight_casts": args.graph_weight_casts and recipe != "bf16"}
     for phase, values in phases.items():

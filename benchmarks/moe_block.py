@@ -136,7 +136,7 @@ def check_correctness(layer: MoELayer, ref: MoELayer, c: dict, tokens: int, cont
     x_lp = x.to(torch.bfloat16).requires_grad_(True)
     with context():
         y = layer(x_lp)
-        y.backward(g.to(torch.bfloat16))
+    y.backward(g.to(torch.bfloat16))  # outside autocast, as a training loop runs it
     x_ref = x_lp.detach().float().requires_grad_(True)
     y_ref = ref(x_ref)
     y_ref.backward(g)
@@ -158,27 +158,30 @@ def error_bound(precision: str) -> float:
     return 3e-2 if precision == "bf16" else 0.3 if precision == "nvfp4" else 0.15
 
 
-def _eager_step(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
-    """One forward + backward from fresh gradients: copies of the output and of every gradient."""
+def _eager_step(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor, context) -> list[torch.Tensor]:
+    """One forward (inside ``context()``) + backward (outside) from fresh gradients: copies of the
+    output and of every gradient."""
     layer.zero_grad(set_to_none=True)
     x.grad = None
-    y = layer(x)
+    with context():
+        y = layer(x)
     y.backward(dy)
     return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
 
 
 def capture_and_check(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor, optimizer_step_work,
-                      accumulate: int) -> dict:
+                      accumulate: int, context) -> dict:
     """``--cuda-graph``: capture ``layer`` (forward and backward) on ``x``'s shape, after eager
     steps that compile the kernels and, for delayed scaling, give every state its scales. Then a
     replay on new data must match an eager step on the same data at the same scales (no
     delayed-scaling update in between): the largest relative difference over the output and every
     gradient is returned, and a graph that replays stale data (a difference of order 1) stops the
-    run. Call under the timed context (autocast with its cache off)."""
+    run. ``context``: the timed forward context (autocast with its cache off), entered for each
+    forward and for the capture."""
     from lightning_moe.nn import capture_moe_layer
 
     for _ in range(2):
-        _eager_step(layer, x, dy)
+        _eager_step(layer, x, dy, context)
         if optimizer_step_work is not None:
             optimizer_step_work()
     x_new, dy_new = torch.randn_like(x), torch.randn_like(dy)
@@ -186,13 +189,14 @@ def capture_and_check(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor, optimi
         x_keep, dy_keep = x.clone(), dy.clone()
         x.copy_(x_new)
         dy.copy_(dy_new)
-    eager = _eager_step(layer, x, dy)
+    eager = _eager_step(layer, x, dy, context)
     with torch.no_grad():
         x.copy_(x_keep)  # capture on other values than the check's
-    capture_moe_layer(layer, x, accumulate_grads=accumulate > 1)
+    with context():
+        capture_moe_layer(layer, x, accumulate_grads=accumulate > 1)
     with torch.no_grad():
         x.copy_(x_new)
-    replayed = _eager_step(layer, x, dy)
+    replayed = _eager_step(layer, x, dy, context)
     with torch.no_grad():
         x.copy_(x_keep)
         dy.copy_(dy_keep)
@@ -257,7 +261,8 @@ def run_case(name: str, c: dict, args) -> dict:
             weight_cache.clear()
         for _ in range(args.accumulate):
             x.grad = None
-            y = layer(x)
+            with context():  # the forward only: a training loop calls backward outside autocast
+                y = layer(x)
             y.backward(dy)
         if optimizer_step_work is not None:
             optimizer_step_work()
@@ -265,14 +270,12 @@ def run_case(name: str, c: dict, args) -> dict:
     graph_check = {}
     if args.cuda_graph:
         context = graph_context(context)
-        with context():
-            graph_check = capture_and_check(layer, x, dy, optimizer_step_work, args.accumulate)
+        graph_check = capture_and_check(layer, x, dy, optimizer_step_work, args.accumulate, context)
 
     torch.cuda.reset_peak_memory_stats()
-    with context():
-        median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
-        pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
-        profile = profile_step(step) if args.profile else None
+    median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
+    pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
+    profile = profile_step(step) if args.profile else None
     flops = block_flops(c) * args.accumulate
     result = {
         "shape": c,

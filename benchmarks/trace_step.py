@@ -44,7 +44,7 @@ from benchmarks.moe_block import (  # noqa: E402
 )
 
 
-def _phase_marks(layer, x, dy, step_work, steps: int) -> dict:
+def _phase_marks(layer, x, dy, step_work, steps: int, context) -> dict:
     """Median host and GPU ends of the forward, the backward and the step (ms from the step's
     start), over ``steps`` steps each started on an idle GPU."""
     import statistics
@@ -58,7 +58,8 @@ def _phase_marks(layer, x, dy, step_work, steps: int) -> dict:
         t0 = time.perf_counter()
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        y = layer(x)
+        with context():  # the forward only, as in `step`
+            y = layer(x)
         events[1].record()
         t1 = time.perf_counter()
         y.backward(dy)
@@ -103,7 +104,7 @@ def main(argv=None) -> None:
     def step() -> None:
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        with torch.profiler.record_function("forward"):
+        with torch.profiler.record_function("forward"), context():  # backward outside autocast
             y = layer(x)
         with torch.profiler.record_function("backward"):
             y.backward(dy)
@@ -115,10 +116,9 @@ def main(argv=None) -> None:
                                + (["graphed"] if args.graph_weight_casts else [])
                                + (["stack"] if args.with_stack else []))
     if args.marks:
-        with context():
-            for _ in range(args.warmup):
-                step()
-            marks = _phase_marks(layer, x, dy, step_work, args.marks)
+        for _ in range(args.warmup):
+            step()
+        marks = _phase_marks(layer, x, dy, step_work, args.marks, context)
         from benchmarks._common import write_results
 
         print(f"{tag}: " + "  ".join(f"{k} {v:.2f}" for k, v in marks.items()))
@@ -128,13 +128,12 @@ def main(argv=None) -> None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    with context():
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()  # host sync: the traced step starts on an idle GPU
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.with_stack) as prof:
-            step()
-            torch.cuda.synchronize()  # host sync: every kernel of the step inside the trace
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()  # host sync: the traced step starts on an idle GPU
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.with_stack) as prof:
+        step()
+        torch.cuda.synchronize()  # host sync: every kernel of the step inside the trace
     out = Path(__file__).resolve().parent / "results" / f"trace_{tag}.json.gz"
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "trace.json")

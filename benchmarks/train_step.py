@@ -125,7 +125,8 @@ def bare_loop(args) -> list[float]:
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                module.model.loss(batch["input_ids"], batch["labels"]).backward()
+                loss = module.model.loss(batch["input_ids"], batch["labels"])
+            loss.backward()  # outside autocast, as the timed loop and Lightning run it
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

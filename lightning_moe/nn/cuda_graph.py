@@ -104,13 +104,47 @@ def _guard_gradient(param: nn.Parameter, accumulate_grads: bool) -> None:
     param.register_hook(hook)
 
 
+class _ForwardUnderAutocast(nn.Module):
+    """``layer``'s own forward inside the autocast state of the capture, so that the capture can
+    run with autocast off around it: torch captures the backward under the caller's thread-local
+    state, and autocast on there would run the backward's matmuls in bf16 too (the router's fp32
+    products, among others), unlike a training loop, which calls backward outside autocast."""
+
+    def __init__(self, layer: nn.Module, forward, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = layer  # registers the parameters make_graphed_callables takes gradients for
+        self._layer_forward = forward  # the unwrapped bound method: ``layer(x)`` would recurse
+        self._dtype = dtype
+
+    @property
+    def training(self) -> bool:
+        # make_graphed_callables replays only in the mode of the capture: the layer's mode decides.
+        layer = self._modules.get("layer") if "_modules" in self.__dict__ else None
+        return True if layer is None else layer.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        pass  # follows the layer (nn.Module.__init__ and train() set it)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast("cuda", dtype=self._dtype, cache_enabled=False):
+            return self._layer_forward(x)
+
+
 def _capture(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int) -> nn.Module:
-    """`torch.cuda.make_graphed_callables`, with its most common failure explained. When the
-    backward's capture fails, torch leaves its capture stream current (``torch.cuda.graph``'s exit
-    raises before restoring it): the caller's stream is put back before raising."""
+    """`torch.cuda.make_graphed_callables` on ``layer``, the backward captured without autocast
+    (`_ForwardUnderAutocast`), with its most common failure explained. When the backward's
+    capture fails, torch leaves its capture stream current (``torch.cuda.graph``'s exit raises
+    before restoring it): the caller's stream is put back before raising."""
     stream = torch.cuda.current_stream()
     try:
-        return torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
+        if not torch.is_autocast_enabled("cuda"):
+            return torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
+        wrapper = _ForwardUnderAutocast(layer, layer.forward, torch.get_autocast_dtype("cuda"))
+        with torch.autocast("cuda", enabled=False):
+            graphed = torch.cuda.make_graphed_callables(wrapper, (sample_x,), num_warmup_iters=num_warmup_iters)
+        layer.forward = graphed.forward  # replays in training mode, else the wrapped eager forward
+        return layer
     except RuntimeError as error:  # torch.AcceleratorError is a RuntimeError
         torch.cuda.set_stream(stream)
         if "capturing" not in str(error) and "capture" not in str(error):
@@ -134,7 +168,9 @@ def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int 
     needs (they record FP8 amaxes like any training step, and leave ``.grad`` untouched).
     Returns ``layer`` itself, whose ``forward`` now copies its input into the graph's input
     buffer and replays; its output is the graph's output buffer (see the module docstring for
-    what that implies). Autocast, when on, must be on for every call as at capture.
+    what that implies). Autocast, when on at the capture, is part of the graph's forward (its
+    dtype, cache off) whatever the state at later calls; the backward is captured without it, as
+    a training loop calls backward outside autocast.
     ``accumulate_grads``: gradients are accumulated over several backwards (gradient
     accumulation) without clearing ``.grad`` between them (see the module docstring).
     """
