@@ -70,3 +70,19 @@ def test_fp8_delayed_state_without_scales_is_refused():
         capture_moe_layer(layer, x)
     with pytest.raises(ValueError, match="CUDA device"):  # past the FP8 checks
         capture_moe_layer(layer, x)
+
+
+def test_autocast_wrapper_follows_the_layer():
+    """The wrapper the capture runs under autocast: its parameters are the layer's (what
+    make_graphed_callables takes gradients for) and its training mode is the layer's (which
+    decides between replay and the eager forward after the capture)."""
+    from lightning_moe.nn.cuda_graph import _ForwardUnderAutocast
+
+    layer = _layer()
+    wrapper = _ForwardUnderAutocast(layer, layer.forward, torch.bfloat16)
+    assert [id(p) for p in wrapper.parameters()] == [id(p) for p in layer.parameters()]
+    assert wrapper.training
+    layer.eval()
+    assert not wrapper.training
+    wrapper.train()
+    assert wrapper.training and layer.training
