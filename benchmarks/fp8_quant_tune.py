@@ -4,6 +4,7 @@
     python benchmarks/fp8_quant_tune.py --dual    # the dual quantizer's two kernels
     python benchmarks/fp8_quant_tune.py --delayed # the delayed-scaling cast
     python benchmarks/fp8_quant_tune.py --delayed-variants  # its tile, amax and grid-order variants
+    python benchmarks/fp8_quant_tune.py --delayed-fused  # its gathered and SwiGLU operands, per TILE_SHAPES
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the
@@ -231,7 +232,76 @@ def tune_delayed_variants() -> dict:
     return out
 
 
+# The fused operands of the FP8 block at qwen3's shape (128 experts x 1024 rows): fc1's input read
+# through the permutation from the tokens [16384, 2048], and fc2's input computed from fc1's output
+# [R, 2 x 768] with the routing probabilities (the weighted SwiGLU). Both write the row copy and the
+# transposed copy in the weight gradient's aligned layout, as the block does.
+FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 4), (64, 32, 8), (32, 64, 4),
+                 (128, 32, 4), (128, 32, 8), (64, 128, 8), (32, 128, 4)]
+
+
+def tune_delayed_fused() -> dict:
+    """`delayed_cast` on its gathered and SwiGLU operands per launch shape
+    (`fp8_delayed_triton.TILE_SHAPES`): GB/s over the bytes read (the gathered token rows, or
+    fc1's output and the probabilities) and the two float8 copies written. Every shape's outputs
+    must equal the first's (the library's launch when this was written)."""
+    from lightning_moe.kernels import fp8_delayed_triton as fd
+
+    groups, rows, tokens = 128, 1024, 16384
+    total = groups * rows
+    offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+    scale = torch.full((groups,), 4.0, device="cuda")
+    gen = torch.Generator("cuda").manual_seed(0)
+    # Each expert's rows: a sorted sample of distinct tokens, as the permutation orders them.
+    gather_rows = torch.stack([torch.randperm(tokens, device="cuda", generator=gen)[:rows].sort().values
+                               for _ in range(groups)]).reshape(-1)
+    cases = {
+        "qwen3_fc1_input_gather": dict(x=torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16),
+                                       cols=2048, kind="gather", kwargs=dict(gather_rows=gather_rows)),
+        "qwen3_fc2_input_swiglu": dict(x=torch.randn(total, 2 * 768, device="cuda", dtype=torch.bfloat16),
+                                       cols=768, kind="swiglu",
+                                       kwargs=dict(swiglu=True, row_probs=torch.rand(total, device="cuda"))),
+    }
+    default = dict(fd.TILE_SHAPES)
+    out = {}
+    try:
+        for name, case in cases.items():
+            cols = case["cols"]
+            read = total * cols * 2 * (2 if case["kind"] == "swiglu" else 1)
+            nbytes = read + 2 * total * cols
+            reference, rows_out = None, []
+            for config in FUSED_CONFIGS:
+                fd.TILE_SHAPES[case["kind"]] = config
+                q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
+                record = torch.zeros(groups, device="cuda")
+                results: list = []
+
+                def cast():
+                    results[:] = fd.delayed_cast(case["x"], offsets, scale, record, out_col=q_col, stride_out_col=total,
+                                                 aligned_ends=offsets, **case["kwargs"])
+
+                row = {"BR": config[0], "BC": config[1], "warps": config[2]}
+                rows_out.append(row)
+                if not _timed(row, cast):
+                    continue
+                outputs = [results[0].view(torch.uint8), results[1], q_col.view(torch.uint8), results[2], record]
+                if reference is None:
+                    reference = [t.clone() for t in outputs]
+                row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
+                row["gb_s"] = nbytes / row["ms"] / 1e6
+            rows_out.sort(key=lambda r: -r.get("gb_s", 0))
+            out[name] = rows_out
+            print(name, [(r["BR"], r["BC"], r["warps"], round(r.get("ms", 0), 4), round(r.get("gb_s", 0)),
+                          r.get("bytes_equal")) for r in rows_out], flush=True)
+    finally:
+        fd.TILE_SHAPES.update(default)
+    return out
+
+
 def main() -> None:
+    if "--delayed-fused" in sys.argv:
+        write_results("fp8_quant_tune_delayed_fused", {"results": tune_delayed_fused()})
+        return
     if "--delayed-variants" in sys.argv:
         write_results("fp8_quant_tune_delayed_variants", {"results": tune_delayed_variants()})
         return

@@ -30,6 +30,7 @@ follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest 
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -48,6 +49,32 @@ from lightning_moe.kernels.fp8_quant_triton import (
     _zero_aligned_gap,
 )
 from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launch_stream
+
+# The tile kernel's launch shape (rows, columns, warps) per operand kind: "plain" (weights, data
+# gradients), "gather" (fc1's input read through the permutation), "swiglu" (fc2's input computed from
+# fc1's output). "plain" is tuned (see `_launch_delayed_cast`); the other two take it until
+# `benchmarks/fp8_quant_tune.py --delayed-fused` has timed them. Compiled offline for sm90
+# (`benchmarks/cast_registers.py`), 128 x 64 with 4 warps spills 1.3 KB per thread plain, 0.4 KB
+# gathering and 2.2 KB with the SwiGLU; with 8 warps 0 / 0 / 0.13 KB; 64 x 32 spills nothing in all
+# three. The plain launch was the fastest in its tuning despite its spills.
+TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (128, 64, 4), "gather": (128, 64, 4), "swiglu": (128, 64, 4)}
+
+
+def _tile_shapes_from_env(value: str) -> dict[str, tuple[int, int, int]]:
+    """``LIGHTNING_MOE_CAST_TILES="swiglu=64x32x4,gather=128x64x8"``: launch shapes for an A/B
+    measurement of the whole block without editing `TILE_SHAPES` (benchmarks only)."""
+    shapes = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        kind, _, shape = item.partition("=")
+        parts = shape.split("x")
+        if kind not in TILE_SHAPES or len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"LIGHTNING_MOE_CAST_TILES: {item!r} is not KIND=ROWSxCOLSxWARPS with KIND one of "
+                             f"{', '.join(TILE_SHAPES)} (e.g. swiglu=64x32x4)")
+        shapes[kind] = tuple(int(p) for p in parts)
+    return shapes
+
+
+TILE_SHAPES.update(_tile_shapes_from_env(os.environ.get("LIGHTNING_MOE_CAST_TILES", "")))
 
 
 @triton.jit
@@ -457,7 +484,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     # blocks on the grid's fast axis (2.5-3.0 TB/s against 2.1-2.6 for an amax reduced per tile),
     # then 128 x 64 tiles with the next one's load in flight (2.9-3.3 TB/s; a bf16 copy of the same
     # tensors: 4.0-4.25 TB/s).
-    block_r, block_c = 128, 64
+    block_r, block_c, warps = TILE_SHAPES["swiglu" if swiglu else "gather" if gather else "plain"]
     launch(
         _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),
         x_RC, offsets_G, scale_G,
@@ -466,5 +493,5 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         record_G if record_G is not None else dummy,
         rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted, num_warps=4,
+        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted, num_warps=warps,
     )
