@@ -37,6 +37,8 @@ tensor gets the graph's buffer as its ``.grad`` likewise; clear it before the ne
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import Tensor, nn
 
@@ -137,6 +139,14 @@ def _capture(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int) -> nn.Mo
     capture fails, torch leaves its capture stream current (``torch.cuda.graph``'s exit raises
     before restoring it): the caller's stream is put back before raising."""
     stream = torch.cuda.current_stream()
+    # Python's cyclic collector must not run inside a capture: an earlier captured layer that became
+    # garbage (a graphed forward is a reference cycle) would destroy its CUDA graphs there, which
+    # CUDA refuses silently and the capture fails later, at an unrelated launch. torch no longer
+    # collects before capturing (only with torch.compiler.config.force_cudagraph_gc), so collect
+    # here and hold the collector off until the graphs exist.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         if not torch.is_autocast_enabled("cuda"):
             return torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
@@ -156,6 +166,9 @@ def _capture(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int) -> nn.Mo
             "references (del loss, output) before capture_moe_layer, or run the eager steps on a side stream. "
             f"CUDA said: {error}" + (f" (after: {error.__context__})" if error.__context__ else "")
         ) from error
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int = 3,
