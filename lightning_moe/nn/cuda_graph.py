@@ -37,10 +37,10 @@ tensor gets the graph's buffer as its ``.grad`` likewise; clear it before the ne
 
 from __future__ import annotations
 
-import gc
-
 import torch
 from torch import Tensor, nn
+
+from lightning_moe._capture import collector_held_off
 
 
 def _check_capturable(layer: nn.Module, sample_x: Tensor) -> None:
@@ -139,19 +139,12 @@ def _capture(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int) -> nn.Mo
     capture fails, torch leaves its capture stream current (``torch.cuda.graph``'s exit raises
     before restoring it): the caller's stream is put back before raising."""
     stream = torch.cuda.current_stream()
-    # Python's cyclic collector must not run inside a capture: an earlier captured layer that became
-    # garbage (a graphed forward is a reference cycle) would destroy its CUDA graphs there, which
-    # CUDA refuses silently and the capture fails later, at an unrelated launch. torch no longer
-    # collects before capturing (only with torch.compiler.config.force_cudagraph_gc), so collect
-    # here and hold the collector off until the graphs exist.
-    gc.collect()
-    collecting = gc.isenabled()
-    gc.disable()
     try:
         if not torch.is_autocast_enabled("cuda"):
-            return torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
+            with collector_held_off():  # an earlier captured layer may be garbage (a reference cycle)
+                return torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
         wrapper = _ForwardUnderAutocast(layer, layer.forward, torch.get_autocast_dtype("cuda"))
-        with torch.autocast("cuda", enabled=False):
+        with torch.autocast("cuda", enabled=False), collector_held_off():
             graphed = torch.cuda.make_graphed_callables(wrapper, (sample_x,), num_warmup_iters=num_warmup_iters)
         layer.forward = graphed.forward  # replays in training mode, else the wrapped eager forward
         return layer
@@ -166,9 +159,6 @@ def _capture(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int) -> nn.Mo
             "references (del loss, output) before capture_moe_layer, or run the eager steps on a side stream. "
             f"CUDA said: {error}" + (f" (after: {error.__context__})" if error.__context__ else "")
         ) from error
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int = 3,

@@ -117,13 +117,15 @@ class GraphedWeightCasts:
         return any(_storage_uses(t) > idle for t, idle in zip(self._outputs(), self._idle_uses))
 
     def _capture(self, jobs: list[CastJob], recipe: FP8Recipe, key: tuple) -> None:
+        from lightning_moe._capture import collector_held_off
         from lightning_moe.precision.scaled_mm import _FusedGroupedOperands, _prefetch_stream
 
         graph = torch.cuda.CUDAGraph()
         # Captured on the prefetch stream, where the eager casts run. Entering synchronizes the
         # device (host sync, once per key) and frees the allocator's cached blocks.
         # "thread_local": other threads' CUDA calls (a pin-memory thread) do not break the capture.
-        with torch.cuda.graph(graph, stream=_prefetch_stream(jobs[0][1].device), capture_error_mode="thread_local"):
+        with collector_held_off(), torch.cuda.graph(graph, stream=_prefetch_stream(jobs[0][1].device),
+                                                    capture_error_mode="thread_local"):
             layouts = {projection: _FusedGroupedOperands(recipe, state).weight_both(w.detach())
                        for projection, w, state in jobs}
         self._key, self._graph, self._layouts = key, graph, layouts

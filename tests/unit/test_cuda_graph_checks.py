@@ -86,3 +86,25 @@ def test_autocast_wrapper_follows_the_layer():
     assert not wrapper.training
     wrapper.train()
     assert wrapper.training and layer.training
+
+
+def test_collector_held_off_during_captures():
+    """Captures run with Python's cyclic collector off (it could destroy dead graphs mid-capture)
+    and restore its previous state, on errors too."""
+    import gc
+
+    from lightning_moe._capture import collector_held_off
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with collector_held_off():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_held_off():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # was off before: stays off
+    finally:
+        gc.enable()
