@@ -13,8 +13,10 @@ What does read one is refused with the fix named: the all-to-all dispatcher's dr
 What a graph freezes, and so what the caller must keep fixed after the capture:
 - the input's shape and dtype, and which inputs require gradients;
 - the parameters themselves (in-place optimizer updates are fine; replacing a parameter is not);
-- host-side choices made at capture: autocast on or off, FP8 amax recording on (training), the
-  recipe, the dispatcher. A delayed-scaling state must have had one `update_delayed_scaling`
+- host-side choices made at capture: autocast on or off for the forward (the graph's forward
+  keeps that state whatever the state at later calls; the backward is captured without autocast,
+  as a training loop calls backward outside it), FP8 amax recording on (training), the recipe,
+  the dispatcher. A delayed-scaling state must have had one `update_delayed_scaling`
   before the capture (a state without scales casts with an extra amax pass, which the graph would
   keep forever), and that update keeps running outside the graph, in place, once per step.
 - the capture itself leaves no trace: the layer's buffers (FP8 amax histories and scales) hold
