@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import write_results  # noqa: E402
+from benchmarks.fp8_quant_tune import FUSED_CONFIGS  # noqa: E402
 from lightning_moe.kernels import WGRAD_GROUP_ALIGN  # noqa: E402
 from lightning_moe.kernels import fp8_delayed_triton as fd  # noqa: E402
 
@@ -37,8 +38,6 @@ KINDS = {
     "gather": dict(GATHER=True, SWIGLU=False, ROW_PROBS=False, ALIGN=WGRAD_GROUP_ALIGN),
     "swiglu": dict(GATHER=False, SWIGLU=True, ROW_PROBS=True, ALIGN=WGRAD_GROUP_ALIGN),
 }
-SHAPES = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 4), (64, 32, 8), (32, 64, 4),
-          (128, 32, 4), (128, 32, 8), (64, 128, 4), (64, 128, 8), (32, 128, 4)]
 
 
 def registers(kind: str, block_r: int, block_c: int, warps: int) -> dict:
@@ -66,7 +65,7 @@ def main() -> None:
     results = {}
     for kind in KINDS:
         rows = []
-        for block_r, block_c, warps in SHAPES:
+        for block_r, block_c, warps in FUSED_CONFIGS:
             row = {"BR": block_r, "BC": block_c, "warps": warps, **registers(kind, block_r, block_c, warps)}
             rows.append(row)
             print(kind, block_r, block_c, warps, row["registers"], "registers,", row["spill_store_bytes"],

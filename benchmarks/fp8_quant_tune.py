@@ -236,8 +236,9 @@ def tune_delayed_variants() -> dict:
 # through the permutation from the tokens [16384, 2048], and fc2's input computed from fc1's output
 # [R, 2 x 768] with the routing probabilities (the weighted SwiGLU). Both write the row copy and the
 # transposed copy in the weight gradient's aligned layout, as the block does.
+# Launch shapes (rows, columns, warps) tried, the library's first; `cast_registers.py` compiles the same.
 FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 4), (64, 32, 8), (32, 64, 4),
-                 (128, 32, 4), (128, 32, 8), (64, 128, 8), (32, 128, 4)]
+                 (128, 32, 4), (128, 32, 8), (64, 128, 4), (64, 128, 8), (32, 128, 4)]
 
 
 def tune_delayed_fused() -> dict:

@@ -39,6 +39,8 @@ tensor gets the graph's buffer as its ``.grad`` likewise; clear it before the ne
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -141,18 +143,17 @@ def _capture(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int) -> nn.Mo
     capture fails, torch leaves its capture stream current (``torch.cuda.graph``'s exit raises
     before restoring it): the caller's stream is put back before raising."""
     stream = torch.cuda.current_stream()
+    autocast = torch.is_autocast_enabled("cuda")
+    target = _ForwardUnderAutocast(layer, layer.forward, torch.get_autocast_dtype("cuda")) if autocast else layer
     try:
-        if not torch.is_autocast_enabled("cuda"):
-            with collector_held_off():  # an earlier captured layer may be garbage (a reference cycle)
-                return torch.cuda.make_graphed_callables(layer, (sample_x,), num_warmup_iters=num_warmup_iters)
-        wrapper = _ForwardUnderAutocast(layer, layer.forward, torch.get_autocast_dtype("cuda"))
-        with torch.autocast("cuda", enabled=False), collector_held_off():
-            graphed = torch.cuda.make_graphed_callables(wrapper, (sample_x,), num_warmup_iters=num_warmup_iters)
-        layer.forward = graphed.forward  # replays in training mode, else the wrapped eager forward
+        # An earlier captured layer may be garbage (a reference cycle): no collection mid-capture.
+        with torch.autocast("cuda", enabled=False) if autocast else contextlib.nullcontext(), collector_held_off():
+            graphed = torch.cuda.make_graphed_callables(target, (sample_x,), num_warmup_iters=num_warmup_iters)
+        layer.forward = graphed.forward  # replays in training mode, else the (wrapped) eager forward
         return layer
     except RuntimeError as error:  # torch.AcceleratorError is a RuntimeError
         torch.cuda.set_stream(stream)
-        if "capturing" not in str(error) and "capture" not in str(error):
+        if "captur" not in str(error):
             raise
         raise RuntimeError(
             "capturing the MoE layer's backward failed. The usual cause: an autograd graph of an earlier "
