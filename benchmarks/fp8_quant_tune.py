@@ -242,9 +242,9 @@ FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 
 
 
 def tune_delayed_fused() -> dict:
-    """`delayed_cast` on its gathered and SwiGLU operands per launch shape
-    (`fp8_delayed_triton.TILE_SHAPES`): GB/s over the bytes read (the gathered token rows, or
-    fc1's output and the probabilities) and the two float8 copies written. Every shape's outputs
+    """`delayed_cast` on its plain, gathered and SwiGLU operands per launch shape
+    (`fp8_delayed_triton.TILE_SHAPES`): GB/s over the bytes read (fc2's output gradient, the
+    gathered token rows, or fc1's output and the probabilities) and the two float8 copies written. Every shape's outputs
     must equal the first's (the library's launch when this was written)."""
     from lightning_moe.kernels import fp8_delayed_triton as fd
 
@@ -257,6 +257,8 @@ def tune_delayed_fused() -> dict:
     gather_rows = torch.stack([torch.randperm(tokens, device="cuda", generator=gen)[:rows].sort().values
                                for _ in range(groups)]).reshape(-1)
     cases = {
+        "qwen3_fc2_output_grad_plain": dict(x=torch.randn(total, 2048, device="cuda", dtype=torch.bfloat16),
+                                            cols=2048, kind="plain", kwargs={}),
         "qwen3_fc1_input_gather": dict(x=torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16),
                                        cols=2048, kind="gather", kwargs=dict(gather_rows=gather_rows)),
         "qwen3_fc2_input_swiglu": dict(x=torch.randn(total, 2 * 768, device="cuda", dtype=torch.bfloat16),

@@ -52,11 +52,14 @@ from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launc
 
 # The tile kernel's launch shape (rows, columns, warps) per operand kind: "plain" (weights, data
 # gradients), "gather" (fc1's input read through the permutation), "swiglu" (fc2's input computed from
-# fc1's output). "plain" is tuned (see `_launch_delayed_cast`); the other two take it until
-# `benchmarks/fp8_quant_tune.py --delayed-fused` has timed them. Compiled offline for sm90
-# (`benchmarks/cast_registers.py`), 128 x 64 with 4 warps spills 1.3 KB per thread plain, 0.4 KB
-# gathering and 2.2 KB with the SwiGLU; with 8 warps 0 / 0 / 0.13 KB; 64 x 32 spills nothing in all
-# three. The plain launch was the fastest in its tuning despite its spills.
+# fc1's output), from `benchmarks/fp8_quant_tune.py --delayed-fused` on H200
+# (fp8_quant_tune_delayed_fused.json, every shape's bytes equal): plain 128 x 64 x 4 warps is the
+# fastest of 12 shapes (2.40 TB/s); gathering it is within 1.5% of the fastest; with the SwiGLU,
+# 64 x 32 x 4 moves 2.19 TB/s against 1.37 for 128 x 64 x 4 (0.28 against 0.44 ms on qwen3's fc2
+# input). Compiled offline for sm90 (`benchmarks/cast_registers.py`), 128 x 64 x 4 spills 1.3 KB per
+# thread plain, 0.4 KB gathering and 2.2 KB with the SwiGLU; 64 x 32 x 4 spills nothing. The spills
+# cost the SwiGLU cast its bandwidth, not the others.
+TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (128, 64, 4), "gather": (128, 64, 4), "swiglu": (64, 32, 4)}
 TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (128, 64, 4), "gather": (128, 64, 4), "swiglu": (128, 64, 4)}
 
 
