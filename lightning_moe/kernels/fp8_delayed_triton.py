@@ -60,7 +60,6 @@ from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launc
 # thread plain, 0.4 KB gathering and 2.2 KB with the SwiGLU; 64 x 32 x 4 spills nothing. The spills
 # cost the SwiGLU cast its bandwidth, not the others.
 TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (128, 64, 4), "gather": (128, 64, 4), "swiglu": (64, 32, 4)}
-TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (128, 64, 4), "gather": (128, 64, 4), "swiglu": (128, 64, 4)}
 
 
 def _tile_shapes_from_env(value: str) -> dict[str, tuple[int, int, int]]:
