@@ -1,0 +1,44 @@
+"""The delayed FP8 tile cast under Triton's interpreter on CPU (`_interpreted_casts.py`): the
+library's launch shape and others against a 16 x 16 reference launch and against the plain cast,
+per operand kind. Where Triton is not installed these skip; CI installs it (see ``.ci/run``)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "needs Triton: pip install triton==3.6.0 'numpy<2.3'"
+    numpy_version = tuple(int(v) for v in importlib.metadata.version("numpy").split(".")[:2])
+    if numpy_version >= (2, 3):
+        # Triton 3.6's interpreter converts 1-element arrays to Python scalars, which numpy 2.4
+        # refuses ("only 0-dimensional arrays can be converted"); 2.2 is known to work.
+        return f"Triton's interpreter needs numpy < 2.3, found {importlib.metadata.version('numpy')}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+
+OTHER_SHAPES = ["128,64,4", "64,32,4", "32,128,4"]  # besides the library's (rows, columns, warps)
+
+
+@pytest.mark.parametrize("kind", ["plain", "gather", "swiglu"])
+def test_delayed_cast_launch_shapes_write_the_same_bytes(kind):
+    script = Path(__file__).with_name("_interpreted_casts.py")
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    result = subprocess.run([sys.executable, str(script), kind, *OTHER_SHAPES], env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith(kind)]
+    assert len(lines) >= len(OTHER_SHAPES) and all(line.endswith("equal") for line in lines), result.stdout
+    assert any("(library launch)" in line for line in lines), result.stdout
