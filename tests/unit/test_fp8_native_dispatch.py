@@ -8,8 +8,7 @@ import types
 import pytest
 import torch
 
-from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights
-from lightning_moe.precision import scaled_mm
+from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, scaled_mm
 
 
 def _cpu_rowwise_scaled_mm() -> bool:
@@ -166,7 +165,8 @@ def test_activation_checkpointing_recomputes_outside_the_cache(monkeypatch):
     w.grad = None
     cache = FP8WeightCache()
     with caching_fp8_weights(cache):
-        y = checkpoint(lambda t: scaled_mm.scaled_grouped_mm(t, w, offsets, recipe, None, weight_key=("experts", "fc1")),
+        y = checkpoint(lambda t: scaled_mm.scaled_grouped_mm(t, w, offsets, recipe, None,
+                                                             weight_key=("experts", "fc1")),
                        x, use_reentrant=False)
     y.float().square().sum().backward()
     assert torch.equal(y.detach().float(), plain[0]) and torch.equal(x.grad.float(), plain[1])

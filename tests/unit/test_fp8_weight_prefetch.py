@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from lightning_moe.nn import MoEConfig, MoELayer
-from lightning_moe.precision import FP8Recipe
+from lightning_moe.precision import FP8Recipe, scaled_mm
 from lightning_moe.precision import modules as fp8_modules
-from lightning_moe.precision import scaled_mm
 from lightning_moe.precision.modules import FP8GroupedGemm
 
 

@@ -237,7 +237,8 @@ def test_preset_overrides():
     with pytest.raises(ValueError, match=r"'num_layer' \(did you mean 'num_layers'\?\)"):
         get_preset("tiny", num_layer=2)
     # a misspelled MoE field names the field and its likely spelling (not a bare TypeError)
-    with pytest.raises(ValueError, match=r"unknown MoEConfig field\(s\): 'router_top_k' \(did you mean 'router_topk'\?\)"):
+    with pytest.raises(ValueError,
+                       match=r"unknown MoEConfig field\(s\): 'router_top_k' \(did you mean 'router_topk'\?\)"):
         get_preset("tiny", moe={"router_top_k": 1})
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("gpt5")

@@ -1,6 +1,5 @@
 """MoELayer outputs and gradients equal a naive per-token MoE (fp32/fp64, tight tolerance)."""
 
-import itertools
 
 import pytest
 import torch
