@@ -1,8 +1,9 @@
 """The fastest launch shape per delayed-cast kind in ``fp8_quant_tune_delayed_fused.json``, as a
 ``LIGHTNING_MOE_CAST_TILES`` value for an A/B run of the whole block.
 
-A kind is listed only where a shape whose outputs equal the library launch's beats that launch by
-more than ``--margin`` (default 3%); otherwise the kind keeps its default. Prints the value (empty
+A kind is listed only where a shape with the same outputs beats the library launch, in time summed
+over the tune's benchmark shapes, by more than ``--margin`` (default 3%); otherwise the kind keeps
+its default. Prints the value (empty
 when nothing wins) on stdout.
 
     LIGHTNING_MOE_CAST_TILES=$(python3 benchmarks/best_cast_tiles.py) python3 benchmarks/moe_block.py ...
@@ -20,20 +21,28 @@ from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES  # noqa: E402
 
 
 def best_tiles(results: dict, margin: float) -> dict[str, tuple[int, int, int]]:
-    """``{kind: (rows, cols, warps)}`` for each case whose best bit-equal shape beats the default."""
-    chosen = {}
+    """``{kind: (rows, cols, warps)}`` for each kind whose best shape beats the library launch.
+
+    ``results``: ``{"<case>_<kind>": [{"BR", "BC", "warps", "ms", "bytes_equal"}, ...]}``, one case
+    per benchmark shape. A launch shape counts only where it was timed with equal outputs in every
+    case of its kind; the best is the one with the least time summed over those cases, chosen if
+    that sum is below the library launch's by more than ``margin``."""
+    by_kind: dict[str, list[dict]] = {}
     for case, rows in results.items():
         kind = case.rsplit("_", 1)[-1]
         if kind not in TILE_SHAPES:
             raise ValueError(f"case {case!r} does not end in a kind of {sorted(TILE_SHAPES)}")
-        default = TILE_SHAPES[kind]
-        timed = [r for r in rows if r.get("gb_s") and r.get("bytes_equal")]
-        base = [r for r in timed if (r["BR"], r["BC"], r["warps"]) == default]
-        if not base or not timed:
+        by_kind.setdefault(kind, []).append({(r["BR"], r["BC"], r["warps"]): r["ms"] for r in rows
+                                             if r.get("ms") and r.get("bytes_equal")})
+    chosen = {}
+    for kind, cases in by_kind.items():
+        everywhere = set.intersection(*(set(times) for times in cases))
+        if TILE_SHAPES[kind] not in everywhere:
             continue
-        best = max(timed, key=lambda r: r["gb_s"])
-        if best["gb_s"] > base[0]["gb_s"] * (1 + margin):
-            chosen[kind] = (best["BR"], best["BC"], best["warps"])
+        total = {shape: sum(times[shape] for times in cases) for shape in everywhere}
+        best = min(total, key=total.get)
+        if total[best] < total[TILE_SHAPES[kind]] * (1 - margin):
+            chosen[kind] = best
     return chosen
 
 

@@ -232,70 +232,83 @@ def tune_delayed_variants() -> dict:
     return out
 
 
-# The fused operands of the FP8 block at qwen3's shape (128 experts x 1024 rows): fc1's input read
-# through the permutation from the tokens [16384, 2048], and fc2's input computed from fc1's output
-# [R, 2 x 768] with the routing probabilities (the weighted SwiGLU). Both write the row copy and the
-# transposed copy in the weight gradient's aligned layout, as the block does.
-# Launch shapes (rows, columns, warps) tried, the library's first; `cast_registers.py` compiles the same.
+# The delayed cast's operand kinds as the FP8 block casts them, per benchmark shape (experts x rows
+# per expert, hidden D, FFN F, tokens): "plain" fc2's output gradient [R, D]; "gather" fc1's input
+# read through the permutation from the tokens [T, D]; "swiglu" fc2's input computed from fc1's
+# output [R, 2F] with the routing probabilities (the weighted SwiGLU). Each writes the row copy and
+# the transposed copy in the weight gradient's aligned layout, as the block does.
+FUSED_SHAPES = {
+    "qwen3": dict(groups=128, rows=1024, D=2048, F=768, tokens=16384),
+    "mixtral": dict(groups=8, rows=2048, D=4096, F=14336, tokens=8192),
+    "deepseek": dict(groups=32, rows=2048, D=7168, F=2048, tokens=8192),
+}
+# Launch shapes (rows, columns, warps) tried; outputs are checked against the first's.
+# `cast_registers.py` compiles the same.
 FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 4), (64, 32, 8), (32, 64, 4),
                  (128, 32, 4), (128, 32, 8), (64, 128, 4), (64, 128, 8), (32, 128, 4)]
 
 
-def tune_delayed_fused() -> dict:
-    """`delayed_cast` on its plain, gathered and SwiGLU operands per launch shape
-    (`fp8_delayed_triton.TILE_SHAPES`): GB/s over the bytes read (fc2's output gradient, the
-    gathered token rows, or fc1's output and the probabilities) and the two float8 copies
-    written. Every shape's outputs must equal those of the first, 128 x 64 x 4 warps."""
-    from lightning_moe.kernels import fp8_delayed_triton as fd
-
-    groups, rows, tokens = 128, 1024, 16384
+def _fused_cases(shape: dict, gen: torch.Generator) -> dict:
+    """The three operand kinds of one benchmark shape: ``{kind: (x, cols, bytes moved, kwargs)}``."""
+    groups, rows, tokens = shape["groups"], shape["rows"], shape["tokens"]
     total = groups * rows
-    offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
-    scale = torch.full((groups,), 4.0, device="cuda")
-    gen = torch.Generator("cuda").manual_seed(0)
     # Each expert's rows: a sorted sample of distinct tokens, as the permutation orders them.
     gather_rows = torch.stack([torch.randperm(tokens, device="cuda", generator=gen)[:rows].sort().values
                                for _ in range(groups)]).reshape(-1)
-    cases = {
-        "qwen3_fc2_output_grad_plain": dict(x=torch.randn(total, 2048, device="cuda", dtype=torch.bfloat16),
-                                            cols=2048, kind="plain", kwargs={}),
-        "qwen3_fc1_input_gather": dict(x=torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16),
-                                       cols=2048, kind="gather", kwargs=dict(gather_rows=gather_rows)),
-        "qwen3_fc2_input_swiglu": dict(x=torch.randn(total, 2 * 768, device="cuda", dtype=torch.bfloat16),
-                                       cols=768, kind="swiglu",
-                                       kwargs=dict(swiglu=True, row_probs=torch.rand(total, device="cuda"))),
+    d, f = shape["D"], shape["F"]
+    written = 2 * total  # bytes per column: the two float8 copies
+    return {
+        "plain": (torch.randn(total, d, device="cuda", dtype=torch.bfloat16), d, (2 * total + written) * d, {}),
+        "gather": (torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16), d, (2 * total + written) * d,
+                   dict(gather_rows=gather_rows)),
+        "swiglu": (torch.randn(total, 2 * f, device="cuda", dtype=torch.bfloat16), f, (4 * total + written) * f,
+                   dict(swiglu=True, row_probs=torch.rand(total, device="cuda"))),
     }
+
+
+def tune_delayed_fused() -> dict:
+    """`delayed_cast` on its plain, gathered and SwiGLU operands per launch shape
+    (`fp8_delayed_triton.TILE_SHAPES`) at each of `FUSED_SHAPES`: GB/s over the bytes read (fc2's
+    output gradient, the gathered token rows, or fc1's output and the probabilities) and the two
+    float8 copies written. Every shape's outputs must equal those of the first, 128 x 64 x 4 warps.
+    Keys: ``<model>_<kind>``."""
+    from lightning_moe.kernels import fp8_delayed_triton as fd
+
     default = dict(fd.TILE_SHAPES)
+    gen = torch.Generator("cuda").manual_seed(0)
     out = {}
     try:
-        for name, case in cases.items():
-            cols = case["cols"]
-            read = total * cols * 2 * (2 if case["kind"] == "swiglu" else 1)
-            nbytes = read + 2 * total * cols
-            reference, rows_out = None, []
-            for config in FUSED_CONFIGS:
-                fd.TILE_SHAPES[case["kind"]] = config
-                q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
-                record = torch.zeros(groups, device="cuda")
-                results: list = []
+        for model, shape in FUSED_SHAPES.items():
+            groups = shape["groups"]
+            total = groups * shape["rows"]
+            offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * shape["rows"]
+            scale = torch.full((groups,), 4.0, device="cuda")
+            for kind, (x, cols, nbytes, kwargs) in _fused_cases(shape, gen).items():
+                reference, rows_out = None, []
+                for config in FUSED_CONFIGS:
+                    fd.TILE_SHAPES[kind] = config
+                    q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
+                    record = torch.zeros(groups, device="cuda")
+                    results: list = []
 
-                def cast():
-                    results[:] = fd.delayed_cast(case["x"], offsets, scale, record, out_col=q_col, stride_out_col=total,
-                                                 aligned_ends=offsets, **case["kwargs"])
+                    def cast():
+                        results[:] = fd.delayed_cast(x, offsets, scale, record, out_col=q_col, stride_out_col=total,
+                                                     aligned_ends=offsets, **kwargs)
 
-                row = {"BR": config[0], "BC": config[1], "warps": config[2]}
-                rows_out.append(row)
-                if not _timed(row, cast):
-                    continue
-                outputs = [results[0].view(torch.uint8), results[1], q_col.view(torch.uint8), results[2], record]
-                if reference is None:
-                    reference = [t.clone() for t in outputs]
-                row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
-                row["gb_s"] = nbytes / row["ms"] / 1e6
-            rows_out.sort(key=lambda r: -r.get("gb_s", 0))
-            out[name] = rows_out
-            print(name, [(r["BR"], r["BC"], r["warps"], round(r.get("ms", 0), 4), round(r.get("gb_s", 0)),
-                          r.get("bytes_equal")) for r in rows_out], flush=True)
+                    row = {"BR": config[0], "BC": config[1], "warps": config[2]}
+                    rows_out.append(row)
+                    if not _timed(row, cast):
+                        continue
+                    outputs = [results[0].view(torch.uint8), results[1], q_col.view(torch.uint8), results[2], record]
+                    if reference is None:
+                        reference = [t.clone() for t in outputs]
+                    row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
+                    row["gb_s"] = nbytes / row["ms"] / 1e6
+                fd.TILE_SHAPES[kind] = default[kind]
+                rows_out.sort(key=lambda r: -r.get("gb_s", 0))
+                out[f"{model}_{kind}"] = rows_out
+                print(model, kind, [(r["BR"], r["BC"], r["warps"], round(r.get("ms", 0), 4), round(r.get("gb_s", 0)),
+                                     r.get("bytes_equal")) for r in rows_out[:6]], flush=True)
     finally:
         fd.TILE_SHAPES.update(default)
     return out

@@ -18,9 +18,10 @@
 # interleaved rounds of bf16, FP8 and FP8 with graphed weight casts over 50 steps, as its host-bound
 # timing drifts between calls, then the others; RATIO_ROUNDS (default 2) rounds per mode, RATIO_MASTERS
 # (default "bf16 fp32") the modes),
-# casttune (the delayed cast's launch shapes for its gathered and SwiGLU operands: registers and
-# spills per shape, then GB/s per shape with the outputs checked equal; LIGHTNING_MOE_CAST_TILES
-# then tries a shape in the whole block, e.g. "swiglu=64x32x4"),
+# casttune (the delayed cast's launch shapes for its plain, gathered and SwiGLU operands at the three
+# benchmark shapes: registers and spills per shape, then GB/s per shape with the outputs checked equal;
+# where best_cast_tiles.py finds a faster launch, qwen3 FP8 with and without it as
+# LIGHTNING_MOE_CAST_TILES, interleaved twice),
 # cudagraph (the whole block captured in CUDA graphs, capture_moe_layer: its GPU tests, then qwen3 in
 # rounds of bf16 eager, bf16 graphed and FP8 graphed per parameter mode (CUDAGRAPH_VARIANTS), then
 # mixtral and deepseek in bf16 and FP8 (CUDAGRAPH_OTHERS; empty: skipped)),
@@ -93,6 +94,16 @@ if has casttune; then
   say "delayed-cast launch shapes: registers and spills (offline compile), then the fused operands timed"
   run python3 benchmarks/cast_registers.py
   run python3 benchmarks/fp8_quant_tune.py --delayed-fused
+  tiles=$(python3 benchmarks/best_cast_tiles.py)
+  if [ -n "$tiles" ]; then
+    for pair in 1 2; do
+      say "moe_block qwen3 fp8, library launch shapes, round $pair"
+      run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision fp8 --iters 50 --tag "casttune_library_$pair"
+      say "moe_block qwen3 fp8, LIGHTNING_MOE_CAST_TILES=$tiles, round $pair"
+      LIGHTNING_MOE_CAST_TILES="$tiles" run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision fp8 \
+        --iters 50 --tag "casttune_tuned_$pair"
+    done
+  fi
 fi
 if has cudagraph; then
   say "CUDA-graphed MoE layer tests"; run python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_cuda_graph_gpu.py
