@@ -4,7 +4,7 @@
     python benchmarks/fp8_quant_tune.py --dual    # the dual quantizer's two kernels
     python benchmarks/fp8_quant_tune.py --delayed # the delayed-scaling cast
     python benchmarks/fp8_quant_tune.py --delayed-variants  # its tile, amax and grid-order variants
-    python benchmarks/fp8_quant_tune.py --delayed-fused  # its gathered and SwiGLU operands, per TILE_SHAPES
+    python benchmarks/fp8_quant_tune.py --delayed-fused  # its plain, gathered and SwiGLU operands, per TILE_SHAPES
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the

@@ -93,8 +93,12 @@ fi
 if has casttune; then
   say "delayed-cast launch shapes: registers and spills (offline compile), then the fused operands timed"
   run python3 benchmarks/cast_registers.py
+  # the library's launch shapes are the baseline: no override from the caller's environment
+  unset LIGHTNING_MOE_CAST_TILES
+  rm -f benchmarks/results/fp8_quant_tune_delayed_fused.json  # never choose from an earlier tune
   run python3 benchmarks/fp8_quant_tune.py --delayed-fused
-  tiles=$(python3 benchmarks/best_cast_tiles.py)
+  tiles=$(python3 benchmarks/best_cast_tiles.py 2>>"$LOG") || say "best_cast_tiles.py failed (see the log)"
+  [ -z "$tiles" ] && say "no launch shape beats the library's by the margin: no A/B"
   if [ -n "$tiles" ]; then
     for pair in 1 2; do
       say "moe_block qwen3 fp8, library launch shapes, round $pair"

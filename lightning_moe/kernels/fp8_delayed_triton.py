@@ -484,8 +484,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     # Launch shape from fp8_quant_tune_delayed_variants_*.json and fp8_cast_tma_tune_s20f.json (H200,
     # both copies of the FP8 block's operands): amax kept per element until the loop ends, column
     # blocks on the grid's fast axis (2.5-3.0 TB/s against 2.1-2.6 for an amax reduced per tile),
-    # then 128 x 64 tiles with the next one's load in flight (2.9-3.3 TB/s; a bf16 copy of the same
-    # tensors: 4.0-4.25 TB/s).
+    # then tiles with the next one's load in flight (2.9-3.3 TB/s at 128 x 64 on plain operands; a
+    # bf16 copy of the same tensors: 4.0-4.25 TB/s); the tile shape per operand kind: `TILE_SHAPES`.
     block_r, block_c, warps = TILE_SHAPES["swiglu" if swiglu else "gather" if gather else "plain"]
     launch(
         _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),

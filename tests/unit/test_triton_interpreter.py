@@ -34,11 +34,13 @@ OTHER_SHAPES = ["128,64,4", "64,32,4", "32,128,4"]  # besides the library's (row
 def test_delayed_cast_launch_shapes_write_the_same_bytes(kind):
     script = Path(__file__).with_name("_interpreted_casts.py")
     root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     result = subprocess.run([sys.executable, str(script), kind, *OTHER_SHAPES], env=env, capture_output=True,
-                            text=True, timeout=900)
+                            text=True, timeout=500)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith(kind)]
-    assert len(lines) >= len(OTHER_SHAPES) and all(line.endswith("equal") for line in lines), result.stdout
-    assert any("(library launch)" in line for line in lines), result.stdout
+    # one line per distinct shape: the library's first, then the others
+    assert len(lines) in (len(OTHER_SHAPES), len(OTHER_SHAPES) + 1), result.stdout
+    assert all(line.endswith("equal") for line in lines), result.stdout
+    assert "(library launch)" in lines[0], result.stdout
