@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_moe._capture import collector_held_off
 from lightning_moe.precision.delayed import DelayedState, recording_amax
 from lightning_moe.precision.recipes import FP8Recipe
 
@@ -117,7 +118,6 @@ class GraphedWeightCasts:
         return any(_storage_uses(t) > idle for t, idle in zip(self._outputs(), self._idle_uses))
 
     def _capture(self, jobs: list[CastJob], recipe: FP8Recipe, key: tuple) -> None:
-        from lightning_moe._capture import collector_held_off
         from lightning_moe.precision.scaled_mm import _FusedGroupedOperands, _prefetch_stream
 
         graph = torch.cuda.CUDAGraph()

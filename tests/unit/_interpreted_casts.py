@@ -23,6 +23,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
@@ -34,16 +35,14 @@ from lightning_moe.precision.delayed import DelayedState  # noqa: E402
 from lightning_moe.precision.formats import E4M3  # noqa: E402
 from lightning_moe.precision.operands import Layout, quantize_operand  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))  # the FP8 GPU tests' comparison
+from _float8 import same_bits  # noqa: E402
+
 # An empty group, unaligned ends, groups with and without history (0 and NaN: none), a tail.
 OFFSETS = torch.tensor([40, 40, 173, 250, 288], dtype=torch.int32)
 SCALES = torch.tensor([3.0, 0.0, 0.0, 0.5, float("nan")])
 ROWS, COLS = 300, 72  # 72: a partial column block at every launch width tried
 PADDED = 304
-
-
-def _same_bits(q: torch.Tensor, q_ref: torch.Tensor) -> bool:
-    nan, nan_ref = torch.isnan(q.float()), torch.isnan(q_ref.float())
-    return torch.equal(nan, nan_ref) and torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan_ref])
 
 
 def _cast(x: torch.Tensor, **kwargs) -> list[torch.Tensor]:
@@ -88,7 +87,7 @@ def _check_plain_against_generic(out: list[torch.Tensor], x: torch.Tensor) -> li
 def _check_equal(out: list[torch.Tensor], ref: list[torch.Tensor]) -> list[str]:
     names = ["row copy", "row scales", "column scales", "transposed copy", "amax record"]
     return [name for name, a, b in zip(names, out, ref)
-            if not (_same_bits(a, b) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b))]
+            if not (same_bits(a, b) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b))]
 
 
 REFERENCE_LAUNCH = (16, 16, 1)
