@@ -59,7 +59,10 @@ from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launc
 # input). Compiled offline for sm90 (`benchmarks/cast_registers.py`), 128 x 64 x 4 spills 1.3 KB per
 # thread plain, 0.4 KB gathering and 2.2 KB with the SwiGLU; 64 x 32 x 4 spills nothing. The spills
 # cost the SwiGLU cast its bandwidth, not the others.
-TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (128, 64, 4), "gather": (128, 64, 4), "swiglu": (64, 32, 4)}
+# "swiglu_grad" (`swiglu_grad_cast_triton`: fc1's output gradient computed from fc1's output and fc2's
+# data gradient, three tiles read per tile cast) takes the SwiGLU's shape, the nearest measured kind.
+TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (128, 64, 4), "gather": (128, 64, 4), "swiglu": (64, 32, 4),
+                                                "swiglu_grad": (64, 32, 4)}
 
 
 def _tile_shapes_from_env(value: str) -> dict[str, tuple[int, int, int]]:

@@ -754,6 +754,68 @@ def prefetch_weight_layouts(w_EKN: Tensor, recipe: FP8Recipe,
     return PrefetchedWeight(_weight_signature(w_EKN), layouts, done, w_EKN.device)
 
 
+# fc1's output gradient cast inside fc2's backward, straight from the SwiGLU's input and fc2's data
+# gradient (`_SwiGLUGradHandoff`); off with ``LIGHTNING_MOE_FUSED_SWIGLU_GRAD=0`` (read at each
+# forward) or by setting this False.
+FUSED_SWIGLU_GRAD = True
+
+# The attribute of fc1's output that carries its `_SwiGLUGradHandoff` to fc2's call.
+_HANDOFF_ATTR = "_lightning_moe_swiglu_grad_handoff"
+
+
+class _SwiGLUGradHandoff:
+    """fc1's output gradient handed from fc2's backward to fc1's as the FP8 copies fc1's backward
+    casts it into, instead of as a bf16 tensor through autograd.
+
+    fc2's backward holds the SwiGLU's input ``h`` (fc1's output) and its output's gradient (fc2's
+    data gradient); fc1's backward needs ``grad_h`` only as its delayed FP8 row and transposed
+    copies. With the handoff, fc2's backward casts ``grad_h`` computed on the fly
+    (``kernels.swiglu_grad_cast_triton``: one read of ``h`` and the gradient, no bf16 ``grad_h``
+    written and read back) with fc1's scales, amax record and weight-gradient layout, leaves the
+    copies here and returns no gradient for ``h``; fc1's backward (its grads not materialized)
+    takes them. The same bytes as the unfused path (GPU tests).
+
+    fc1's forward arms it (a delayed-scaling fused cast in a training pass) and the wrapper
+    attaches it to fc1's output; fc2's call takes it from there, so it applies only where fc1's
+    output goes straight into fc2's fused SwiGLU cast. If ``h`` also reached another consumer,
+    fc1's backward would receive that gradient beside the handoff, and raises."""
+
+    def __init__(self) -> None:
+        self.quantizer: Optional[_FusedGroupedOperands] = None  # fc1's, set by fc1's forward
+        self.aligned = False  # fc1's transposed copies in the weight-gradient kernel's aligned layout
+        self.operands: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
+
+    @staticmethod
+    def enabled() -> bool:
+        return FUSED_SWIGLU_GRAD and os.environ.get("LIGHTNING_MOE_FUSED_SWIGLU_GRAD", "1") != "0"
+
+    def arm(self, quantizer: _FusedGroupedOperands, aligned: bool) -> None:
+        self.quantizer, self.aligned = quantizer, aligned
+
+    @property
+    def armed(self) -> bool:
+        return self.quantizer is not None
+
+    def cast(self, h_RF2: Tensor, g_RF: Tensor, row_probs: Optional[Tensor], offsets: Tensor) -> Optional[Tensor]:
+        """Cast ``grad_h`` of ``p * silu(gate) * up`` (``p`` = ``row_probs``, or 1) into fc1's
+        copies, kept for fc1's backward; returns ``grad_p`` fp32 ``[R]`` with ``row_probs``."""
+        from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
+
+        assert self.quantizer is not None and self.operands is None, "one cast per armed forward"
+        rows, f2 = h_RF2.shape
+        aligned_ends = _wgrad_aligned_ends(offsets) if self.aligned else None
+        q_CR = _transposed_out(h_RF2, f2, rows=rows, aligned_groups=offsets.numel() if self.aligned else 0)
+        scale, record = self.quantizer._delayed("grad")
+        q_RC, s_R, s_GC, grad_p = delayed_swiglu_grad_cast(h_RF2, g_RF, row_probs, offsets, scale, record, q_CR,
+                                                           q_CR.shape[1], aligned_ends)
+        self.operands = (q_RC, s_R, q_CR, s_GC.reshape(-1))
+        return grad_p
+
+    def take(self) -> Optional[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        operands, self.operands = self.operands, None
+        return operands
+
+
 class _ScaledGroupedMM(torch.autograd.Function):
     """``x @ w`` per group; with ``input_swiglu`` ``x`` is ``h = [gate | up]`` and the GEMM's
     input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`);
@@ -769,7 +831,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
                 cache: Optional[FP8WeightCache], needs_backward: bool, input_swiglu: bool = False,
                 prefetched: Optional[PrefetchedWeight] = None, gather: Any = None, combine: Any = None,
-                probs: Optional[Tensor] = None) -> Tensor:
+                probs: Optional[Tensor] = None, handoff: Optional[_SwiGLUGradHandoff] = None) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
@@ -862,6 +924,16 @@ class _ScaledGroupedMM(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, w, offsets)
         ctx.input_swiglu, ctx.gather, ctx.combine, ctx.triton_dgrad = input_swiglu, gather, combine, triton_dgrad
+        # fc1 (a fused delayed cast in training): its output gradient may come through ``handoff``
+        # (armed here), with no gradient from autograd; fc2: hands its input's gradient over.
+        ctx.handoff = None
+        if handoff is not None and fused and state is not None and needs_backward:
+            if not input_swiglu:
+                handoff.arm(quantizer, wgrad_aligned_ends is not None)
+                ctx.set_materialize_grads(False)
+                ctx.handoff = handoff
+            elif handoff.armed:
+                ctx.handoff = handoff
         # Whether the transposed copies are in the aligned layout. The backward takes the ends from
         # the saved offsets, as the saved input copy (which activation checkpointing recomputes).
         ctx.wgrad_aligned = wgrad_aligned_ends is not None
@@ -877,24 +949,33 @@ class _ScaledGroupedMM(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, dy: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
         recipe, state, ends = ctx.recipe, ctx.state, ctx.ends
         experts, k, n = ctx.w_shape
+        # fc1's output gradient as fc2's backward cast it (see `_SwiGLUGradHandoff`), or None
+        handed = ctx.handoff.take() if ctx.handoff is not None and not ctx.input_swiglu else None
+        if handed is None and dy is None:  # fc1 armed a handoff that nothing filled: no gradient
+            return (None,) * 14
+        if handed is not None and dy is not None:
+            raise RuntimeError(
+                "FP8 grouped GEMM: fc1's output received a gradient from a consumer besides fc2's fused SwiGLU cast, "
+                "which hands fc1 its gradient already cast. Feed fc1's output to fc2 alone, or set "
+                "LIGHTNING_MOE_FUSED_SWIGLU_GRAD=0.")
         # Unpacked once: activation checkpointing refuses a second unpack of a saved tensor.
         saved = ctx.saved_tensors
         offsets = saved[2]
         _assert_groups_aligned(offsets)
-        with no_autocast(dy):
-            dy = dy.contiguous()
-            if ctx.fused:
+        with no_autocast(offsets):
+            dy = None if dy is None else dy.contiguous()
+            if handed is not None:
+                qx_t, sx_t, _, w, qw_saved, sw_saved = saved[:6]
+                qw, sw_EK = _saved_weight_dgrad(ctx, qw_saved, sw_saved, w)
+                wgrad_aligned_ends = _saved_wgrad_layout(qx_t, offsets, handed[0].shape[0], ctx.wgrad_aligned)
+                qdy, sdy_R, qdy_t, sdy_t = handed
+            elif ctx.fused:
                 qx_t, sx_t, _, w, qw_saved, sw_saved = saved[:6]
                 quantizer = _FusedGroupedOperands(recipe, state)
-                if qw_saved.numel():
-                    qw, sw_EK = qw_saved, sw_saved
-                elif ctx.weight_dgrad is not None:
-                    qw, sw_EK = ctx.weight_dgrad
-                else:
-                    qw, sw_EK = quantizer.weight_dgrad(w)
+                qw, sw_EK = _saved_weight_dgrad(ctx, qw_saved, sw_saved, w)
                 # Under combine ``dy`` is the tokens' gradient [T, N]: row r's is dy[row_token[r]],
                 # gathered by the cast (zeros for padding rows), as the combine's backward would.
                 token_rows = None if ctx.combine is None else ctx.combine.row_token_R
@@ -927,24 +1008,39 @@ class _ScaledGroupedMM(torch.autograd.Function):
                                         out_dtype=ctx.w_dtype)
             dx = dx.to(ctx.x_dtype)
             grad_probs = None
-            if ctx.combine is not None:
+            if ctx.handoff is not None and ctx.input_swiglu and ctx.needs_input_grad[0]:
+                # fc1's output gradient goes to fc1's backward already cast (see `_SwiGLUGradHandoff`)
+                grad_rows = ctx.handoff.cast(saved[6], dx, saved[7] if ctx.combine is not None else None, offsets)
+                dx = None
+            elif ctx.combine is not None:
                 from lightning_moe.kernels.swiglu_triton import weighted_swiglu_backward
 
                 # dx is the gradient of row_probs * silu(gate) * up
                 dx, grad_rows = weighted_swiglu_backward(saved[6], dx, saved[7])
-                # Each kept assignment (t, k) holds one row, dest[t, k]; dropped ones (dest == R) get 0.
-                grad_probs = torch.cat([grad_rows, grad_rows.new_zeros(1)])[ctx.combine.dest_TK]
-                grad_probs = grad_probs.to(ctx.probs_dtype)
             elif ctx.input_swiglu:
                 from lightning_moe.kernels.swiglu_triton import swiglu_backward
 
                 # dx is the gradient of silu(gate) * up, as the unfused SwiGLU would receive it
                 dx = swiglu_backward(saved[6], dx)
+            if ctx.combine is not None:
+                # Each kept assignment (t, k) holds one row, dest[t, k]; dropped ones (dest == R) get 0.
+                grad_probs = torch.cat([grad_rows, grad_rows.new_zeros(1)])[ctx.combine.dest_TK]
+                grad_probs = grad_probs.to(ctx.probs_dtype)
         if ctx.gather is not None:
             from lightning_moe.nn.permutation import permute_backward
 
             dx = permute_backward(dx, ctx.gather)  # the gradient of the permutation the cast read
-        return dx, dw, *(None,) * 10, grad_probs
+        return dx, dw, *(None,) * 10, grad_probs, None
+
+
+def _saved_weight_dgrad(ctx: Any, qw_saved: Tensor, sw_saved: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """The weight's data-gradient copy and scales: saved by the forward, kept on ``ctx`` (a cached
+    copy), or quantized now."""
+    if qw_saved.numel():
+        return qw_saved, sw_saved
+    if ctx.weight_dgrad is not None:
+        return ctx.weight_dgrad
+    return _FusedGroupedOperands(ctx.recipe, ctx.state).weight_dgrad(w)
 
 
 def _saved_wgrad_layout(qx_t: Tensor, offsets: Tensor, rows: int, aligned: bool) -> Optional[Tensor]:
@@ -963,9 +1059,19 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                       state: Optional[DelayedState], weight_key: Optional[Hashable] = None,
                       prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
     """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`;
-    ``prefetched``: ``w``'s layouts from `prefetch_weight_layouts`."""
-    return _ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w),
-                                  _needs_backward(x, w), False, prefetched)
+    ``prefetched``: ``w``'s layouts from `prefetch_weight_layouts`. The output may carry a
+    `_SwiGLUGradHandoff` for `scaled_grouped_mm_swiglu`."""
+    handoff = _SwiGLUGradHandoff() if _SwiGLUGradHandoff.enabled() else None
+    return _with_handoff(_ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w),
+                                                _needs_backward(x, w), False, prefetched, None, None, None, handoff),
+                         handoff)
+
+
+def _with_handoff(h: Tensor, handoff: Optional[_SwiGLUGradHandoff]) -> Tensor:
+    """``h`` carrying ``handoff`` where the forward armed it (see `_SwiGLUGradHandoff`)."""
+    if handoff is not None and handoff.armed:
+        setattr(h, _HANDOFF_ATTR, handoff)
+    return h
 
 
 def scaled_grouped_mm_gathered(tokens: Tensor, plan: Any, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
@@ -978,8 +1084,10 @@ def scaled_grouped_mm_gathered(tokens: Tensor, plan: Any, w: Tensor, offsets: Te
     rows before a quantized GEMM: the same bits as that path (GPU test); without autocast the
     same bits as ``scaled_grouped_mm(permute(tokens, plan), w, ...)``. Only with a delayed state where
     `native_delayed_casts` (training or evaluation: both cast kernels read through the row index)."""
-    return _ScaledGroupedMM.apply(tokens, w, offsets, recipe, state, weight_key, training_cache(w),
-                                  _needs_backward(tokens, w), False, prefetched, plan)
+    handoff = _SwiGLUGradHandoff() if _SwiGLUGradHandoff.enabled() else None
+    return _with_handoff(_ScaledGroupedMM.apply(tokens, w, offsets, recipe, state, weight_key, training_cache(w),
+                                                _needs_backward(tokens, w), False, prefetched, plan, None, None,
+                                                handoff), handoff)
 
 
 def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:
@@ -1001,7 +1109,11 @@ def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8R
     computed as Megatron-Core's experts do, with the routing probabilities applied to the SwiGLU's
     rows (its weighted SwiGLU) and an unweighted sum per token after the GEMM, the same function
     up to rounding. Its backward then needs no combine pass: the gradient cast gathers each row's
-    token gradient, and the probabilities' gradient comes out of the SwiGLU's backward."""
+    token gradient, and the probabilities' gradient comes out of the SwiGLU's backward.
+
+    Where ``h`` is the output of an FP8 grouped GEMM that armed a `_SwiGLUGradHandoff`, the
+    backward casts ``h``'s gradient straight into that GEMM's FP8 copies (no bf16 ``grad_h``)."""
     return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
                                   _needs_backward(h, w), True, prefetched, None,
-                                  *((None, None) if combine is None else (combine.plan, combine.probs_TK)))
+                                  *((None, None) if combine is None else (combine.plan, combine.probs_TK)),
+                                  getattr(h, _HANDOFF_ATTR, None))

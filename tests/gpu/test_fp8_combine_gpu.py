@@ -126,13 +126,14 @@ def test_combined_second_projection_equals_its_unfused_composition(experts, dtyp
 
 
 def _layer_step(deferred: bool, monkeypatch, experts: int = 40, checkpointed: bool = False, fp8: bool = True,
-                master_fp32: bool = False, fast_wgrad: bool = False):
+                master_fp32: bool = False, fast_wgrad: bool = False, handoff: bool = True):
     """Output, token gradient and parameter gradients of one FP8-delayed MoE layer step, with
     the combine fused into the experts (``deferred``) or run by the dispatcher; ``checkpointed``:
     under activation checkpointing (the forward recomputed in the backward); ``fp8=False``: the
     bf16 layer, as a reference; ``master_fp32``: the experts hold the same (bf16-representable)
     weights in fp32, as bf16-mixed training holds master weights; ``fast_wgrad``: fast accumulation
-    in every product (the weight gradient then takes our Triton kernel)."""
+    in every product (the weight gradient then takes our Triton kernel); ``handoff=False``: fc1's
+    output gradient written in bf16 by fc2's backward and cast by fc1's (`_SwiGLUGradHandoff` off)."""
     from torch.utils.checkpoint import checkpoint
 
     from lightning_moe.nn import MoEConfig, MoELayer
@@ -151,6 +152,7 @@ def _layer_step(deferred: bool, monkeypatch, experts: int = 40, checkpointed: bo
         plugin.convert_module(layer)
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with monkeypatch.context() as m:
+        m.setenv("LIGHTNING_MOE_FUSED_SWIGLU_GRAD", "1" if handoff else "0")
         if not deferred:
             m.setattr(GroupedExperts, "takes_deferred_combine", lambda self, tokens: False)
         with plugin.forward_context():
@@ -164,13 +166,16 @@ def test_layer_with_the_combine_in_the_experts_matches_the_dispatchers_combine(m
     computes the same step as with the dispatcher's combine, within FP8 rounding (the two
     quantize differently weighted fc2 inputs): against the bf16 layer, each result's error is
     within 10% (+0.005) of the other path's."""
-    from lightning_moe.kernels import swiglu_triton
+    from lightning_moe.kernels import swiglu_grad_cast_triton, swiglu_triton
 
     weighted = count_calls(swiglu_triton, "weighted_swiglu_backward")
+    grad_casts = count_calls(swiglu_grad_cast_triton, "delayed_swiglu_grad_cast")
     fused = _layer_step(True, monkeypatch)
-    assert len(weighted) == 1
+    assert len(grad_casts) == 1 and not weighted  # the SwiGLU's backward inside fc1's gradient cast
+    _layer_step(True, monkeypatch, handoff=False)
+    assert len(grad_casts) == 1 and len(weighted) == 1
     plain = _layer_step(False, monkeypatch)
-    assert len(weighted) == 1
+    assert len(grad_casts) == 2 and len(weighted) == 1
     reference = _layer_step(False, monkeypatch, fp8=False)
     assert len(fused) == len(plain) == len(reference)
     for i, (a, b, ref) in enumerate(zip(fused, plain, reference)):
@@ -212,3 +217,108 @@ def test_fp32_master_weights_get_in_fp32_the_gradient_bf16_weights_get_rounded(m
             widened += 1
             assert not torch.equal(a, b.float()), i  # bits bf16 would drop
     assert widened == 2  # fc1 and fc2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_swiglu_grad_cast_equals_the_swiglu_backward_then_the_cast(dtype, weighted, aligned):
+    """`delayed_swiglu_grad_cast(h, g, p)` writes the bytes, scales and amax record of casting
+    `weighted_swiglu_backward(h, g, p)` (`swiglu_backward` without ``p``) with `delayed_cast`,
+    in the plain and the weight-gradient kernel's aligned transposed layout; groups with and without
+    history, an empty group, a tail after the last group, a width that is no multiple of the column
+    block; the probabilities' gradient to fp32 rounding (another summation order)."""
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+    from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
+    from lightning_moe.kernels.swiglu_triton import swiglu_backward, weighted_swiglu_backward
+    from lightning_moe.precision.scaled_mm import _transposed_out, _wgrad_aligned_ends
+
+    torch.manual_seed(0)
+    rows, f = 720, 200
+    h = (torch.randn(rows, 2 * f, device="cuda") * 3).to(dtype)
+    g = (torch.randn(rows, f, device="cuda") * torch.logspace(-3, 1, rows, device="cuda")[:, None]).to(dtype)
+    p = torch.rand(rows, device="cuda") if weighted else None
+    offsets = torch.tensor([0, 48, 48, 352, 704], device="cuda", dtype=torch.int32)
+    scale = torch.tensor([0.0, 2.0, 0.0, 0.5, 0.0], device="cuda")
+    ends = _wgrad_aligned_ends(offsets) if aligned else None
+    groups = offsets.numel() if aligned else 0
+    if weighted:
+        grad_h, grad_p_ref = weighted_swiglu_backward(h, g, p)
+    else:
+        grad_h, grad_p_ref = swiglu_backward(h, g), None
+    results = []
+    for fused in (True, False):
+        q_col = _transposed_out(h, 2 * f, rows=rows, aligned_groups=groups)
+        q_col.view(torch.uint8).fill_(0x55)  # a marker for what no cast writes
+        record = torch.zeros(offsets.numel(), device="cuda")
+        if fused:
+            q, s_row, s_col, grad_p = delayed_swiglu_grad_cast(h, g, p, offsets, scale, record, q_col,
+                                                               q_col.shape[1], ends)
+        else:
+            (q, s_row, s_col), grad_p = delayed_cast(grad_h, offsets, scale, record, out_col=q_col,
+                                                     stride_out_col=q_col.shape[1], aligned_ends=ends), grad_p_ref
+        results.append((q, s_row, s_col, q_col, record, grad_p))
+    (q, s_row, s_col, q_col, record, grad_p), (q_ref, s_row_ref, s_col_ref, q_col_ref, record_ref, grad_p_ref) = results
+    assert same_bits(q, q_ref) and torch.equal(s_row, s_row_ref) and torch.equal(s_col, s_col_ref)
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    assert torch.equal(record, record_ref) and (record[sizes > 0] > 0).all()
+    assert same_bits(q_col, q_col_ref), "transposed copy"  # the aligned gaps' zeros included
+    end = int(ends[-1]) if aligned else int(offsets[-1])
+    assert end == (896 if aligned else 704) and (q_col.view(torch.uint8)[:, end:] == 0x55).all()
+    if weighted:
+        assert grad_p.shape == (rows,) and _relative_error(grad_p, grad_p_ref) < 1e-6
+    else:
+        assert grad_p is None
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("deferred,fast_wgrad,master_fp32", [(True, False, False), (True, True, False),
+                                                             (False, True, False), (True, True, True)])
+def test_layer_step_with_fc1_gradient_handed_over_cast(monkeypatch, deferred, fast_wgrad, master_fp32,
+                                                       checkpointed):
+    """fc1's output gradient cast inside fc2's backward (`_SwiGLUGradHandoff`, the default) against
+    the bf16 gradient written by the SwiGLU's backward and cast by fc1's: the output and the
+    experts' weight gradients have the same bits (the same float8 operands; with ``fast_wgrad`` in
+    the weight-gradient kernel's aligned layout). The probabilities' gradient is summed in another
+    order, so the router's weight and the tokens' gradient agree to that rounding."""
+    handed = _layer_step(deferred, monkeypatch, fast_wgrad=fast_wgrad, master_fp32=master_fp32,
+                         checkpointed=checkpointed)
+    unhanded = _layer_step(deferred, monkeypatch, fast_wgrad=fast_wgrad, master_fp32=master_fp32,
+                           checkpointed=checkpointed, handoff=False)
+    from lightning_moe.nn import MoEConfig, MoELayer
+
+    names = ["output", "input"] + [name for name, _ in MoELayer(MoEConfig(
+        hidden_size=256, ffn_hidden_size=512, num_experts=40, router_topk=4, expert_alignment=16)).named_parameters()]
+    assert len(names) == len(handed) == len(unhanded)
+    for name, a, b in zip(names, handed, unhanded):
+        if name == "output" or "experts" in name:
+            assert torch.equal(a, b), name
+        else:
+            assert _relative_error(a, b) < 1e-3, (name, _relative_error(a, b))
+
+
+def test_fc1_output_with_a_second_consumer_raises():
+    """fc1's output fed to fc2's fused SwiGLU cast and to anything else: its backward would get
+    that gradient beside the handed-over copies, and says so instead of dropping either."""
+    from lightning_moe.nn.grouped_gemm import group_offsets
+    from lightning_moe.precision.delayed import DelayedState
+    from lightning_moe.precision.recipes import FP8Recipe
+    from lightning_moe.precision.scaled_mm import scaled_grouped_mm, scaled_grouped_mm_swiglu
+
+    torch.manual_seed(0)
+    plan, _ = _routed(128, 8, 2, seed=3)
+    offsets = group_offsets(plan.group_sizes_E, plan.num_rows)
+    recipe = FP8Recipe.of("delayed")
+    x = torch.randn(plan.num_rows, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(8, 128, 256, device="cuda") / 128 ** 0.5).to(torch.bfloat16).requires_grad_(True)
+    w2 = (torch.randn(8, 128, 128, device="cuda") / 128 ** 0.5).to(torch.bfloat16).requires_grad_(True)
+    states = [DelayedState(torch.rand(4, 3, 8, device="cuda") + 0.5, torch.zeros(3, 8, device="cuda"))
+              for _ in range(2)]
+    h = scaled_grouped_mm(x, w1, offsets, recipe, states[0])
+    y = scaled_grouped_mm_swiglu(h, w2, offsets, recipe, states[1])
+    y.float().sum().backward(retain_graph=True)  # fc2 alone consumes h: fine
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    h = scaled_grouped_mm(x, w1, offsets, recipe, states[0])
+    y = scaled_grouped_mm_swiglu(h, w2, offsets, recipe, states[1])
+    with pytest.raises(RuntimeError, match="received a gradient from a consumer besides"):
+        (y.float().sum() + h.float().square().sum()).backward()

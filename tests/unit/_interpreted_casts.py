@@ -14,7 +14,10 @@ Triton 3.6, so here bytes are compared between launches of the same interpreter 
 - gather: the cast reading rows through the permutation against the plain cast of the gathered
   rows (zeros for the padding sentinel);
 - swiglu: the cast computing the SwiGLU against the plain cast of the Triton SwiGLU's output, and
-  with row probabilities against the reference launch.
+  with row probabilities against the reference launch;
+- swiglu_grad (`kernels.swiglu_grad_cast_triton`): the cast computing the SwiGLU's backward, with
+  and without row probabilities, against the plain cast of the Triton SwiGLU backward's output;
+  the probabilities' gradient against that kernel's to fp32 rounding (another summation order).
 """
 
 from __future__ import annotations
@@ -45,12 +48,25 @@ ROWS, COLS = 300, 72  # 72: a partial column block at every launch width tried
 PADDED = 304
 
 
-def _cast(x: torch.Tensor, **kwargs) -> list[torch.Tensor]:
+def _cast(x: torch.Tensor, cols: int = COLS, **kwargs) -> list[torch.Tensor]:
     """Row copy, row scales, column scales, transposed copy, amax record of one tile cast."""
-    q_col = torch.full((COLS, PADDED), 0x55, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    record = torch.zeros(OFFSETS.numel())
+    q_col, record = _outputs(cols)
     q, s_row, s_col = fd.delayed_cast(x, OFFSETS, SCALES, record, out_col=q_col, stride_out_col=PADDED, **kwargs)
     return [q, s_row, s_col, q_col, record]
+
+
+def _outputs(cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transposed copy's buffer filled with a marker byte, and a zero amax record."""
+    return torch.full((cols, PADDED), 0x55, dtype=torch.uint8).view(torch.float8_e4m3fn), torch.zeros(OFFSETS.numel())
+
+
+def _grad_cast(h: torch.Tensor, g: torch.Tensor, probs: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`_cast`'s outputs of the fused SwiGLU-backward cast, and its probabilities' gradient."""
+    from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
+
+    q_col, record = _outputs(h.shape[1])
+    q, s_row, s_col, grad_p = delayed_swiglu_grad_cast(h, g, probs, OFFSETS, SCALES, record, q_col, PADDED)
+    return [q, s_row, s_col, q_col, record], grad_p
 
 
 def _operand(seed: int, cols: int, rows: int = ROWS) -> torch.Tensor:
@@ -129,6 +145,23 @@ def check(kind: str, shape: tuple[int, int, int]) -> list[str]:
         probs = torch.rand(ROWS, generator=torch.Generator().manual_seed(4))
         weighted = [_cast_with(kind, launch, h, swiglu=True, row_probs=probs) for launch in (shape, REFERENCE_LAUNCH)]
         return failures + [f"weighted {name}" for name in _check_equal(*weighted)]
+    if kind == "swiglu_grad":
+        from lightning_moe.kernels.swiglu_triton import swiglu_backward, weighted_swiglu_backward
+
+        h, g = _operand(5, 2 * COLS), _operand(6, COLS)
+        probs = torch.rand(ROWS, generator=torch.Generator().manual_seed(7))
+        with _launching(kind, shape):
+            fused, _ = _grad_cast(h, g, None)
+            fused_weighted, grad_p = _grad_cast(h, g, probs)
+        failures = _check_equal(fused, _cast_with("plain", REFERENCE_LAUNCH, swiglu_backward(h, g), cols=2 * COLS))
+        grad_h, grad_p_ref = weighted_swiglu_backward(h, g, probs)
+        failures += [f"weighted {name}" for name in _check_equal(
+            fused_weighted, _cast_with("plain", REFERENCE_LAUNCH, grad_h, cols=2 * COLS))]
+        finite = grad_p_ref.isfinite()  # rows 7 and 8 hold NaN and inf
+        if not (torch.equal(finite, grad_p.isfinite())
+                and torch.allclose(grad_p[finite], grad_p_ref[finite], rtol=1e-5, atol=1e-6)):
+            failures.append("probabilities' gradient")
+        return failures
     raise ValueError(f"unknown kind {kind!r}; one of {sorted(fd.TILE_SHAPES)}")
 
 

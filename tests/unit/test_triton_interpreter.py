@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason(
 OTHER_SHAPES = ["128,64,4", "64,32,4", "32,128,4"]  # besides the library's (rows, columns, warps)
 
 
-@pytest.mark.parametrize("kind", ["plain", "gather", "swiglu"])
+@pytest.mark.parametrize("kind", ["plain", "gather", "swiglu", "swiglu_grad"])
 def test_delayed_cast_launch_shapes_write_the_same_bytes(kind):
     script = Path(__file__).with_name("_interpreted_casts.py")
     root = str(Path(__file__).resolve().parents[2])
