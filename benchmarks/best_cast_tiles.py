@@ -29,8 +29,9 @@ def best_tiles(results: dict, margin: float) -> dict[str, tuple[int, int, int]]:
     that sum is below the library launch's by more than ``margin``."""
     by_kind: dict[str, list[dict]] = {}
     for case, rows in results.items():
-        kind = case.rsplit("_", 1)[-1]
-        if kind not in TILE_SHAPES:
+        # the longest kind the case name ends in ("swiglu_grad" before "swiglu")
+        kind = next((k for k in sorted(TILE_SHAPES, key=len, reverse=True) if case.endswith("_" + k)), None)
+        if kind is None:
             raise ValueError(f"case {case!r} does not end in a kind of {sorted(TILE_SHAPES)}")
         by_kind.setdefault(kind, []).append({(r["BR"], r["BC"], r["warps"]): r["ms"] for r in rows
                                              if r.get("ms") and r.get("bytes_equal")})

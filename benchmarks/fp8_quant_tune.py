@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import triton
@@ -249,7 +250,7 @@ FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 
 
 
 def _fused_cases(shape: dict, gen: torch.Generator) -> dict:
-    """The three operand kinds of one benchmark shape: ``{kind: (x, cols, bytes moved, kwargs)}``."""
+    """The four operand kinds of one benchmark shape: ``{kind: (x, cols, bytes moved, kwargs)}``."""
     groups, rows, tokens = shape["groups"], shape["rows"], shape["tokens"]
     total = groups * rows
     # Each expert's rows: a sorted sample of distinct tokens, as the permutation orders them.
@@ -263,16 +264,24 @@ def _fused_cases(shape: dict, gen: torch.Generator) -> dict:
                    dict(gather_rows=gather_rows)),
         "swiglu": (torch.randn(total, 2 * f, device="cuda", dtype=torch.bfloat16), f, (4 * total + written) * f,
                    dict(swiglu=True, row_probs=torch.rand(total, device="cuda"))),
+        # fc1's output gradient from fc1's output h and fc2's data gradient g (`swiglu_grad_cast_triton`):
+        # reads h [R, 2F] and g [R, F] in bf16, writes both float8 copies of [R, 2F]
+        "swiglu_grad": (torch.randn(total, 2 * f, device="cuda", dtype=torch.bfloat16), 2 * f,
+                        (6 * total + 2 * written) * f,
+                        dict(g=torch.randn(total, f, device="cuda", dtype=torch.bfloat16),
+                             row_probs=torch.rand(total, device="cuda"))),
     }
 
 
-def tune_delayed_fused() -> dict:
-    """`delayed_cast` on its plain, gathered and SwiGLU operands per launch shape
+def tune_delayed_fused(kinds: Optional[list[str]] = None) -> dict:
+    """`delayed_cast` on its plain, gathered and SwiGLU operands (and `delayed_swiglu_grad_cast`,
+    kind "swiglu_grad"; ``kinds``: these alone) per launch shape
     (`fp8_delayed_triton.TILE_SHAPES`) at each of `FUSED_SHAPES`: GB/s over the bytes read (fc2's
     output gradient, the gathered token rows, or fc1's output and the probabilities) and the two
     float8 copies written. Every shape's outputs must equal those of the first, 128 x 64 x 4 warps.
     Keys: ``<model>_<kind>``."""
     from lightning_moe.kernels import fp8_delayed_triton as fd
+    from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
 
     default = dict(fd.TILE_SHAPES)
     gen = torch.Generator("cuda").manual_seed(0)
@@ -284,6 +293,8 @@ def tune_delayed_fused() -> dict:
             offsets = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * shape["rows"]
             scale = torch.full((groups,), 4.0, device="cuda")
             for kind, (x, cols, nbytes, kwargs) in _fused_cases(shape, gen).items():
+                if kinds and kind not in kinds:
+                    continue
                 reference, rows_out = None, []
                 for config in FUSED_CONFIGS:
                     fd.TILE_SHAPES[kind] = config
@@ -292,8 +303,12 @@ def tune_delayed_fused() -> dict:
                     results: list = []
 
                     def cast():
-                        results[:] = fd.delayed_cast(x, offsets, scale, record, out_col=q_col, stride_out_col=total,
-                                                     aligned_ends=offsets, **kwargs)
+                        if kind == "swiglu_grad":
+                            results[:] = delayed_swiglu_grad_cast(x, kwargs["g"], kwargs["row_probs"], offsets, scale,
+                                                                  record, q_col, total, offsets)
+                        else:
+                            results[:] = fd.delayed_cast(x, offsets, scale, record, out_col=q_col,
+                                                         stride_out_col=total, aligned_ends=offsets, **kwargs)
 
                     row = {"BR": config[0], "BC": config[1], "warps": config[2]}
                     rows_out.append(row)
@@ -316,7 +331,10 @@ def tune_delayed_fused() -> dict:
 
 def main() -> None:
     if "--delayed-fused" in sys.argv:
-        write_results("fp8_quant_tune_delayed_fused", {"results": tune_delayed_fused()})
+        # --kinds KIND...: those operand kinds alone, written under fp8_quant_tune_delayed_fused_<kinds>
+        kinds = sys.argv[sys.argv.index("--kinds") + 1:] if "--kinds" in sys.argv else None
+        name = "fp8_quant_tune_delayed_fused" + ("_" + "_".join(kinds) if kinds else "")
+        write_results(name, {"results": tune_delayed_fused(kinds)})
         return
     if "--delayed-variants" in sys.argv:
         write_results("fp8_quant_tune_delayed_variants", {"results": tune_delayed_variants()})
