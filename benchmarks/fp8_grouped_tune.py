@@ -51,16 +51,18 @@ CONFIGS = [
     (128, 128, 128, 4, 4),
 ]
 WGRAD_CONFIGS = CONFIGS + [(256, 128, 128, 8, 4)]
+# The weight gradient's tiles stored by TMA (`grouped_mm_wgrad(tma_store=True)`), same tuple + "tma".
+WGRAD_TMA_CONFIGS = [(128, 256, 128, 8, 3, "tma"), (128, 256, 128, 8, 4, "tma"), (128, 128, 128, 4, 4, "tma")]
 
 
 def _sweep(case: dict, configs: list, run, ref: torch.Tensor, flops: float, iters: int) -> None:
     """Time ``run(block_m, block_n, block_k, num_warps, num_stages)`` per configuration into
     ``case``, with its relative error against ``ref``."""
-    for bm, bn, bk, warps, stages in configs:
-        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
+    for bm, bn, bk, warps, stages, *store in configs:
+        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}" + "".join(f"_{s}" for s in store)
 
         def ours() -> torch.Tensor:
-            return run(bm, bn, bk, warps, stages)
+            return run(bm, bn, bk, warps, stages, *store)
 
         try:
             out = ours()
@@ -118,11 +120,11 @@ def wgrad_case(name: str, iters: int) -> dict:
             "torch_scaled_grouped_mm": {"ms": ms, "tflops": flops / ms / 1e9}}
     print(f"{name}: torch {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 
-    def ours(bm: int, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
+    def ours(bm: int, bn: int, bk: int, warps: int, stages: int, store: str = "") -> torch.Tensor:
         return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,
-                                num_warps=warps, num_stages=stages)
+                                num_warps=warps, num_stages=stages, tma_store=store == "tma")
 
-    _sweep(case, WGRAD_CONFIGS, ours, ref, flops, iters)
+    _sweep(case, WGRAD_CONFIGS + WGRAD_TMA_CONFIGS, ours, ref, flops, iters)
     return case
 
 

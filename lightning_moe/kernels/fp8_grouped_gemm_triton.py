@@ -140,7 +140,8 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
 @triton.jit
 def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr, E, M, N,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                          NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
+                          out_desc=None):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
@@ -169,14 +170,24 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
         sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
         out = (acc * sa[:, None] * sb[None, :]).to(out_ptr.dtype.element_ty)
-        ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
+        if TMA_STORE:
+            # The tile leaves by TMA in two column halves (half the staging buffer): the copy
+            # engine drains it while the next tile's contraction runs, where the plain store
+            # holds the warps until its last byte is issued. The [E, M, N] descriptor clips
+            # each half at the expert's and the output's bounds.
+            halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            out_desc.store([e, row0, col0], tl.reshape(left, (1, BLOCK_M, BLOCK_N // 2)))
+            out_desc.store([e, row0, col0 + BLOCK_N // 2], tl.reshape(right, (1, BLOCK_M, BLOCK_N // 2)))
+        else:
+            ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN: Tensor, aligned_ends_E: Tensor,
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
                      num_stages: int = 4, programs: Optional[int] = None,
-                     out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False) -> Tensor:
     """``out_dtype`` (bf16 or fp32) ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
@@ -185,7 +196,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     `WGRAD_GROUP_ALIGN` (expert ``e``'s columns are ``[aligned_ends[e-1], aligned_ends[e])``, its
     tokens first and zeros after). An expert without tokens gets zeros. Scales fp32 ``[E, M]`` and
     ``[E, N]``. fp32 output is for fp32 master weights: their gradient is written once, not
-    rounded to bf16 and widened by a second pass."""
+    rounded to bf16 and widened by a second pass. ``tma_store``: the tiles leave by TMA (see the
+    kernel; needs ``N`` times the element size a multiple of 16 bytes)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, r = a_MR.shape
@@ -201,8 +213,14 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     a_desc = TensorDescriptor(a_MR, [m, r], [a_MR.stride(0), 1], [block_m, block_k])
     b_desc = TensorDescriptor(b_NR, [n, r], [b_NR.stride(0), 1], [block_n, block_k])
     programs = programs or _multiprocessors(a_MR.device.index or 0)
+    out_desc = None
+    if tma_store:
+        if n * out.element_size() % 16:
+            raise ValueError(f"grouped_mm_wgrad(tma_store=True): rows of {n} {out_dtype} are not a multiple of 16 "
+                             "bytes, as TMA needs; use tma_store=False")
+        out_desc = TensorDescriptor(out, [experts, m, n], [m * n, n, 1], [1, block_m, block_n // 2])
     launch(_grouped_wgrad_kernel, (programs,),
            a_desc, b_desc, out, scale_a_EM, scale_b_EN, aligned_ends_E, experts, m, n,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
-           NUM_STAGES=num_stages, num_warps=num_warps)
+           NUM_STAGES=num_stages, TMA_STORE=tma_store, out_desc=out_desc, num_warps=num_warps)
     return out

@@ -210,6 +210,25 @@ def test_weight_gradient_launch_configurations_agree():
         assert torch.equal(out, base)
 
 
+@pytest.mark.parametrize("ends, m, n", [
+    ([128, 128, 304, 496], 256, 384),
+    ([96 * (e + 1) - (16 if e % 3 else 0) for e in range(40)], 192, 320),  # M, N not multiples of the tile
+])
+@pytest.mark.parametrize("out_dtype, stages", [(torch.bfloat16, 4), (torch.float32, 3)])
+def test_weight_gradient_tiles_stored_by_tma_are_the_same(ends, m, n, out_dtype, stages):
+    """`grouped_mm_wgrad(tma_store=True)`: the same output as the plain stores, the tiles that
+    cross the expert's or the output's bounds clipped by the descriptor (nothing written into the
+    next expert); rows that are no multiple of 16 bytes are refused."""
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
+
+    _, sa, _, sb, _, a, b, aligned_ends = _wgrad_operands(ends, m, n)
+    plain = grouped_mm_wgrad(a, sa, b, sb, aligned_ends, out_dtype=out_dtype)
+    stored = grouped_mm_wgrad(a, sa, b, sb, aligned_ends, out_dtype=out_dtype, tma_store=True, num_stages=stages)
+    assert torch.equal(stored, plain)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        grouped_mm_wgrad(a, sa, b[:100 - 3], sb[:, :100 - 3].contiguous(), aligned_ends, tma_store=True)
+
+
 @pytest.mark.parametrize("groups", ["uneven", "full"])
 @pytest.mark.parametrize("kind", ["delayed", "swiglu", "gather", "rowwise"])
 def test_casts_write_the_aligned_group_layout(kind, groups):

@@ -1,6 +1,8 @@
 """The delayed FP8 tile cast under Triton's interpreter on CPU (`_interpreted_casts.py`): the
 library's launch shape and others against a 16 x 16 reference launch and against the plain cast,
-per operand kind. Where Triton is not installed these skip; CI installs it (see ``.ci/run``)."""
+per operand kind (and the fused SwiGLU-backward cast against the backward then the cast), and the FP8
+weight-gradient kernel's TMA-stored tiles against its plain stores (`_interpreted_wgrad.py`). Where
+Triton is not installed these skip; CI installs it (see ``.ci/run``)."""
 
 from __future__ import annotations
 
@@ -30,17 +32,29 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason(
 OTHER_SHAPES = ["128,64,4", "64,32,4", "32,128,4"]  # besides the library's (rows, columns, warps)
 
 
-@pytest.mark.parametrize("kind", ["plain", "gather", "swiglu", "swiglu_grad"])
-def test_delayed_cast_launch_shapes_write_the_same_bytes(kind):
-    script = Path(__file__).with_name("_interpreted_casts.py")
+def _interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` (beside this file) run with ``args`` under Triton's interpreter, this checkout first
+    on the path."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    result = subprocess.run([sys.executable, str(script), kind, *OTHER_SHAPES], env=env, capture_output=True,
-                            text=True, timeout=500)
+    return subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *args], env=env,
+                          capture_output=True, text=True, timeout=500)
+
+
+@pytest.mark.parametrize("kind", ["plain", "gather", "swiglu", "swiglu_grad"])
+def test_delayed_cast_launch_shapes_write_the_same_bytes(kind):
+    result = _interpreted("_interpreted_casts.py", kind, *OTHER_SHAPES)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith(kind)]
     # one line per distinct shape: the library's first, then the others
     assert len(lines) in (len(OTHER_SHAPES), len(OTHER_SHAPES) + 1), result.stdout
     assert all(line.endswith("equal") for line in lines), result.stdout
     assert "(library launch)" in lines[0], result.stdout
+
+
+def test_weight_gradient_tiles_stored_by_tma_match_the_plain_stores():
+    result = _interpreted("_interpreted_wgrad.py")
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("wgrad tma")]
+    assert len(lines) == 3 and all(line.endswith("equal") for line in lines), result.stdout

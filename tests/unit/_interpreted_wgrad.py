@@ -1,0 +1,42 @@
+"""The FP8 weight-gradient kernel (`kernels.fp8_grouped_gemm_triton.grouped_mm_wgrad`) run on CPU
+under Triton's interpreter: its tiles stored by TMA (``tma_store=True``) against the plain masked
+stores, in bf16 and fp32, with an expert without tokens and ``M``, ``N`` no multiples of the tile
+(the descriptor must clip each tile at its expert's rows and the output's columns). Run as a
+script with ``TRITON_INTERPRET=1`` (see `_interpreted_casts.py`); prints one line per case and
+exits non-zero on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from lightning_moe.kernels import fp8_grouped_gemm_triton as kernels  # noqa: E402
+
+
+def check(m: int, n: int, out_dtype: torch.dtype) -> bool:
+    gen = torch.Generator().manual_seed(m * n)
+    aligned_ends = torch.tensor([128, 128, 384], dtype=torch.int32)  # the second expert has no tokens
+    a = torch.randn(m, 384, generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(n, 384, generator=gen).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(3, m, generator=gen) + 0.5, torch.rand(3, n, generator=gen) + 0.5
+    outs = [kernels.grouped_mm_wgrad(a, sa, b, sb, aligned_ends, block_m=32, block_n=64, block_k=128, num_warps=4,
+                                     num_stages=2, programs=3, out_dtype=out_dtype, tma_store=tma)
+            for tma in (False, True)]
+    return torch.equal(*outs) and bool((outs[1][1] == 0).all())
+
+
+def main() -> None:
+    for m, n, dtype in [(64, 96, torch.bfloat16), (48, 96, torch.float32), (40, 72, torch.bfloat16)]:
+        same = check(m, n, dtype)
+        print("wgrad tma", m, n, dtype, "equal" if same else "DIFFERENT", flush=True)
+        if not same:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
