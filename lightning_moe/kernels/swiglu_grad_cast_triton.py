@@ -13,7 +13,7 @@ the CPU interpreter test).
 
 The routing probabilities' gradient ``grad_p[r] = sum_f g * silu(gate) * up`` is a row reduction
 across every column block, while each program here owns one column block of one group. Each writes
-its block's partial sums (fp32 ``[F / BC, R]``, 0.4% of ``grad_h``'s bytes) and one reduction over
+its block's partial sums (fp32 ``[F / BC, R]``, 1/BC of ``grad_h``'s bf16 bytes) and one reduction over
 the blocks follows: no atomics, the same bits on every run. It agrees with the unfused kernel's
 sums (another order) to fp32 rounding.
 """
@@ -216,8 +216,12 @@ def delayed_swiglu_grad_cast(
     col_blocks = cdiv(f, block_c)
     # Every row belongs to a group or to the tail group, so every partial sum is written.
     partial = torch.empty(col_blocks, rows, dtype=torch.float32, device=device)
-    if not (rows and f):
-        s_col.copy_(torch.where(scale_G > 0, 1.0 / scale_G, torch.ones_like(scale_G))[:, None].expand(groups, f2))
+    if not (rows and f):  # nothing to cast: `delayed_cast`'s scales (the history's, else 1; the tail's 1)
+        inv_G = torch.where(scale_G > 0, 1.0 / scale_G, torch.ones_like(scale_G)).to(torch.float32)
+        s_col.copy_(inv_G[:, None].expand(groups, f2))
+        if rows:
+            row_group = torch.searchsorted(offsets_G.long(), torch.arange(rows, device=device), right=True)
+            s_row.copy_(torch.cat([inv_G, inv_G.new_ones(1)])[row_group])
         return q_row, s_row, s_col, None if row_probs is None else torch.zeros(rows, device=device)
     dummy = scale_G  # pointer for the operands a launch does not touch (never dereferenced)
     align, aligned_ends_ptr = _column_layout(aligned_ends, dummy)

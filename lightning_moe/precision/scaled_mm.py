@@ -782,13 +782,19 @@ class _SwiGLUGradHandoff:
     takes them. The same bytes as the unfused path (GPU tests).
 
     fc1's forward arms it (a delayed-scaling fused cast in a training pass) and the wrapper
-    attaches it to fc1's output; fc2's call takes it from there, so it applies only where fc1's
-    output goes straight into fc2's fused SwiGLU cast. If ``h`` also reached another consumer,
-    fc1's backward would receive that gradient beside the handoff, and raises."""
+    attaches it to fc1's output; the first fc2 call on that output claims it, so it applies only
+    where fc1's output goes straight into fc2's fused SwiGLU cast. If ``h`` also reached another
+    consumer (a second fc2 call included, which gets no handoff), fc1's backward would receive that
+    gradient beside the handoff, and raises.
+
+    So no gradient of ``h`` passes through autograd: hooks and ``retain_grad`` on fc1's output see
+    none, and ``torch.autograd.grad(..., inputs=[h])`` finds ``h`` unused. Switch it off
+    (``LIGHTNING_MOE_FUSED_SWIGLU_GRAD=0``) to inspect that gradient."""
 
     def __init__(self) -> None:
         self.quantizer: Optional[_FusedGroupedOperands] = None  # fc1's, set by fc1's forward
         self.aligned = False  # fc1's transposed copies in the weight-gradient kernel's aligned layout
+        self.claimed = False  # by the fc2 call that will cast into it
         self.operands: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
 
     @staticmethod
@@ -802,12 +808,21 @@ class _SwiGLUGradHandoff:
     def armed(self) -> bool:
         return self.quantizer is not None
 
+    def claim(self) -> bool:
+        """Whether the calling fc2 is the first to take this armed handoff (and now holds it)."""
+        if not self.armed or self.claimed:
+            return False
+        self.claimed = True
+        return True
+
     def cast(self, h_RF2: Tensor, g_RF: Tensor, row_probs: Optional[Tensor], offsets: Tensor) -> Optional[Tensor]:
         """Cast ``grad_h`` of ``p * silu(gate) * up`` (``p`` = ``row_probs``, or 1) into fc1's
-        copies, kept for fc1's backward; returns ``grad_p`` fp32 ``[R]`` with ``row_probs``."""
+        copies, kept for fc1's backward; returns ``grad_p`` fp32 ``[R]`` with ``row_probs``. Copies
+        that fc1's backward never took (a backward over a subset of the inputs that stopped at
+        fc2, then another over the retained graph) are replaced by the same values."""
         from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
 
-        assert self.quantizer is not None and self.operands is None, "one cast per armed forward"
+        assert self.quantizer is not None, "cast into a handoff that fc1's forward did not arm"
         rows, f2 = h_RF2.shape
         aligned_ends = _wgrad_aligned_ends(offsets) if self.aligned else None
         q_CR = _transposed_out(h_RF2, f2, rows=rows, aligned_groups=offsets.numel() if self.aligned else 0)
@@ -938,7 +953,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 handoff.arm(quantizer, wgrad_aligned_ends is not None)
                 ctx.set_materialize_grads(False)
                 ctx.handoff = handoff
-            elif handoff.armed:
+            elif handoff.claim():
                 ctx.handoff = handoff
         # Whether the transposed copies are in the aligned layout. The backward takes the ends from
         # the saved offsets, as the saved input copy (which activation checkpointing recomputes).

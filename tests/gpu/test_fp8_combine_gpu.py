@@ -274,17 +274,22 @@ def test_swiglu_grad_cast_equals_the_swiglu_backward_then_the_cast(dtype, weight
 @pytest.mark.parametrize("checkpointed", [False, True])
 @pytest.mark.parametrize("deferred,fast_wgrad,master_fp32", [(True, False, False), (True, True, False),
                                                              (False, True, False), (True, True, True)])
-def test_layer_step_with_fc1_gradient_handed_over_cast(monkeypatch, deferred, fast_wgrad, master_fp32,
+def test_layer_step_with_fc1_gradient_handed_over_cast(monkeypatch, count_calls, deferred, fast_wgrad, master_fp32,
                                                        checkpointed):
     """fc1's output gradient cast inside fc2's backward (`_SwiGLUGradHandoff`, the default) against
     the bf16 gradient written by the SwiGLU's backward and cast by fc1's: the output and the
     experts' weight gradients have the same bits (the same float8 operands; with ``fast_wgrad`` in
     the weight-gradient kernel's aligned layout). The probabilities' gradient is summed in another
     order, so the router's weight and the tokens' gradient agree to that rounding."""
+    from lightning_moe.kernels import swiglu_grad_cast_triton
+
+    grad_casts = count_calls(swiglu_grad_cast_triton, "delayed_swiglu_grad_cast")
     handed = _layer_step(deferred, monkeypatch, fast_wgrad=fast_wgrad, master_fp32=master_fp32,
                          checkpointed=checkpointed)
+    assert len(grad_casts) == 1  # the handoff ran (once, also with the forward recomputed)
     unhanded = _layer_step(deferred, monkeypatch, fast_wgrad=fast_wgrad, master_fp32=master_fp32,
                            checkpointed=checkpointed, handoff=False)
+    assert len(grad_casts) == 1
     from lightning_moe.nn import MoEConfig, MoELayer
 
     names = ["output", "input"] + [name for name, _ in MoELayer(MoEConfig(
@@ -297,9 +302,11 @@ def test_layer_step_with_fc1_gradient_handed_over_cast(monkeypatch, deferred, fa
             assert _relative_error(a, b) < 1e-3, (name, _relative_error(a, b))
 
 
-def test_fc1_output_with_a_second_consumer_raises():
-    """fc1's output fed to fc2's fused SwiGLU cast and to anything else: its backward would get
-    that gradient beside the handed-over copies, and says so instead of dropping either."""
+def test_fc1_output_with_a_second_consumer_raises(count_calls):
+    """fc1's output fed to fc2's fused SwiGLU cast and to anything else (a second fused fc2 call
+    too): its backward would get that gradient beside the handed-over copies, and says so instead
+    of dropping either."""
+    from lightning_moe.kernels import swiglu_grad_cast_triton
     from lightning_moe.nn.grouped_gemm import group_offsets
     from lightning_moe.precision.delayed import DelayedState
     from lightning_moe.precision.recipes import FP8Recipe
@@ -314,11 +321,14 @@ def test_fc1_output_with_a_second_consumer_raises():
     w2 = (torch.randn(8, 128, 128, device="cuda") / 128 ** 0.5).to(torch.bfloat16).requires_grad_(True)
     states = [DelayedState(torch.rand(4, 3, 8, device="cuda") + 0.5, torch.zeros(3, 8, device="cuda"))
               for _ in range(2)]
+    grad_casts = count_calls(swiglu_grad_cast_triton, "delayed_swiglu_grad_cast")
     h = scaled_grouped_mm(x, w1, offsets, recipe, states[0])
     y = scaled_grouped_mm_swiglu(h, w2, offsets, recipe, states[1])
-    y.float().sum().backward(retain_graph=True)  # fc2 alone consumes h: fine
-    assert x.grad is not None and torch.isfinite(x.grad).all()
-    h = scaled_grouped_mm(x, w1, offsets, recipe, states[0])
-    y = scaled_grouped_mm_swiglu(h, w2, offsets, recipe, states[1])
-    with pytest.raises(RuntimeError, match="received a gradient from a consumer besides"):
-        (y.float().sum() + h.float().square().sum()).backward()
+    y.float().sum().backward()  # fc2 alone consumes h: handed over
+    assert len(grad_casts) == 1 and x.grad is not None and torch.isfinite(x.grad).all()
+    for second_consumer in (lambda h: h.float().square().sum(),
+                            lambda h: scaled_grouped_mm_swiglu(h, w2, offsets, recipe, states[1]).float().sum()):
+        h = scaled_grouped_mm(x, w1, offsets, recipe, states[0])
+        y = scaled_grouped_mm_swiglu(h, w2, offsets, recipe, states[1])
+        with pytest.raises(RuntimeError, match="received a gradient from a consumer besides"):
+            (y.float().sum() + second_consumer(h)).backward()
