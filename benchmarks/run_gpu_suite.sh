@@ -25,6 +25,8 @@
 # cudagraph (the whole block captured in CUDA graphs, capture_moe_layer: its GPU tests, then qwen3 in
 # rounds of bf16 eager, bf16 graphed and FP8 graphed per parameter mode (CUDAGRAPH_VARIANTS), then
 # mixtral and deepseek in bf16 and FP8 (CUDAGRAPH_OTHERS; empty: skipped)),
+# wgradtma (the FP8 weight gradient's TMA-stored tiles, LIGHTNING_MOE_WGRAD_TMA_STORE: the grouped-GEMM
+# and combine GPU tests, then qwen3 graphed in two rounds of bf16, FP8, FP8 with the switch on),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only).
 set -uo pipefail
@@ -125,6 +127,17 @@ if has cudagraph; then
     say "moe_block mixtral and deepseek $precision, CUDA-graphed, fp32 parameters"
     run python3 benchmarks/moe_block.py --cases mixtral_8x7b deepseek_v3_slice --precision "$precision" \
       --master-weights fp32 --cuda-graph --iters 20 --tag "ratio_${precision}_cudagraph_fp32master"
+  done
+fi
+if has wgradtma; then
+  say "FP8 grouped GEMM and combine tests"
+  run python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_grouped_triton_gpu.py tests/gpu/test_fp8_combine_gpu.py
+  for pair in 1 2; do
+    for variant in bf16 fp8 fp8_tma; do
+      say "moe_block qwen3 $variant, CUDA-graphed, round $pair"
+      LIGHTNING_MOE_WGRAD_TMA_STORE=$([ "$variant" = fp8_tma ] && echo 1 || echo 0) run python3 benchmarks/moe_block.py \
+        --cases qwen3_30b_a3b --precision "${variant%_tma}" --cuda-graph --iters 50 --tag "wgradtma_${variant}_$pair"
+    done
   done
 fi
 if has trainmulti && [ "$num_gpus" -ge 4 ]; then
