@@ -89,15 +89,16 @@ def _grad_group_amax(h_ptr, g_ptr, prob_ptr, start, end, F, BR: tl.constexpr, BC
 
 @triton.jit
 def _cast_grad_tile(gate, up, g, p, rows, row_mask, m, q_row_ptr, q_col_ptr, cols, F, scale, in_group, out_base,
-                    stride_qc, amax, partial_ptr, R, AMAX_2D: tl.constexpr):
-    # One tile of ``grad_h``: both halves cast into both copies, the partial sums stored; returns
-    # the running amax (see `_cast_store`).
+                    stride_qc, amax, partial_ptr, R, AMAX_2D: tl.constexpr, WEIGHTED: tl.constexpr):
+    # One tile of ``grad_h``: both halves cast into both copies, the partial sums stored (WEIGHTED:
+    # only the probabilities have a gradient); returns the running amax (see `_cast_store`).
     d_gate, d_up, partial = _grads_from_raw(gate, up, g, p)
     amax = _cast_store(d_gate, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, 2 * F, stride_qc,
                        amax, True, True, AMAX_2D)
     amax = _cast_store(d_up, rows, m, q_row_ptr, q_col_ptr, cols + F, scale, in_group, out_base, 2 * F, stride_qc,
                        amax, True, True, AMAX_2D)
-    tl.store(partial_ptr + tl.program_id(0).to(tl.int64) * R + rows, partial, mask=row_mask)
+    if WEIGHTED:
+        tl.store(partial_ptr + tl.program_id(0).to(tl.int64) * R + rows, partial, mask=row_mask)
     return amax
 
 
@@ -110,7 +111,7 @@ def _edge_tile(h_ptr, g_ptr, prob_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, c
     m = row_mask[:, None] & cmask[None, :]
     gate, up, g, p = _load_grad_raw(h_ptr, g_ptr, prob_ptr, rows, row_mask, cols, m, F, WEIGHTED)
     return _cast_grad_tile(gate, up, g, p, rows, row_mask, m, q_row_ptr, q_col_ptr, cols, F, scale, in_group, out_base,
-                           stride_qc, amax, partial_ptr, R, False)
+                           stride_qc, amax, partial_ptr, R, False, WEIGHTED)
 
 
 @triton.jit
@@ -151,7 +152,7 @@ def _swiglu_grad_cast_kernel(h_ptr, g_ptr, prob_ptr, offsets_ptr, scale_ptr, q_r
         a_gate, a_up, a_g, a_p = _load_grad_raw(h_ptr, g_ptr, prob_ptr, ahead, live, cols,
                                                 live[:, None] & cmask[None, :], F, WEIGHTED)
         body_amax = _cast_grad_tile(gate, up, g, p, rows, row_mask, m, q_row_ptr, q_col_ptr, cols, F, scale, in_group,
-                                    out_base, stride_qc, body_amax, partial_ptr, R, True)
+                                    out_base, stride_qc, body_amax, partial_ptr, R, True, WEIGHTED)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _edge_tile(h_ptr, g_ptr, prob_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, F, scale, in_group,
                       out_base, stride_qc, amax, partial_ptr, R, WEIGHTED)
@@ -215,7 +216,7 @@ def delayed_swiglu_grad_cast(
     block_r, block_c, warps = TILE_SHAPES["swiglu_grad"]
     col_blocks = cdiv(f, block_c)
     # Every row belongs to a group or to the tail group, so every partial sum is written.
-    partial = torch.empty(col_blocks, rows, dtype=torch.float32, device=device)
+    partial = torch.empty(col_blocks, rows, dtype=torch.float32, device=device) if row_probs is not None else None
     if not (rows and f):  # nothing to cast: `delayed_cast`'s scales (the history's, else 1; the tail's 1)
         inv_G = torch.where(scale_G > 0, 1.0 / scale_G, torch.ones_like(scale_G)).to(torch.float32)
         s_col.copy_(inv_G[:, None].expand(groups, f2))
@@ -228,11 +229,12 @@ def delayed_swiglu_grad_cast(
     launch(
         _swiglu_grad_cast_kernel, (col_blocks, groups + 1),
         h_RF2, g_RF, row_probs.contiguous() if row_probs is not None else dummy, offsets_G.contiguous(),
-        scale_G.contiguous(), q_row, s_row, out_col, s_col, record_G if record_G is not None else dummy, partial,
+        scale_G.contiguous(), q_row, s_row, out_col, s_col, record_G if record_G is not None else dummy,
+        partial if partial is not None else dummy,
         rows, f, groups, stride_out_col, aligned_ends_ptr,
         WEIGHTED=row_probs is not None, RECORD=record_G is not None, BR=block_r, BC=block_c, ALIGN=align,
         num_warps=warps,
     )
     # fixed-order reduction over the column blocks (deterministic)
-    grad_p = partial.sum(0) if row_probs is not None else None
+    grad_p = partial.sum(0) if partial is not None else None
     return q_row, s_row, s_col, grad_p

@@ -988,22 +988,19 @@ class _ScaledGroupedMM(torch.autograd.Function):
         _assert_groups_aligned(offsets)
         with no_autocast(offsets):
             dy = None if dy is None else dy.contiguous()
-            if handed is not None:
+            if ctx.fused:  # (a handoff is armed on the fused path only)
                 qx_t, sx_t, _, w, qw_saved, sw_saved = saved[:6]
-                qw, sw_EK = _saved_weight_dgrad(ctx, qw_saved, sw_saved, w)
-                wgrad_aligned_ends = _saved_wgrad_layout(qx_t, offsets, handed[0].shape[0], ctx.wgrad_aligned)
-                qdy, sdy_R, qdy_t, sdy_t = handed
-            elif ctx.fused:
-                qx_t, sx_t, _, w, qw_saved, sw_saved = saved[:6]
-                quantizer = _FusedGroupedOperands(recipe, state)
                 qw, sw_EK = _saved_weight_dgrad(ctx, qw_saved, sw_saved, w)
                 # Under combine ``dy`` is the tokens' gradient [T, N]: row r's is dy[row_token[r]],
                 # gathered by the cast (zeros for padding rows), as the combine's backward would.
                 token_rows = None if ctx.combine is None else ctx.combine.row_token_R
-                rows = dy.shape[0] if token_rows is None else token_rows.shape[0]
-                wgrad_aligned_ends = _saved_wgrad_layout(qx_t, offsets, rows, ctx.wgrad_aligned)
-                qdy, sdy_R, qdy_t, sdy_t = quantizer.activation(dy, offsets, "grad", True, gather_rows=token_rows,
-                                                                aligned_ends=wgrad_aligned_ends)
+                source = handed[0] if handed is not None else dy if token_rows is None else token_rows
+                wgrad_aligned_ends = _saved_wgrad_layout(qx_t, offsets, source.shape[0], ctx.wgrad_aligned)
+                if handed is not None:
+                    qdy, sdy_R, qdy_t, sdy_t = handed
+                else:
+                    qdy, sdy_R, qdy_t, sdy_t = _FusedGroupedOperands(recipe, state).activation(
+                        dy, offsets, "grad", True, gather_rows=token_rows, aligned_ends=wgrad_aligned_ends)
             else:
                 x, w, _ = saved
                 wgrad_aligned_ends = None
@@ -1082,14 +1079,15 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
     """FP8 grouped GEMM; ``weight_key`` names ``w`` for an active `FP8WeightCache`;
     ``prefetched``: ``w``'s layouts from `prefetch_weight_layouts`. The output may carry a
     `_SwiGLUGradHandoff` for `scaled_grouped_mm_swiglu`."""
+    return _apply_with_handoff(x, w, offsets, recipe, state, weight_key, training_cache(w), _needs_backward(x, w),
+                               False, prefetched, None)
+
+
+def _apply_with_handoff(*args: Any) -> Tensor:
+    """``_ScaledGroupedMM.apply(*args)`` for a first projection (no SwiGLU input, no combine), given a
+    fresh `_SwiGLUGradHandoff` that its output carries where the forward armed it."""
     handoff = _SwiGLUGradHandoff() if _SwiGLUGradHandoff.enabled() else None
-    return _with_handoff(_ScaledGroupedMM.apply(x, w, offsets, recipe, state, weight_key, training_cache(w),
-                                                _needs_backward(x, w), False, prefetched, None, None, None, handoff),
-                         handoff)
-
-
-def _with_handoff(h: Tensor, handoff: Optional[_SwiGLUGradHandoff]) -> Tensor:
-    """``h`` carrying ``handoff`` where the forward armed it (see `_SwiGLUGradHandoff`)."""
+    h = _ScaledGroupedMM.apply(*args, None, None, handoff)
     if handoff is not None and handoff.armed:
         setattr(h, _HANDOFF_ATTR, handoff)
     return h
@@ -1105,10 +1103,8 @@ def scaled_grouped_mm_gathered(tokens: Tensor, plan: Any, w: Tensor, offsets: Te
     rows before a quantized GEMM: the same bits as that path (GPU test); without autocast the
     same bits as ``scaled_grouped_mm(permute(tokens, plan), w, ...)``. Only with a delayed state where
     `native_delayed_casts` (training or evaluation: both cast kernels read through the row index)."""
-    handoff = _SwiGLUGradHandoff() if _SwiGLUGradHandoff.enabled() else None
-    return _with_handoff(_ScaledGroupedMM.apply(tokens, w, offsets, recipe, state, weight_key, training_cache(w),
-                                                _needs_backward(tokens, w), False, prefetched, plan, None, None,
-                                                handoff), handoff)
+    return _apply_with_handoff(tokens, w, offsets, recipe, state, weight_key, training_cache(w),
+                               _needs_backward(tokens, w), False, prefetched, plan)
 
 
 def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:
