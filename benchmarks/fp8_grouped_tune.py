@@ -4,7 +4,7 @@ of tile configurations. Checks each configuration's output against torch's (rela
 in every run so far: both accumulate each block on the tensor cores in the same order and scale
 in fp32 the same way) and times both back to back.
 
-    python benchmarks/fp8_grouped_tune.py [--cases qwen3_fc1 ...] [--tag s19a]
+    python benchmarks/fp8_grouped_tune.py [--cases qwen3_fc1 ...] [--overlap] [--tag s19a]
 """
 
 from __future__ import annotations
@@ -53,16 +53,46 @@ CONFIGS = [
 WGRAD_CONFIGS = CONFIGS + [(256, 128, 128, 8, 4)]
 # The weight gradient's tiles stored by TMA (`grouped_mm_wgrad(tma_store=True)`), same tuple + "tma".
 WGRAD_TMA_CONFIGS = [(128, 256, 128, 8, 3, "tma"), (128, 256, 128, 8, 4, "tma"), (128, 128, 128, 4, 4, "tma")]
+# Ways to overlap a tile's epilogue with another tile's products (--overlap), same tuple + extras:
+# "occ2", two persistent programs per multiprocessor (one warpgroup each, a tile small enough for
+# two programs' registers and shared memory: while one stores, the other computes, as a
+# ping-pong kernel's two consumer warpgroups do); "ws", the compiler's automatic warp
+# specialization of the tile loop (a producer warp issuing the loads).
+OVERLAP_CONFIGS = [
+    (128, 128, 128, 4, 2, "occ2"),
+    (128, 128, 128, 4, 3, "occ2"),
+    (128, 128, 64, 4, 4, "occ2"),
+    (64, 256, 128, 4, 2, "occ2"),
+    (128, 256, 128, 8, 3, "ws"),
+    (128, 256, 128, 8, 4, "ws"),
+    (128, 128, 128, 4, 3, "ws", "occ2"),
+]
 
 
-def _sweep(case: dict, configs: list, run, ref: torch.Tensor, flops: float, iters: int) -> None:
-    """Time ``run(block_m, block_n, block_k, num_warps, num_stages)`` per configuration into
-    ``case``, with its relative error against ``ref``."""
-    for bm, bn, bk, warps, stages, *store in configs:
-        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}" + "".join(f"_{s}" for s in store)
+def _kernel_resources(name: str) -> dict:
+    """Shared memory, registers and spills of the kernel ``name`` compiled last (what decides
+    how many programs fit on a multiprocessor)."""
+    from lightning_moe.kernels import launch as launch_module
+
+    for entry in reversed(list(launch_module._cache.values())):
+        compiled = getattr(entry, "compiled", None)
+        if compiled is not None and getattr(compiled, "name", "") == name:
+            try:
+                return {"shared_bytes": int(compiled.metadata.shared), "registers": int(compiled.n_regs),
+                        "spills": int(compiled.n_spills), "warps": int(compiled.metadata.num_warps)}
+            except (AttributeError, TypeError):  # another Triton's compiled-kernel object
+                return {}
+    return {}
+
+
+def _sweep(case: dict, configs: list, run, ref: torch.Tensor, flops: float, iters: int, kernel: str) -> None:
+    """Time ``run(block_m, block_n, block_k, num_warps, num_stages, extras)`` per configuration
+    into ``case``, with its relative error against ``ref`` and the resources of ``kernel``."""
+    for bm, bn, bk, warps, stages, *extras in configs:
+        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}" + "".join(f"_{s}" for s in extras)
 
         def ours() -> torch.Tensor:
-            return run(bm, bn, bk, warps, stages, *store)
+            return run(bm, bn, bk, warps, stages, tuple(extras))
 
         try:
             out = ours()
@@ -72,8 +102,9 @@ def _sweep(case: dict, configs: list, run, ref: torch.Tensor, flops: float, iter
             case[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             print(f"  {key}: {case[key]['error']}", flush=True)
             continue
-        case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err}
-        print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e}", flush=True)
+        case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err, **_kernel_resources(kernel)}
+        print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e} {_kernel_resources(kernel)}",
+              flush=True)
 
 
 def _groups(experts: int, rows: int, align: int = 16, seed: int = 0) -> torch.Tensor:
@@ -95,7 +126,13 @@ def _aligned_copy(t_MR: torch.Tensor, ends: torch.Tensor, aligned_ends: torch.Te
     return out
 
 
-def wgrad_case(name: str, iters: int) -> dict:
+def _launch_options(extras: tuple) -> dict:
+    """The kernels' keyword arguments for a configuration's extras (see OVERLAP_CONFIGS)."""
+    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count if "occ2" in extras else None
+    return {"programs": programs, "warp_specialize": "ws" in extras}
+
+
+def wgrad_case(name: str, iters: int, overlap: bool) -> dict:
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
     from lightning_moe.precision.scaled_mm import _group_weight_gradient, _wgrad_aligned_ends
 
@@ -120,11 +157,14 @@ def wgrad_case(name: str, iters: int) -> dict:
             "torch_scaled_grouped_mm": {"ms": ms, "tflops": flops / ms / 1e9}}
     print(f"{name}: torch {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 
-    def ours(bm: int, bn: int, bk: int, warps: int, stages: int, store: str = "") -> torch.Tensor:
+    def ours(bm: int, bn: int, bk: int, warps: int, stages: int, extras: tuple) -> torch.Tensor:
         return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,
-                                num_warps=warps, num_stages=stages, tma_store=store == "tma")
+                                num_warps=warps, num_stages=stages, tma_store="tma" in extras,
+                                **_launch_options(extras))
 
-    _sweep(case, WGRAD_CONFIGS + WGRAD_TMA_CONFIGS, ours, ref, flops, iters)
+    configs = [(128, 256, 128, 8, 4), (128, 256, 128, 8, 4, "tma")] + OVERLAP_CONFIGS if overlap else \
+        WGRAD_CONFIGS + WGRAD_TMA_CONFIGS
+    _sweep(case, configs, ours, ref, flops, iters, "_grouped_wgrad_kernel")
     return case
 
 
@@ -133,6 +173,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES) + list(WGRAD_CASES))
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--overlap", action="store_true",
+                        help="sweep OVERLAP_CONFIGS (beside the library's configuration) instead")
     args = parser.parse_args()
 
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
@@ -141,7 +183,7 @@ def main() -> None:
     results = {}
     for name in args.cases:
         if name in WGRAD_CASES:
-            results[name] = wgrad_case(name, args.iters)
+            results[name] = wgrad_case(name, args.iters, args.overlap)
             continue
         experts, rows, k, o = CASES[name]
         ends = _groups(experts, rows).cuda()
@@ -170,11 +212,12 @@ def main() -> None:
             case["torch_scaled_mm_per_expert"] = {"ms": ms, "tflops": flops / ms / 1e9}
             print(f"  per-expert _scaled_mm {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 
-        def ours(bm: int, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
+        def ours(bm: int, bn: int, bk: int, warps: int, stages: int, extras: tuple) -> torch.Tensor:
             return grouped_mm_fprop(a, sa, b, sb, ends, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                    num_stages=stages)
+                                    num_stages=stages, **_launch_options(extras))
 
-        _sweep(case, CONFIGS, ours, ref, flops, args.iters)
+        configs = [(128, 256, 128, 8, 4)] + OVERLAP_CONFIGS if args.overlap else CONFIGS
+        _sweep(case, configs, ours, ref, flops, args.iters, "_grouped_fprop_kernel")
         results[name] = case
     write_results("fp8_grouped_tune" + (f"_{args.tag}" if args.tag else ""), {"cases": results})
 

@@ -40,7 +40,8 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
                           E, R, N_OUT, stride_out,
                           K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-                          NUM_STAGES: tl.constexpr):
+                          NUM_STAGES: tl.constexpr, FLATTEN: tl.constexpr = True,
+                          WARP_SPECIALIZE: tl.constexpr = False):
     """Tiles are dealt round-robin to the persistent programs: group by group, each group's tiles
     row block fastest (the tiles running together share ``b``'s block). One loop over all tiles,
     a tile's group found from the groups' tile counts held in registers, which the compiler
@@ -58,7 +59,7 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
     tiles = tl.cdiv(tl.where(groups < E, tl.maximum(ends - starts, 0), 0), BLOCK_M) * n_tiles
     tile_ends = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
-    for t in tl.range(pid, total, NUM_PROGRAMS, flatten=True):
+    for t in tl.range(pid, total, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         g = tl.sum((tile_ends <= t).to(tl.int32), 0)
         tile_base = tl.sum(tl.where(groups < g, tiles, 0), 0)
         start = tl.minimum(tl.load(ends_ptr + g - 1, mask=g > 0, other=0), R)
@@ -105,10 +106,12 @@ def _multiprocessors(device_index: int) -> int:
 def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO: Tensor, ends_E: Tensor,
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
                      num_stages: Optional[int] = None, programs: Optional[int] = None,
-                     out: Optional[Tensor] = None) -> Tensor:
+                     out: Optional[Tensor] = None, warp_specialize: bool = False) -> Tensor:
     """bf16 ``[R, O]``: ``(a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``; rows past
     the last group end are left unwritten (uninitialized unless ``out``, a bf16 ``[R, O]`` view
-    with unit column stride, is given)."""
+    with unit column stride, is given). ``programs``: persistent programs (default one per
+    multiprocessor). ``warp_specialize``: the compiler's automatic warp specialization of the tile
+    loop instead of its flattening (a tuning option; the same sums either way)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows, k = a_RK.shape
@@ -129,7 +132,8 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     launch(_grouped_fprop_kernel, (programs,),
            a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, rows, o, out.stride(0),
            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=next_power_of_2(experts),
-           NUM_PROGRAMS=programs, NUM_STAGES=num_stages, num_warps=num_warps)
+           NUM_PROGRAMS=programs, NUM_STAGES=num_stages, FLATTEN=not warp_specialize,
+           WARP_SPECIALIZE=warp_specialize, num_warps=num_warps)
     return out
 
 
@@ -141,7 +145,7 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
 def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr, E, M, N,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
-                          out_desc=None):
+                          out_desc=None, FLATTEN: tl.constexpr = True, WARP_SPECIALIZE: tl.constexpr = False):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
@@ -151,7 +155,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     per_expert = m_tiles * n_tiles
-    for t in tl.range(pid, E * per_expert, NUM_PROGRAMS, flatten=True):
+    for t in tl.range(pid, E * per_expert, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         e = t // per_expert
         local = t % per_expert
         row0 = (local % m_tiles) * BLOCK_M
@@ -187,7 +191,8 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
 def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN: Tensor, aligned_ends_E: Tensor,
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
                      num_stages: int = 4, programs: Optional[int] = None,
-                     out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False) -> Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False,
+                     warp_specialize: bool = False) -> Tensor:
     """``out_dtype`` (bf16 or fp32) ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
@@ -197,7 +202,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     tokens first and zeros after). An expert without tokens gets zeros. Scales fp32 ``[E, M]`` and
     ``[E, N]``. fp32 output is for fp32 master weights: their gradient is written once, not
     rounded to bf16 and widened by a second pass. ``tma_store``: the tiles leave by TMA (see the
-    kernel; needs ``N`` times the element size a multiple of 16 bytes)."""
+    kernel; needs ``N`` times the element size a multiple of 16 bytes). ``programs`` and
+    ``warp_specialize`` as in `grouped_mm_fprop`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, r = a_MR.shape
@@ -222,5 +228,6 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     launch(_grouped_wgrad_kernel, (programs,),
            a_desc, b_desc, out, scale_a_EM, scale_b_EN, aligned_ends_E, experts, m, n,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
-           NUM_STAGES=num_stages, TMA_STORE=tma_store, out_desc=out_desc, num_warps=num_warps)
+           NUM_STAGES=num_stages, TMA_STORE=tma_store, out_desc=out_desc, FLATTEN=not warp_specialize,
+           WARP_SPECIALIZE=warp_specialize, num_warps=num_warps)
     return out
