@@ -83,6 +83,24 @@ def _tile_shapes_from_env(value: str) -> dict[str, tuple[int, int, int]]:
 
 TILE_SHAPES.update(_tile_shapes_from_env(os.environ.get("LIGHTNING_MOE_CAST_TILES", "")))
 
+# Register-pressure options of the tile kernels (this one and `swiglu_grad_cast_triton`), for A/B
+# measurements: the rows of the per-element amax accumulator the tile's rows fold onto (0: the
+# tile's own rows, no fold), and a cap on registers per thread (0: the compiler's choice). At
+# 128 x 64 x 4 warps the kernels ran at 255 registers per thread with spills, two programs (8 warps)
+# per multiprocessor (Nsight Compute, H200).
+CAST_AMAX_ROWS = int(os.environ.get("LIGHTNING_MOE_CAST_AMAX_ROWS", "0"))
+CAST_MAX_REGISTERS = int(os.environ.get("LIGHTNING_MOE_CAST_MAX_REGISTERS", "0"))
+
+
+def amax_rows(block_r: int) -> int:
+    """The amax accumulator's rows for a tile of ``block_r`` rows (see `CAST_AMAX_ROWS`)."""
+    return min(CAST_AMAX_ROWS, block_r) if CAST_AMAX_ROWS > 0 else block_r
+
+
+def register_cap() -> dict:
+    """The launch option that caps registers per thread (see `CAST_MAX_REGISTERS`), or none."""
+    return {"maxnreg": CAST_MAX_REGISTERS} if CAST_MAX_REGISTERS > 0 else {}
+
 
 @triton.jit
 def _load_raw(x_ptr, rows, row_mask, cols, m, C, SWIGLU: tl.constexpr, src_ptr, T, GATHER: tl.constexpr):
@@ -184,11 +202,13 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
 
 @triton.jit
 def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
-                WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, AMAX_2D: tl.constexpr):
+                WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, AMAX_ROWS: tl.constexpr):
     # The fp32 operand tile ``x`` (rows ``rows``, valid where ``m``) cast into the requested copies;
-    # returns the running amax (for the record): per column ``[BC]``, or with AMAX_2D per element
-    # ``[BR, BC]``, which needs no reduction across the tile's rows (threads and warps) until the
-    # loop ends.
+    # returns the running amax (for the record): per column ``[BC]`` (AMAX_ROWS 0), or per element
+    # of an ``[AMAX_ROWS, BC]`` accumulator, which needs no reduction across the tile's rows
+    # (threads and warps) until the loop ends. AMAX_ROWS below the tile's rows folds the tile's
+    # row blocks onto it first (rows r, r + AMAX_ROWS, ...: the same thread's under the tile's
+    # layout), so the accumulator holds fewer registers.
     if WRITE_ROW:
         tl.store(q_row_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
     if WRITE_COL:
@@ -200,8 +220,11 @@ def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_bas
         # than letting the compiler reshuffle this one (fp8_quant_tune_delayed_variants_transpose_stages.json).
         tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
                  (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
-    if AMAX_2D:
-        return tl.maximum(amax, _abs_ignoring_nan(x))
+    if AMAX_ROWS > 0:
+        a = _abs_ignoring_nan(x)
+        if AMAX_ROWS < x.shape[0]:
+            a = tl.max(tl.reshape(a, (x.shape[0] // AMAX_ROWS, AMAX_ROWS, x.shape[1])), axis=0)
+        return tl.maximum(amax, a)
     return tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
 
 
@@ -210,7 +233,8 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                          record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr, prob_ptr,
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
-                         GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False):
+                         GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False,
+                         AMAX_ROWS: tl.constexpr = 0):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
     group = tl.program_id(GROUP_AXIS)
@@ -242,7 +266,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
     # dtype (1.17x the bandwidth of one at a time at qwen3's operands, fp8_cast_tma_tune_s20f.json;
     # the compiler's software pipelining, 3 stages, measured no faster:
     # fp8_quant_tune_delayed_variants_transpose_stages.json). The amax is kept per element.
-    body_amax = tl.zeros([BR, BC], dtype=tl.float32)
+    body_amax = tl.zeros([AMAX_ROWS, BC], dtype=tl.float32)
     tile_rows = lo + tl.arange(0, BR)
     ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols, (tile_rows < hi)[:, None] & cmask[None, :],
                                  C, SWIGLU, src_ptr, T, GATHER)
@@ -255,7 +279,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                                      C, SWIGLU, src_ptr, T, GATHER)
         ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
         body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr, cols,
-                                scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, True)
+                                scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, AMAX_ROWS)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,
@@ -500,5 +524,6 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         record_G if record_G is not None else dummy,
         rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
-        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted, num_warps=warps,
+        BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted,
+        AMAX_ROWS=amax_rows(block_r), num_warps=warps, **register_cap(),
     )

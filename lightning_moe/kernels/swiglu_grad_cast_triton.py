@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES, _cast_store
+from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES, _cast_store, amax_rows, register_cap
 from lightning_moe.kernels.fp8_quant_triton import (
     _abs_ignoring_nan,
     _aligned_body,
@@ -89,14 +89,14 @@ def _grad_group_amax(h_ptr, g_ptr, prob_ptr, start, end, F, BR: tl.constexpr, BC
 
 @triton.jit
 def _cast_grad_tile(gate, up, g, p, rows, row_mask, m, q_row_ptr, q_col_ptr, cols, F, scale, in_group, out_base,
-                    stride_qc, amax, partial_ptr, R, AMAX_2D: tl.constexpr, WEIGHTED: tl.constexpr):
+                    stride_qc, amax, partial_ptr, R, AMAX_ROWS: tl.constexpr, WEIGHTED: tl.constexpr):
     # One tile of ``grad_h``: both halves cast into both copies, the partial sums stored (WEIGHTED:
     # only the probabilities have a gradient); returns the running amax (see `_cast_store`).
     d_gate, d_up, partial = _grads_from_raw(gate, up, g, p)
     amax = _cast_store(d_gate, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, 2 * F, stride_qc,
-                       amax, True, True, AMAX_2D)
+                       amax, True, True, AMAX_ROWS)
     amax = _cast_store(d_up, rows, m, q_row_ptr, q_col_ptr, cols + F, scale, in_group, out_base, 2 * F, stride_qc,
-                       amax, True, True, AMAX_2D)
+                       amax, True, True, AMAX_ROWS)
     if WEIGHTED:
         tl.store(partial_ptr + tl.program_id(0).to(tl.int64) * R + rows, partial, mask=row_mask)
     return amax
@@ -111,14 +111,14 @@ def _edge_tile(h_ptr, g_ptr, prob_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, c
     m = row_mask[:, None] & cmask[None, :]
     gate, up, g, p = _load_grad_raw(h_ptr, g_ptr, prob_ptr, rows, row_mask, cols, m, F, WEIGHTED)
     return _cast_grad_tile(gate, up, g, p, rows, row_mask, m, q_row_ptr, q_col_ptr, cols, F, scale, in_group, out_base,
-                           stride_qc, amax, partial_ptr, R, False, WEIGHTED)
+                           stride_qc, amax, partial_ptr, R, 0, WEIGHTED)
 
 
 @triton.jit
 def _swiglu_grad_cast_kernel(h_ptr, g_ptr, prob_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_col_ptr,
                              s_col_ptr, record_ptr, partial_ptr, R, F, G, stride_qc, aligned_ends_ptr,
                              WEIGHTED: tl.constexpr, RECORD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                             ALIGN: tl.constexpr = 0):
+                             ALIGN: tl.constexpr = 0, AMAX_ROWS: tl.constexpr = 0):
     # Program (column block of the F gate columns, group); group G is the rows after the last
     # group (row copy only, scale 1, as `fp8_delayed_triton._delayed_cast_kernel` casts them).
     group = tl.program_id(1)
@@ -137,7 +137,7 @@ def _swiglu_grad_cast_kernel(h_ptr, g_ptr, prob_ptr, offsets_ptr, scale_ptr, q_r
                       scale, in_group, out_base, stride_qc, amax, partial_ptr, R, WEIGHTED)
     # The body, 16-row aligned, with the next tile's loads in flight while this one is cast (as
     # the delayed cast's body; the amax kept per element until the loop ends).
-    body_amax = tl.zeros([BR, BC], dtype=tl.float32)
+    body_amax = tl.zeros([AMAX_ROWS, BC], dtype=tl.float32)
     rows = lo + tl.arange(0, BR)
     live = rows < hi
     a_gate, a_up, a_g, a_p = _load_grad_raw(h_ptr, g_ptr, prob_ptr, rows, live, cols, live[:, None] & cmask[None, :],
@@ -152,7 +152,7 @@ def _swiglu_grad_cast_kernel(h_ptr, g_ptr, prob_ptr, offsets_ptr, scale_ptr, q_r
         a_gate, a_up, a_g, a_p = _load_grad_raw(h_ptr, g_ptr, prob_ptr, ahead, live, cols,
                                                 live[:, None] & cmask[None, :], F, WEIGHTED)
         body_amax = _cast_grad_tile(gate, up, g, p, rows, row_mask, m, q_row_ptr, q_col_ptr, cols, F, scale, in_group,
-                                    out_base, stride_qc, body_amax, partial_ptr, R, True, WEIGHTED)
+                                    out_base, stride_qc, body_amax, partial_ptr, R, AMAX_ROWS, WEIGHTED)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _edge_tile(h_ptr, g_ptr, prob_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, F, scale, in_group,
                       out_base, stride_qc, amax, partial_ptr, R, WEIGHTED)
@@ -233,7 +233,7 @@ def delayed_swiglu_grad_cast(
         partial if partial is not None else dummy,
         rows, f, groups, stride_out_col, aligned_ends_ptr,
         WEIGHTED=row_probs is not None, RECORD=record_G is not None, BR=block_r, BC=block_c, ALIGN=align,
-        num_warps=warps,
+        AMAX_ROWS=amax_rows(block_r), num_warps=warps, **register_cap(),
     )
     # fixed-order reduction over the column blocks (deterministic)
     grad_p = partial.sum(0) if partial is not None else None
