@@ -5,7 +5,7 @@
     python benchmarks/fp8_quant_tune.py --delayed # the delayed-scaling cast
     python benchmarks/fp8_quant_tune.py --delayed-variants  # its tile, amax and grid-order variants
     python benchmarks/fp8_quant_tune.py --delayed-fused  # its plain, gathered and SwiGLU operands, per TILE_SHAPES
-    python benchmarks/fp8_quant_tune.py --delayed-fused --registers  # qwen3, with the register options
+    python benchmarks/fp8_quant_tune.py --delayed-fused --registers  # with the amax accumulator's fold
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the
@@ -248,13 +248,12 @@ FUSED_SHAPES = {
 # `cast_registers.py` compiles the same.
 FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 4), (64, 32, 8), (32, 64, 4),
                  (128, 32, 4), (128, 32, 8), (64, 128, 4), (64, 128, 8), (32, 128, 4)]
-# --registers: launch shapes with the register options of the tile kernels, (rows, columns, warps,
-# amax accumulator rows, register cap) (`fp8_delayed_triton.CAST_AMAX_ROWS` / `CAST_MAX_REGISTERS`;
-# 0: off). At 128 x 64 x 4 the kernels ran at 255 registers with spills (Nsight Compute).
-REGISTER_CONFIGS = [(128, 64, 4, 0, 0), (128, 64, 4, 16, 0), (128, 64, 4, 32, 0), (128, 64, 4, 16, 128),
-                    (128, 64, 4, 16, 168), (128, 64, 8, 16, 0), (64, 64, 4, 16, 0), (64, 32, 4, 0, 0),
-                    (64, 32, 4, 16, 0), (32, 64, 4, 0, 0), (32, 64, 4, 16, 0), (64, 128, 4, 16, 0),
-                    (128, 128, 8, 16, 0)]
+# --registers: launch shapes with the amax accumulator's rows, (rows, columns, warps, amax rows; 0 = the
+# tile's) (`fp8_delayed_triton.AMAX_FOLD_ROWS`). At 128 x 64 x 4 the kernels ran at 255 registers with
+# spills (Nsight Compute). The s28 sweep (fp8_quant_tune_registers.json) also capped registers per
+# thread (maxnreg 128 / 168 at 128 x 64 x 4 folded onto 16 rows): 1.3-2x slower, the option is gone.
+REGISTER_CONFIGS = [(128, 64, 4, 0), (64, 128, 4, 16), (64, 128, 4, 32), (64, 128, 4, 0), (64, 128, 8, 16),
+                    (32, 128, 4, 16), (128, 128, 8, 16)]
 
 
 def _fused_cases(shape: dict, gen: torch.Generator) -> dict:
@@ -293,7 +292,7 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
     from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
 
     default = dict(fd.TILE_SHAPES)
-    default_options = fd.CAST_AMAX_ROWS, fd.CAST_MAX_REGISTERS
+    default_folds = dict(fd.AMAX_FOLD_ROWS)
     gen = torch.Generator("cuda").manual_seed(0)
     out = {}
     try:
@@ -310,7 +309,7 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                 reference, rows_out = None, []
                 for config in configs or FUSED_CONFIGS:
                     fd.TILE_SHAPES[kind] = config[:3]
-                    fd.CAST_AMAX_ROWS, fd.CAST_MAX_REGISTERS = (*config[3:], 0, 0)[:2]
+                    fd.AMAX_FOLD_ROWS[kind] = config[3] if len(config) > 3 else default_folds.get(kind, 0)
                     q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
                     record = torch.zeros(groups, device="cuda")
                     results: list = []
@@ -323,8 +322,7 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                             results[:] = fd.delayed_cast(x, offsets, scale, record, out_col=q_col,
                                                          stride_out_col=total, aligned_ends=offsets, **kwargs)
 
-                    row = {"BR": config[0], "BC": config[1], "warps": config[2],
-                           "amax_rows": fd.CAST_AMAX_ROWS, "max_registers": fd.CAST_MAX_REGISTERS}
+                    row = {"BR": config[0], "BC": config[1], "warps": config[2], "amax_rows": fd.AMAX_FOLD_ROWS[kind]}
                     rows_out.append(row)
                     if not _timed(row, cast):
                         continue
@@ -336,24 +334,25 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                 fd.TILE_SHAPES[kind] = default[kind]
                 rows_out.sort(key=lambda r: -r.get("gb_s", 0))
                 out[f"{model}_{kind}"] = rows_out
-                print(model, kind, [(r["BR"], r["BC"], r["warps"], r["amax_rows"], r["max_registers"],
+                print(model, kind, [(r["BR"], r["BC"], r["warps"], r["amax_rows"],
                                      round(r.get("ms", 0), 4), round(r.get("gb_s", 0)), r.get("bytes_equal"))
                                     for r in rows_out], flush=True)
     finally:
         fd.TILE_SHAPES.update(default)
-        fd.CAST_AMAX_ROWS, fd.CAST_MAX_REGISTERS = default_options
+        fd.AMAX_FOLD_ROWS.clear()
+        fd.AMAX_FOLD_ROWS.update(default_folds)
     return out
 
 
 def main() -> None:
     if "--delayed-fused" in sys.argv:
         # --kinds KIND...: those operand kinds alone, written under fp8_quant_tune_delayed_fused_<kinds>
-        # --registers: REGISTER_CONFIGS at qwen3's shape instead (fp8_quant_tune_registers[_<kinds>])
+        # --registers: REGISTER_CONFIGS at every shape instead (fp8_quant_tune_registers[_<kinds>])
         kinds = sys.argv[sys.argv.index("--kinds") + 1:] if "--kinds" in sys.argv else None
         registers = "--registers" in sys.argv
         name = ("fp8_quant_tune_registers" if registers else "fp8_quant_tune_delayed_fused") + \
             ("_" + "_".join(kinds) if kinds else "")
-        results = tune_delayed_fused(kinds, REGISTER_CONFIGS, ["qwen3"]) if registers else tune_delayed_fused(kinds)
+        results = tune_delayed_fused(kinds, REGISTER_CONFIGS) if registers else tune_delayed_fused(kinds)
         write_results(name, {"results": results})
         return
     if "--delayed-variants" in sys.argv:

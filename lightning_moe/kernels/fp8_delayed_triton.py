@@ -58,12 +58,13 @@ from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launc
 # 64 x 32 x 4 moves 2.19 TB/s against 1.37 for 128 x 64 x 4 (0.28 against 0.44 ms on qwen3's fc2
 # input). Compiled offline for sm90 (`benchmarks/cast_registers.py`), 128 x 64 x 4 spills 1.3 KB per
 # thread plain, 0.4 KB gathering and 2.2 KB with the SwiGLU; 64 x 32 x 4 spills nothing. The spills
-# cost the SwiGLU cast its bandwidth, not the others.
+# cost the SwiGLU cast its bandwidth, not the others. Since s28, plain and gather run 64 x 128 x 4 with
+# the amax accumulator folded onto 16 rows (`AMAX_FOLD_ROWS`, 1.2x at qwen3's operands).
 # "swiglu_grad" (`swiglu_grad_cast_triton`: fc1's output gradient computed from fc1's output and fc2's
 # data gradient, three tiles read per tile cast; fp8_quant_tune_delayed_fused_swiglu_grad.json, every
 # shape's bytes equal): 32 x 64 x 4 takes the least time summed over the three benchmark shapes (2.34
 # against 2.41 ms for 64 x 32 x 4: 10% faster at mixtral, 2% / 5% slower at qwen3 / deepseek).
-TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (128, 64, 4), "gather": (128, 64, 4), "swiglu": (64, 32, 4),
+TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (64, 128, 4), "gather": (64, 128, 4), "swiglu": (64, 32, 4),
                                                 "swiglu_grad": (32, 64, 4)}
 
 
@@ -83,23 +84,40 @@ def _tile_shapes_from_env(value: str) -> dict[str, tuple[int, int, int]]:
 
 TILE_SHAPES.update(_tile_shapes_from_env(os.environ.get("LIGHTNING_MOE_CAST_TILES", "")))
 
-# Register-pressure options of the tile kernels (this one and `swiglu_grad_cast_triton`), for A/B
-# measurements: the rows of the per-element amax accumulator the tile's rows fold onto (0: the
-# tile's own rows, no fold), and a cap on registers per thread (0: the compiler's choice). At
-# 128 x 64 x 4 warps the kernels ran at 255 registers per thread with spills, two programs (8 warps)
-# per multiprocessor (Nsight Compute, H200).
-CAST_AMAX_ROWS = int(os.environ.get("LIGHTNING_MOE_CAST_AMAX_ROWS", "0"))
-CAST_MAX_REGISTERS = int(os.environ.get("LIGHTNING_MOE_CAST_MAX_REGISTERS", "0"))
+# The per-element amax accumulator of the tile kernels (this one and `swiglu_grad_cast_triton`) folded
+# onto fewer rows, per operand kind: each tile's rows r, r + 16, ... are max-folded onto an [AMAX_ROWS, BC]
+# accumulator before it is kept (0 or absent: the tile's own rows). Nsight Compute on the H200 found the
+# casts at 255 registers per thread with spills, two programs (8 warps) per multiprocessor, neither DRAM
+# nor L2 saturated. `fp8_quant_tune.py --delayed-fused --registers` (fp8_quant_tune_registers.json, s28,
+# every variant's bytes equal): 64 x 128 x 4 warps folded onto 16 rows moves 2.63 / 2.59 TB/s on qwen3's
+# plain / gathered operands against 2.10 / 2.17 for 128 x 64 x 4 unfolded; the fold costs the other
+# shapes (a layout conversion per tile: 128 x 64 folded runs at half speed), and capping registers
+# (maxnreg 128 / 168) lost everywhere.
+AMAX_FOLD_ROWS: dict[str, int] = {"plain": 16, "gather": 16}
 
 
-def amax_rows(block_r: int) -> int:
-    """The amax accumulator's rows for a tile of ``block_r`` rows (see `CAST_AMAX_ROWS`)."""
-    return min(CAST_AMAX_ROWS, block_r) if CAST_AMAX_ROWS > 0 else block_r
+def _fold_rows_from_env(value: str) -> dict[str, int]:
+    """``LIGHTNING_MOE_CAST_AMAX_ROWS="plain=16,gather=0"``: the fold per kind for an A/B measurement
+    (benchmarks only; 0 turns it off)."""
+    rows = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        kind, _, count = item.partition("=")
+        if kind not in TILE_SHAPES or not count.isdigit():
+            raise ValueError(f"LIGHTNING_MOE_CAST_AMAX_ROWS: {item!r} is not KIND=ROWS with KIND one of "
+                             f"{', '.join(TILE_SHAPES)} (e.g. plain=16)")
+        rows[kind] = int(count)
+    return rows
 
 
-def register_cap() -> dict:
-    """The launch option that caps registers per thread (see `CAST_MAX_REGISTERS`), or none."""
-    return {"maxnreg": CAST_MAX_REGISTERS} if CAST_MAX_REGISTERS > 0 else {}
+AMAX_FOLD_ROWS.update(_fold_rows_from_env(os.environ.get("LIGHTNING_MOE_CAST_AMAX_ROWS", "")))
+
+
+def amax_rows(kind: str, block_r: int) -> int:
+    """The amax accumulator's rows for ``kind``'s tiles of ``block_r`` rows (`AMAX_FOLD_ROWS`)."""
+    fold = AMAX_FOLD_ROWS.get(kind, 0)
+    if fold and block_r % fold:
+        raise ValueError(f"AMAX_FOLD_ROWS[{kind!r}] = {fold} does not divide the tile's {block_r} rows")
+    return fold if 0 < fold < block_r else block_r
 
 
 @triton.jit
@@ -515,7 +533,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     # blocks on the grid's fast axis (2.5-3.0 TB/s against 2.1-2.6 for an amax reduced per tile),
     # then tiles with the next one's load in flight (2.9-3.3 TB/s at 128 x 64 on plain operands; a
     # bf16 copy of the same tensors: 4.0-4.25 TB/s); the tile shape per operand kind: `TILE_SHAPES`.
-    block_r, block_c, warps = TILE_SHAPES["swiglu" if swiglu else "gather" if gather else "plain"]
+    kind = "swiglu" if swiglu else "gather" if gather else "plain"
+    block_r, block_c, warps = TILE_SHAPES[kind]
     launch(
         _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),
         x_RC, offsets_G, scale_G,
@@ -525,5 +544,5 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
         BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted,
-        AMAX_ROWS=amax_rows(block_r), num_warps=warps, **register_cap(),
+        AMAX_ROWS=amax_rows(kind, block_r), num_warps=warps,
     )

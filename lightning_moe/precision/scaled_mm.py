@@ -645,10 +645,12 @@ def _group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: T
 
         assert fast, "the Triton weight-gradient kernel accumulates fast only"
         kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-        # LIGHTNING_MOE_WGRAD_TMA_STORE=1 (an A/B switch for benchmarks): the tiles stored by TMA,
-        # 2.5-3.9% faster in isolation at qwen3 with 4 stages (fp8_grouped_tune_s27_wgrad_tma.json, the
-        # same bits); fp32 tiles take 3 stages, as 4 and their staging buffer exceed shared memory
-        tma_store = (os.environ.get("LIGHTNING_MOE_WGRAD_TMA_STORE", "0") == "1"
+        # The tiles stored by TMA where the rows allow it: 2.5-3.9% faster in isolation at qwen3 with 4
+        # stages (fp8_grouped_tune_s27_wgrad_tma.json, the same bits), 0.02-0.03 ms of the graphed
+        # block (moe_block_s28_*.json); LIGHTNING_MOE_WGRAD_TMA_STORE=0 (an A/B switch for benchmarks)
+        # stores them from registers. fp32 tiles take 3 stages, as 4 and their staging buffer exceed
+        # shared memory.
+        tma_store = (os.environ.get("LIGHTNING_MOE_WGRAD_TMA_STORE", "1") != "0"
                      and qb_NR.shape[0] * kernel_dtype.itemsize % 16 == 0)
         stages = 3 if tma_store and kernel_dtype == torch.float32 else 4
         return grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends,
