@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.nn.aux_losses import (
@@ -29,6 +28,7 @@ from lightning_moe.nn.aux_losses import (
     z_loss,
 )
 from lightning_moe.nn.config import MoEConfig
+from lightning_moe.nn.router_logits import router_logits
 
 _LOW_PRECISION_FLOATS = (torch.float16, torch.bfloat16)
 
@@ -262,9 +262,9 @@ class TopKRouter(nn.Module):
         if self.training and self.cfg.input_jitter_eps:
             eps = self.cfg.input_jitter_eps
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
-        # fp32 logits even inside a bf16 autocast region (autocast would downcast F.linear).
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.to(torch.float32))
+        # fp32 logits even inside a bf16 autocast region; bf16 CUDA tokens take exact bf16 splits of
+        # the weight on the tensor cores (`router_logits`).
+        logits_TE = router_logits(x_TD, self.weight.to(torch.float32))
         losses: dict[str, Tensor] = {}
         if track_losses and self.cfg.z_loss_coeff:
             logits_TE = self._attach_z_loss(logits_TE, losses)

@@ -1,0 +1,81 @@
+"""The router's fp32 logits from bf16 tokens by exact bf16 splits of the weight (`router_logits`):
+the split itself, and the split products' forward and backward against fp64, run on CPU through
+fp32 products of the bf16 parts (torch has no bf16 GEMM with an fp32 output on CPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_moe.nn.router_logits import router_logits, split_applies, split_bf16x3, split_router_logits
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.float() @ b.float()
+
+
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float() @ b.float()).to(torch.bfloat16)
+
+
+def test_three_bf16_parts_sum_to_the_fp32_tensor_exactly():
+    gen = torch.Generator().manual_seed(0)
+    # exact between 2^-100 (below, the low parts underflow) and bf16's largest finite value
+    t = torch.randn(4096, generator=gen) * torch.logspace(-25, 30, 4096)
+    t = torch.cat([t, torch.tensor([0.0, -0.0, -1.0 / 3.0, 2.0**-100, 3.3e38])])
+    hi, mid, lo = split_bf16x3(t)
+    assert hi.dtype == mid.dtype == lo.dtype == torch.bfloat16
+    assert torch.equal((hi.float() + mid.float()) + lo.float(), t)
+    # each part holds the next 8 significand bits: |mid| <= ulp(hi) / 2, |lo| <= ulp(mid) / 2
+    nonzero = hi != 0
+    assert bool((mid.float()[nonzero].abs() <= hi.float()[nonzero].abs() * 2.0**-8).all())
+
+
+def _case(tokens: int = 512, hidden: int = 256, experts: int = 16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    w = torch.randn(experts, hidden, generator=gen) * 0.02
+    g = torch.randn(tokens, experts, generator=gen)
+    return x, w, g
+
+
+def test_split_products_match_fp64_to_fp32_rounding():
+    x, w, g = _case()
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = F.linear(x64, w64)
+    ref.backward(g.double())
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = split_router_logits(xs, ws, _mm_fp32, _mm_bf16)
+    out.backward(g)
+    assert out.dtype == torch.float32 and xs.grad.dtype == torch.bfloat16 and ws.grad.dtype == torch.float32
+    # the plain fp32 product's own distance from fp64 sets the scale
+    plain = F.linear(x.float(), w)
+    plain_err = (plain.double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 4 * plain_err + 1e-7
+    # the weight's gradient: fp32 products of the exact bf16 token values and g's three parts
+    dw_err = ((ws.grad.double() - w64.grad).norm() / w64.grad.norm()).item()
+    assert dw_err < 1e-6, dw_err
+    # the tokens' gradient: rounded once to bf16 from an fp32-accurate sum
+    dx_ref = x64.grad.to(torch.bfloat16)
+    mismatch = (xs.grad != dx_ref).float().mean().item()
+    assert mismatch < 1e-3, mismatch
+    assert ((xs.grad.double() - x64.grad).abs() <= x64.grad.abs() * 2.0**-8 + 1e-30).all()
+
+
+def test_dropping_a_split_part_is_detected():
+    """The test above would catch a split that lost its lowest part."""
+    x, w, _ = _case()
+    hi, mid, _ = split_bf16x3(w)
+    ref = F.linear(x.double(), w.double())
+    truncated = F.linear(x.float(), hi.float() + mid.float())
+    plain_err = (F.linear(x.float(), w).double() - ref).abs().max().item()
+    assert (truncated.double() - ref).abs().max().item() > 4 * plain_err + 1e-7
+
+
+def test_cpu_and_fp32_tokens_take_the_plain_product():
+    x, w, _ = _case(tokens=8)
+    assert not split_applies(x, w)  # CPU
+    out = router_logits(x, w)
+    assert out.dtype == torch.float32 and torch.equal(out, F.linear(x.float(), w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert router_logits(x, w).dtype == torch.float32
