@@ -262,9 +262,9 @@ class TopKRouter(nn.Module):
         if self.training and self.cfg.input_jitter_eps:
             eps = self.cfg.input_jitter_eps
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
-        # fp32 logits even inside a bf16 autocast region; bf16 CUDA tokens take exact bf16 splits of
-        # the weight on the tensor cores (`router_logits`).
-        logits_TE = router_logits(x_TD, self.weight.to(torch.float32))
+        # fp32 logits even inside a bf16 autocast region (with router_logits_gemm="bf16x3", bf16 CUDA
+        # tokens take exact bf16 splits of the weight on the tensor cores: `router_logits`).
+        logits_TE = router_logits(x_TD, self.weight.to(torch.float32), split=self.cfg.router_logits_gemm == "bf16x3")
         losses: dict[str, Tensor] = {}
         if track_losses and self.cfg.z_loss_coeff:
             logits_TE = self._attach_z_loss(logits_TE, losses)

@@ -4,6 +4,7 @@ fp32 products of the bf16 parts (torch has no bf16 GEMM with an fp32 output on C
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -75,7 +76,16 @@ def test_dropping_a_split_part_is_detected():
 def test_cpu_and_fp32_tokens_take_the_plain_product():
     x, w, _ = _case(tokens=8)
     assert not split_applies(x, w)  # CPU
-    out = router_logits(x, w)
-    assert out.dtype == torch.float32 and torch.equal(out, F.linear(x.float(), w))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert router_logits(x, w).dtype == torch.float32
+    for split in (False, True):
+        out = router_logits(x, w, split=split)
+        assert out.dtype == torch.float32 and torch.equal(out, F.linear(x.float(), w))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert router_logits(x, w, split=split).dtype == torch.float32
+
+
+def test_router_logits_gemm_is_validated():
+    from lightning_moe.nn import MoEConfig
+
+    with pytest.raises(ValueError, match="router_logits_gemm='tf32' is not one of"):
+        MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, router_topk=2, router_logits_gemm="tf32")
+    assert MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, router_topk=2).router_logits_gemm == "fp32"
