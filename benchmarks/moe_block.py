@@ -61,11 +61,13 @@ def block_flops(c: dict) -> float:
     return 3 * (2 * t * c["D"] * c["E"] + 3 * 2 * t * c["k"] * c["D"] * c["F"])
 
 
-def build_layer(c: dict, backend: str, dtype: torch.dtype, alignment: int = 1) -> MoELayer:
+def build_layer(c: dict, backend: str, dtype: torch.dtype, alignment: int = 1,
+                router_logits_gemm: str = "fp32") -> MoELayer:
     """The block on the GPU with its experts' parameters in ``dtype`` (fp32: master weights)."""
     cfg = MoEConfig(
         hidden_size=c["D"], ffn_hidden_size=c["F"], num_experts=c["E"], router_topk=c["k"],
         router_score_function="softmax", expert_backend=backend, expert_alignment=alignment,
+        router_logits_gemm=router_logits_gemm,
     )
     layer = MoELayer(cfg).cuda()
     layer.experts.to(dtype)  # router stays fp32 by design
@@ -226,7 +228,7 @@ def run_case(name: str, c: dict, args) -> dict:
     torch.manual_seed(0)
     master_fp32 = args.master_weights == "fp32"
     layer = build_layer(c, args.backend, torch.float32 if master_fp32 else torch.bfloat16,
-                        expert_alignment(args.precision))
+                        expert_alignment(args.precision), args.router_logits)
     reference = fp32_reference(layer)
     context, weight_cache, optimizer_step_work = apply_precision(layer, args.precision, args.cache_weights,
                                                                  args.fast_accumulation, args.graph_weight_casts)
@@ -288,6 +290,7 @@ def run_case(name: str, c: dict, args) -> dict:
         "cuda_graph": args.cuda_graph,
         **graph_check,
         "master_weights": args.master_weights,
+        "router_logits_gemm": args.router_logits,
         "median_ms": median_ms,
         "min_ms": min(times),
         "tflops": flops / (median_ms * 1e-3) / 1e12,
@@ -330,6 +333,9 @@ def main(argv=None) -> None:
     parser.add_argument("--master-weights", default="bf16", choices=["bf16", "fp32"],
                         help="dtype of the experts' parameters: bf16 (default, weights cast before the block) or fp32 "
                              "(master weights under bf16 autocast, as bf16-mixed training runs the block)")
+    parser.add_argument("--router-logits", default="fp32", choices=["fp32", "bf16x3"],
+                        help="MoEConfig.router_logits_gemm: the router's fp32 logits by fp32 products (default) or by "
+                             "exact bf16 splits of its weight on the tensor cores")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches per timed window (one optimizer step under gradient accumulation)")
     parser.add_argument("--tag", default=None,
@@ -342,6 +348,7 @@ def main(argv=None) -> None:
                            + (["graphed"] if args.graph_weight_casts else [])
                            + (["cudagraph"] if args.cuda_graph else [])
                            + (["fp32master"] if args.master_weights == "fp32" else [])
+                           + (["bf16x3router"] if args.router_logits == "bf16x3" else [])
                            + ([f"x{args.accumulate}"] if args.accumulate > 1 else []))
     if args.precision == "fp8":
         args.precision = FP8_DEFAULT[0]
