@@ -5,7 +5,7 @@
     python benchmarks/fp8_quant_tune.py --delayed # the delayed-scaling cast
     python benchmarks/fp8_quant_tune.py --delayed-variants  # its tile, amax and grid-order variants
     python benchmarks/fp8_quant_tune.py --delayed-fused  # its plain, gathered and SwiGLU operands, per TILE_SHAPES
-    python benchmarks/fp8_quant_tune.py --delayed-fused --registers  # with the amax accumulator's fold
+    python benchmarks/fp8_quant_tune.py --delayed-fused --registers  # with the amax fold and register caps
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the
@@ -248,12 +248,15 @@ FUSED_SHAPES = {
 # `cast_registers.py` compiles the same.
 FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 4), (64, 32, 8), (32, 64, 4),
                  (128, 32, 4), (128, 32, 8), (64, 128, 4), (64, 128, 8), (32, 128, 4)]
-# --registers: launch shapes with the amax accumulator's rows, (rows, columns, warps, amax rows; 0 = the
-# tile's) (`fp8_delayed_triton.AMAX_FOLD_ROWS`). At 128 x 64 x 4 the kernels ran at 255 registers with
-# spills (Nsight Compute). The s28 sweep (fp8_quant_tune_registers.json) also capped registers per
-# thread (maxnreg 128 / 168 at 128 x 64 x 4 folded onto 16 rows): 1.3-2x slower, the option is gone.
-REGISTER_CONFIGS = [(128, 64, 4, 0), (64, 128, 4, 16), (64, 128, 4, 32), (64, 128, 4, 0), (64, 128, 8, 16),
-                    (32, 128, 4, 16), (128, 128, 8, 16)]
+# --registers: launch shapes with the register options, (rows, columns, warps, amax accumulator rows,
+# register cap; 0 = off) (`fp8_delayed_triton.AMAX_FOLD_ROWS` / `MAX_REGISTERS`). At 128 x 64 x 4 the
+# kernels ran at 255 registers with spills (Nsight Compute). The s28 sweeps (fp8_quant_tune_registers*.json)
+# made plain and gather 64 x 128 x 4 folded onto 16 rows; capping registers was only tried on 128 x 64 x 4
+# folded (itself 2x slower). The caps below are what offline compiles (`cast_registers.py`) leave
+# nearly spill-free at two programs per multiprocessor; untimed yet.
+REGISTER_CONFIGS = [(128, 64, 4, 0, 0), (64, 128, 4, 16, 0), (64, 128, 4, 32, 0), (64, 128, 4, 0, 0),
+                    (64, 128, 8, 16, 0), (32, 128, 4, 16, 0), (64, 128, 4, 16, 168), (64, 32, 4, 0, 0),
+                    (64, 32, 4, 0, 96), (64, 32, 8, 0, 0), (64, 32, 8, 0, 128), (32, 64, 4, 0, 0), (32, 64, 4, 0, 168)]
 
 
 def _fused_cases(shape: dict, gen: torch.Generator) -> dict:
@@ -292,7 +295,7 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
     from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
 
     default = dict(fd.TILE_SHAPES)
-    default_folds = dict(fd.AMAX_FOLD_ROWS)
+    default_folds, default_caps = dict(fd.AMAX_FOLD_ROWS), dict(fd.MAX_REGISTERS)
     gen = torch.Generator("cuda").manual_seed(0)
     out = {}
     try:
@@ -310,6 +313,7 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                 for config in configs or FUSED_CONFIGS:
                     fd.TILE_SHAPES[kind] = config[:3]
                     fd.AMAX_FOLD_ROWS[kind] = config[3] if len(config) > 3 else default_folds.get(kind, 0)
+                    fd.MAX_REGISTERS[kind] = config[4] if len(config) > 4 else default_caps.get(kind, 0)
                     q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
                     record = torch.zeros(groups, device="cuda")
                     results: list = []
@@ -322,7 +326,8 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                             results[:] = fd.delayed_cast(x, offsets, scale, record, out_col=q_col,
                                                          stride_out_col=total, aligned_ends=offsets, **kwargs)
 
-                    row = {"BR": config[0], "BC": config[1], "warps": config[2], "amax_rows": fd.AMAX_FOLD_ROWS[kind]}
+                    row = {"BR": config[0], "BC": config[1], "warps": config[2], "amax_rows": fd.AMAX_FOLD_ROWS[kind],
+                           "max_registers": fd.MAX_REGISTERS[kind]}
                     rows_out.append(row)
                     if not _timed(row, cast):
                         continue
@@ -334,13 +339,15 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                 fd.TILE_SHAPES[kind] = default[kind]
                 rows_out.sort(key=lambda r: -r.get("gb_s", 0))
                 out[f"{model}_{kind}"] = rows_out
-                print(model, kind, [(r["BR"], r["BC"], r["warps"], r["amax_rows"],
+                print(model, kind, [(r["BR"], r["BC"], r["warps"], r["amax_rows"], r["max_registers"],
                                      round(r.get("ms", 0), 4), round(r.get("gb_s", 0)), r.get("bytes_equal"))
                                     for r in rows_out], flush=True)
     finally:
         fd.TILE_SHAPES.update(default)
         fd.AMAX_FOLD_ROWS.clear()
         fd.AMAX_FOLD_ROWS.update(default_folds)
+        fd.MAX_REGISTERS.clear()
+        fd.MAX_REGISTERS.update(default_caps)
     return out
 
 

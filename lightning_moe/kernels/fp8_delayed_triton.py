@@ -92,24 +92,37 @@ TILE_SHAPES.update(_tile_shapes_from_env(os.environ.get("LIGHTNING_MOE_CAST_TILE
 # every variant's bytes equal): 64 x 128 x 4 warps folded onto 16 rows moves 2.63 / 2.59 TB/s on qwen3's
 # plain / gathered operands against 2.10 / 2.17 for 128 x 64 x 4 unfolded; the fold costs the other
 # shapes (a layout conversion per tile: 128 x 64 folded runs at half speed), and capping registers
-# (maxnreg 128 / 168) lost everywhere.
+# (maxnreg 128 / 168 on that folded 128 x 64 x 4, itself 2x slower) lost further.
 AMAX_FOLD_ROWS: dict[str, int] = {"plain": 16, "gather": 16}
 
 
-def _fold_rows_from_env(value: str) -> dict[str, int]:
-    """``LIGHTNING_MOE_CAST_AMAX_ROWS="plain=16,gather=0"``: the fold per kind for an A/B measurement
-    (benchmarks only; 0 turns it off)."""
-    rows = {}
-    for item in filter(None, (part.strip() for part in value.split(","))):
+def _per_kind_from_env(variable: str, example: str) -> dict[str, int]:
+    """``variable="KIND=N,..."`` (e.g. ``LIGHTNING_MOE_CAST_AMAX_ROWS="plain=16,gather=0"``): a per-kind
+    setting for an A/B measurement (benchmarks only; 0 turns it off)."""
+    values = {}
+    for item in filter(None, (part.strip() for part in os.environ.get(variable, "").split(","))):
         kind, _, count = item.partition("=")
         if kind not in TILE_SHAPES or not count.isdigit():
-            raise ValueError(f"LIGHTNING_MOE_CAST_AMAX_ROWS: {item!r} is not KIND=ROWS with KIND one of "
-                             f"{', '.join(TILE_SHAPES)} (e.g. plain=16)")
-        rows[kind] = int(count)
-    return rows
+            raise ValueError(f"{variable}: {item!r} is not KIND=N with KIND one of {', '.join(TILE_SHAPES)} "
+                             f"(e.g. {example})")
+        values[kind] = int(count)
+    return values
 
 
-AMAX_FOLD_ROWS.update(_fold_rows_from_env(os.environ.get("LIGHTNING_MOE_CAST_AMAX_ROWS", "")))
+AMAX_FOLD_ROWS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_AMAX_ROWS", "plain=16"))
+
+# A cap on the tile kernels' registers per thread, per kind (Triton's ``maxnreg``; absent or 0: the
+# compiler's choice, 255 at most of the library's shapes). Off by default: capping 128 x 64 x 4 folded
+# (itself 2x slower) lost further (fp8_quant_tune_registers.json); offline compiles (`cast_registers.py`)
+# put the SwiGLU-backward cast at 64 x 32 x 8 warps capped to 128 registers with 12 bytes of spills,
+# two programs (16 warps) per multiprocessor instead of one: untimed. `LIGHTNING_MOE_CAST_MAX_REGISTERS`.
+MAX_REGISTERS: dict[str, int] = _per_kind_from_env("LIGHTNING_MOE_CAST_MAX_REGISTERS", "swiglu_grad=128")
+
+
+def register_cap(kind: str) -> dict:
+    """The launch option capping ``kind``'s registers per thread (`MAX_REGISTERS`), or none."""
+    cap = MAX_REGISTERS.get(kind, 0)
+    return {"maxnreg": cap} if cap > 0 else {}
 
 
 def amax_rows(kind: str, block_r: int) -> int:
@@ -544,5 +557,5 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
         BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted,
-        AMAX_ROWS=amax_rows(kind, block_r), num_warps=warps,
+        AMAX_ROWS=amax_rows(kind, block_r), num_warps=warps, **register_cap(kind),
     )

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES, _cast_store, amax_rows
+from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES, _cast_store, amax_rows, register_cap
 from lightning_moe.kernels.fp8_quant_triton import (
     _abs_ignoring_nan,
     _aligned_body,
@@ -233,7 +233,7 @@ def delayed_swiglu_grad_cast(
         partial if partial is not None else dummy,
         rows, f, groups, stride_out_col, aligned_ends_ptr,
         WEIGHTED=row_probs is not None, RECORD=record_G is not None, BR=block_r, BC=block_c, ALIGN=align,
-        AMAX_ROWS=amax_rows("swiglu_grad", block_r), num_warps=warps,
+        AMAX_ROWS=amax_rows("swiglu_grad", block_r), num_warps=warps, **register_cap("swiglu_grad"),
     )
     # fixed-order reduction over the column blocks (deterministic)
     grad_p = partial.sum(0) if partial is not None else None
