@@ -68,7 +68,8 @@ def registers(kind: str, block_r: int, block_c: int, warps: int) -> dict:
     hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name not in const}
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}, attrs=hints)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    options = {"num_warps": warps, **fd.register_cap(kind)}  # the library's cap for the kind, if any
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     ptxas = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "cast.ptx")

@@ -312,7 +312,10 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                 reference, rows_out = None, []
                 for config in configs or FUSED_CONFIGS:
                     fd.TILE_SHAPES[kind] = config[:3]
-                    fd.AMAX_FOLD_ROWS[kind] = config[3] if len(config) > 3 else default_folds.get(kind, 0)
+                    # a bare (rows, columns, warps): the library's fold at the library's shape, none elsewhere
+                    library_shape = tuple(config[:3]) == tuple(default[kind])
+                    fd.AMAX_FOLD_ROWS[kind] = config[3] if len(config) > 3 else \
+                        default_folds.get(kind, 0) if library_shape else 0
                     fd.MAX_REGISTERS[kind] = config[4] if len(config) > 4 else default_caps.get(kind, 0)
                     q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
                     record = torch.zeros(groups, device="cuda")

@@ -59,12 +59,13 @@ def main() -> None:
     out_col = _transposed_out(h, rows=total, aligned_groups=experts)
 
     def gemm(programs: int) -> torch.Tensor:
+        # tiles stored from registers, as the library did when this probe first ran (s28)
         return grouped_mm_wgrad(dy_DR, sd, a_FR, sa, aligned, programs=programs)
 
     def cast() -> None:
         delayed_swiglu_grad_cast(h, g, probs, ends, scale, record, out_col, out_col.shape[1], aligned)
 
-    side = torch.cuda.Stream(priority=-1)  # the highest priority torch offers
+    side = torch.cuda.Stream(priority=-1)  # a high priority (torch clamps it to the device's range)
 
     def together(programs: int, gemm_first: bool) -> None:
         main = torch.cuda.current_stream()

@@ -128,9 +128,11 @@ def register_cap(kind: str) -> dict:
 def amax_rows(kind: str, block_r: int) -> int:
     """The amax accumulator's rows for ``kind``'s tiles of ``block_r`` rows (`AMAX_FOLD_ROWS`)."""
     fold = AMAX_FOLD_ROWS.get(kind, 0)
-    if fold and block_r % fold:
+    if not 0 < fold < block_r:
+        return block_r
+    if block_r % fold:
         raise ValueError(f"AMAX_FOLD_ROWS[{kind!r}] = {fold} does not divide the tile's {block_r} rows")
-    return fold if 0 < fold < block_r else block_r
+    return fold
 
 
 @triton.jit
@@ -297,7 +299,9 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
     # dtype (1.17x the bandwidth of one at a time at qwen3's operands, fp8_cast_tma_tune_s20f.json;
     # the compiler's software pipelining, 3 stages, measured no faster:
     # fp8_quant_tune_delayed_variants_transpose_stages.json). The amax is kept per element.
-    body_amax = tl.zeros([AMAX_ROWS, BC], dtype=tl.float32)
+    # AMAX_ROWS 0 (the launch default): the tile's own rows, no fold
+    BODY_AMAX_ROWS: tl.constexpr = AMAX_ROWS if AMAX_ROWS > 0 else BR
+    body_amax = tl.zeros([BODY_AMAX_ROWS, BC], dtype=tl.float32)
     tile_rows = lo + tl.arange(0, BR)
     ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols, (tile_rows < hi)[:, None] & cmask[None, :],
                                  C, SWIGLU, src_ptr, T, GATHER)
@@ -310,7 +314,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                                      C, SWIGLU, src_ptr, T, GATHER)
         ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
         body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr, cols,
-                                scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, AMAX_ROWS)
+                                scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, BODY_AMAX_ROWS)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,

@@ -137,7 +137,9 @@ def _swiglu_grad_cast_kernel(h_ptr, g_ptr, prob_ptr, offsets_ptr, scale_ptr, q_r
                       scale, in_group, out_base, stride_qc, amax, partial_ptr, R, WEIGHTED)
     # The body, 16-row aligned, with the next tile's loads in flight while this one is cast (as
     # the delayed cast's body; the amax kept per element until the loop ends).
-    body_amax = tl.zeros([AMAX_ROWS, BC], dtype=tl.float32)
+    # AMAX_ROWS 0 (the launch default): the tile's own rows, no fold
+    BODY_AMAX_ROWS: tl.constexpr = AMAX_ROWS if AMAX_ROWS > 0 else BR
+    body_amax = tl.zeros([BODY_AMAX_ROWS, BC], dtype=tl.float32)
     rows = lo + tl.arange(0, BR)
     live = rows < hi
     a_gate, a_up, a_g, a_p = _load_grad_raw(h_ptr, g_ptr, prob_ptr, rows, live, cols, live[:, None] & cmask[None, :],
@@ -152,7 +154,7 @@ def _swiglu_grad_cast_kernel(h_ptr, g_ptr, prob_ptr, offsets_ptr, scale_ptr, q_r
         a_gate, a_up, a_g, a_p = _load_grad_raw(h_ptr, g_ptr, prob_ptr, ahead, live, cols,
                                                 live[:, None] & cmask[None, :], F, WEIGHTED)
         body_amax = _cast_grad_tile(gate, up, g, p, rows, row_mask, m, q_row_ptr, q_col_ptr, cols, F, scale, in_group,
-                                    out_base, stride_qc, body_amax, partial_ptr, R, AMAX_ROWS, WEIGHTED)
+                                    out_base, stride_qc, body_amax, partial_ptr, R, BODY_AMAX_ROWS, WEIGHTED)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _edge_tile(h_ptr, g_ptr, prob_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, F, scale, in_group,
                       out_base, stride_qc, amax, partial_ptr, R, WEIGHTED)

@@ -47,7 +47,8 @@ class MoEConfig:
             ``moe_router_dtype="fp32"``). "bf16x3": for bf16 tokens on CUDA, the fp32 weight split
             exactly into three bf16 parts, multiplied on the tensor cores with fp32 outputs (about
             3x faster at qwen3's shape; logits to ~2^-17 relative where the CUDA cores give ~2^-20,
-            against 2^-8 for bf16 logits; see ``nn.router_logits``); other tokens take "fp32".
+            against 2^-8 for bf16 logits; see ``nn.router_logits``); other tokens (fp32 ones, as under
+            bf16-mixed autocast, or CPU ones) take "fp32" with a one-time warning.
         router_load_balancing_type: one of "aux_loss", "seq_aux_loss", "global_aux_loss",
             "none", or a list of them (one coefficient each in ``aux_loss_coeff``).
         aux_loss_coeff: coefficient(s) of the load-balancing loss(es).

@@ -29,11 +29,13 @@ takes ``F.linear(x.float(), W)``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 # (a, b) -> fp32 a @ b for bf16 a [M, K] and b [K, N]: torch's bf16 GEMM with an fp32 output (CUDA).
 MatMul = Callable[[Tensor, Tensor], Tensor]
@@ -76,6 +78,7 @@ class _SplitRouterLogits(torch.autograd.Function):
         return _sum_thirds(logits_T3E, 1)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g_TE: Tensor) -> tuple[Tensor | None, ...]:
         x_TD, w_hi, w_mid, w_lo = ctx.saved_tensors
         g_hi, g_mid, g_lo = split_bf16x3(g_TE.float().contiguous())
@@ -84,16 +87,37 @@ class _SplitRouterLogits(torch.autograd.Function):
             # the six part products of g @ W down to 2^-16 of the whole, as one contraction over 6E
             g_T6E = torch.cat([g_hi, g_hi, g_mid, g_hi, g_lo, g_mid], 1)
             w_6ED = torch.cat([w_hi, w_mid, w_hi, w_lo, w_hi, w_mid], 0)
-            dx = ctx.mm_bf16(g_T6E, w_6ED)  # fp32 accumulation, rounded once to x's dtype
+            # fp32 accumulation rounded to x's dtype (cuBLAS may reduce split-K partials in bf16 where
+            # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction allows it)
+            dx = ctx.mm_bf16(g_T6E, w_6ED)
         if ctx.needs_input_grad[1]:
             dw = _sum_thirds(ctx.mm_fp32(torch.cat([g_hi, g_mid, g_lo], 1).t(), x_TD), 0)
         return dx, dw, None, None
 
 
 def split_applies(x_TD: Tensor, w_ED: Tensor) -> bool:
-    """Whether `router_logits` takes the split bf16 products for these operands."""
-    return (x_TD.is_cuda and x_TD.dtype == torch.bfloat16 and w_ED.dtype == torch.float32 and x_TD.dim() == 2
-            and type(x_TD) is Tensor and type(w_ED) in (Tensor, torch.nn.Parameter))
+    """Whether `router_logits` takes the split bf16 products for these operands: bf16 tokens and an
+    fp32 weight, plain 2-D CUDA tensors (not DTensors), on NVIDIA's CUDA (ROCm's bf16 GEMMs with
+    fp32 outputs are not available everywhere)."""
+    return (x_TD.is_cuda and w_ED.is_cuda and torch.version.hip is None and x_TD.dtype == torch.bfloat16
+            and w_ED.dtype == torch.float32 and x_TD.dim() == 2 and type(x_TD) is Tensor
+            and type(w_ED) in (Tensor, torch.nn.Parameter))
+
+
+_WARNED: set[tuple] = set()
+
+
+def _warn_fallback(x_TD: Tensor, w_ED: Tensor) -> None:
+    """Say once per kind of operands that ``router_logits_gemm="bf16x3"`` falls back to fp32 products."""
+    key = (x_TD.dtype, x_TD.device.type, w_ED.dtype, type(x_TD).__name__, type(w_ED).__name__)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(
+            f"router_logits_gemm='bf16x3' needs bf16 tokens and an fp32 gate weight as plain CUDA tensors; the "
+            f"router got {x_TD.dtype} {type(x_TD).__name__} tokens on {x_TD.device.type} and a {w_ED.dtype} "
+            f"{type(w_ED).__name__} weight, so its logits are fp32 products (as router_logits_gemm='fp32'). Run "
+            "the model's activations in bf16 (e.g. precision='bf16-true') to use it, or set "
+            "router_logits_gemm='fp32'.", stacklevel=3)
 
 
 def router_logits(x_TD: Tensor, w_ED: Tensor, split: bool = False) -> Tensor:
@@ -101,8 +125,10 @@ def router_logits(x_TD: Tensor, w_ED: Tensor, split: bool = False) -> Tensor:
     the split bf16 products (module docstring) for bf16 CUDA tokens and an fp32 weight; else (and for
     other operands) ``F.linear`` in fp32."""
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
-        if split and split_applies(x_TD, w_ED):
-            return _SplitRouterLogits.apply(x_TD.contiguous(), w_ED, _cuda_mm_fp32, _cuda_mm_bf16)
+        if split:
+            if split_applies(x_TD, w_ED):
+                return _SplitRouterLogits.apply(x_TD.contiguous(), w_ED, _cuda_mm_fp32, _cuda_mm_bf16)
+            _warn_fallback(x_TD, w_ED)
         return F.linear(x_TD.float(), w_ED.to(torch.float32))
 
 

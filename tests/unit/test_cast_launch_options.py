@@ -15,7 +15,6 @@ def test_per_kind_settings_parse_and_reject_bad_items(monkeypatch):
         monkeypatch.setenv("LIGHTNING_MOE_TEST_KINDS", bad)
         with pytest.raises(ValueError, match="LIGHTNING_MOE_TEST_KINDS: .* is not KIND=N with KIND one of plain"):
             fd._per_kind_from_env("LIGHTNING_MOE_TEST_KINDS", "plain=16")
-    monkeypatch.setenv("LIGHTNING_MOE_CAST_TILES", "gather=64x128")
     with pytest.raises(ValueError, match="is not KIND=ROWSxCOLSxWARPS"):
         fd._tile_shapes_from_env("gather=64x128")
 

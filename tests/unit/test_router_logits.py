@@ -41,6 +41,7 @@ def _case(tokens: int = 512, hidden: int = 256, experts: int = 16, seed: int = 0
 
 
 def test_split_products_match_fp64_to_fp32_rounding():
+    """Also each gradient alone (the other input without one)."""
     x, w, g = _case()
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
     ref = F.linear(x64, w64)
@@ -61,6 +62,14 @@ def test_split_products_match_fp64_to_fp32_rounding():
     mismatch = (xs.grad != dx_ref).float().mean().item()
     assert mismatch < 1e-3, mismatch
     assert ((xs.grad.double() - x64.grad).abs() <= x64.grad.abs() * 2.0**-8 + 1e-30).all()
+    for needs in ((True, False), (False, True)):
+        xo, wo = x.clone().requires_grad_(needs[0]), w.clone().requires_grad_(needs[1])
+        split_router_logits(xo, wo, _mm_fp32, _mm_bf16).backward(g)
+        assert (xo.grad is not None) == needs[0] and (wo.grad is not None) == needs[1]
+        if needs[0]:
+            assert torch.equal(xo.grad, xs.grad)
+        else:
+            assert torch.equal(wo.grad, ws.grad)
 
 
 def test_dropping_a_split_part_is_detected():
@@ -75,12 +84,38 @@ def test_dropping_a_split_part_is_detected():
 
 def test_cpu_and_fp32_tokens_take_the_plain_product():
     x, w, _ = _case(tokens=8)
-    assert not split_applies(x, w)  # CPU
-    for split in (False, True):
-        out = router_logits(x, w, split=split)
-        assert out.dtype == torch.float32 and torch.equal(out, F.linear(x.float(), w))
+    for tokens in (x, x.float()):
+        assert not split_applies(tokens, w)  # CPU; fp32 tokens anywhere
+        assert router_logits(tokens, w).dtype == torch.float32
+        assert torch.equal(router_logits(tokens, w), F.linear(tokens.float(), w))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert router_logits(x, w, split=split).dtype == torch.float32
+            assert router_logits(tokens, w).dtype == torch.float32
+
+
+def test_asking_for_the_split_where_it_cannot_run_warns_once(recwarn):
+    import lightning_moe.nn.router_logits as module
+
+    module._WARNED.clear()
+    x, w, _ = _case(tokens=8)
+    for _ in range(2):
+        assert torch.equal(router_logits(x, w, split=True), F.linear(x.float(), w))
+    messages = [str(w.message) for w in recwarn.list if "router_logits_gemm='bf16x3'" in str(w.message)]
+    assert len(messages) == 1 and "got torch.bfloat16 Tensor tokens on cpu" in messages[0]
+
+
+def test_router_with_the_option_routes_like_the_default_on_cpu():
+    from lightning_moe.nn import MoEConfig, TopKRouter
+
+    torch.manual_seed(0)
+    cfgs = [MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=8, router_topk=2, router_logits_gemm=gemm)
+            for gemm in ("fp32", "bf16x3")]
+    routers = [TopKRouter(cfg) for cfg in cfgs]
+    routers[1].load_state_dict(routers[0].state_dict())
+    x = torch.randn(2, 16, 32).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="router_logits_gemm='bf16x3'"):
+        results = [router(x) for router in routers]
+    assert torch.equal(results[0].experts_TK, results[1].experts_TK)
+    assert torch.equal(results[0].probs_TK, results[1].probs_TK)
 
 
 def test_router_logits_gemm_is_validated():
