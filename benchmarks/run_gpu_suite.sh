@@ -28,7 +28,10 @@
 # wgradtma (the FP8 weight gradient's TMA-stored tiles, LIGHTNING_MOE_WGRAD_TMA_STORE: the grouped-GEMM
 # and combine GPU tests, then qwen3 graphed in two rounds of bf16, FP8, FP8 with the switch on),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
-# layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only).
+# layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only),
+# castregs (the casts' register caps and folds, fp8_quant_tune.py --delayed-fused --registers for the
+# SwiGLU kinds, the router-logits GPU tests, then qwen3 graphed in two rounds of bf16, FP8 and FP8 with
+# CASTREGS_ENV, default the SwiGLU-backward cast at 64 x 32 x 8 capped to 128 registers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -137,6 +140,21 @@ if has wgradtma; then
       say "moe_block qwen3 $variant, CUDA-graphed, round $pair"
       LIGHTNING_MOE_WGRAD_TMA_STORE=$([ "$variant" = fp8_tma ] && echo 1 || echo 0) run python3 benchmarks/moe_block.py \
         --cases qwen3_30b_a3b --precision "${variant%_tma}" --cuda-graph --iters 50 --tag "wgradtma_${variant}_$pair"
+    done
+  done
+fi
+if has castregs; then
+  say "cast register caps"
+  run python3 benchmarks/fp8_quant_tune.py --delayed-fused --registers --kinds swiglu_grad swiglu
+  say "router logits GPU tests"
+  python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/gpu/test_router_logits_gpu.py 2>&1 | tail -15 | tee -a "$LOG"
+  candidate="${CASTREGS_ENV:-LIGHTNING_MOE_CAST_TILES=swiglu_grad=64x32x8 LIGHTNING_MOE_CAST_MAX_REGISTERS=swiglu_grad=128}"
+  for pair in 1 2; do
+    for variant in bf16 fp8 fp8_candidate; do
+      say "moe_block qwen3 $variant, CUDA-graphed, round $pair"
+      env $([ "$variant" = fp8_candidate ] && echo "$candidate") python3 benchmarks/moe_block.py \
+        --cases qwen3_30b_a3b --precision "${variant%_candidate}" --cuda-graph --iters 50 \
+        --tag "castregs_${variant}_$pair" 2>&1 | grep -v -i "warn" | tee -a "$LOG"
     done
   done
 fi
