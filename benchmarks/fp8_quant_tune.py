@@ -99,6 +99,16 @@ def _timed(row: dict, launch) -> bool:
     return True
 
 
+def _check_and_rate(row: dict, outputs: list, reference: Optional[list], nbytes: float) -> list:
+    """``row["bytes_equal"]`` (``outputs`` against ``reference``, the first timed configuration's,
+    which this returns, taking ``outputs`` when there is none yet) and ``row["gb_s"]``."""
+    if reference is None:
+        reference = [t.clone() for t in outputs]
+    row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
+    row["gb_s"] = nbytes / row["ms"] / 1e6
+    return reference
+
+
 # the delayed-scaling cast: name -> groups, rows per group, columns, copies written
 DELAYED = {"mixtral_w1_fprop": (8, 4096, 28672, "col"), "mixtral_dh1": (8, 2048, 28672, "both"),
            "qwen3_x": (128, 1024, 2048, "both"), "qwen3_w1_fprop": (128, 2048, 1536, "col")}
@@ -211,10 +221,7 @@ def tune_delayed_variants() -> dict:
             rows_out.append(row)
             if not _timed(row, launch):
                 continue
-            if reference is None:
-                reference = [t.clone() for t in outputs]
-            row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
-            row["gb_s"] = nbytes / row["ms"] / 1e6
+            reference = _check_and_rate(row, outputs, reference, nbytes)
         rows_out.sort(key=lambda r: -r.get("gb_s", 0))
         # Which store costs: one copy at a time (GB/s over 3 bytes per element), best config's tile.
         best = next(r for r in rows_out if r.get("bytes_equal"))
@@ -335,10 +342,7 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                     if not _timed(row, cast):
                         continue
                     outputs = [results[0].view(torch.uint8), results[1], q_col.view(torch.uint8), results[2], record]
-                    if reference is None:
-                        reference = [t.clone() for t in outputs]
-                    row["bytes_equal"] = all(torch.equal(a, b) for a, b in zip(outputs, reference))
-                    row["gb_s"] = nbytes / row["ms"] / 1e6
+                    reference = _check_and_rate(row, outputs, reference, nbytes)
                 fd.TILE_SHAPES[kind] = default[kind]
                 rows_out.sort(key=lambda r: -r.get("gb_s", 0))
                 out[f"{model}_{kind}"] = rows_out

@@ -46,6 +46,21 @@ say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
 run() { "$@" 2>&1 | grep -v -i "warn" | tee -a "$LOG"; }
 num_gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
+# qwen3 CUDA-graphed in two interleaved rounds of bf16, FP8 and FP8 as VARIANT (50 steps each):
+# qwen3_rounds TAG VARIANT "BASE_ENV" "VARIANT_ENV"; every run takes BASE_ENV, the variant VARIANT_ENV
+# after it (tags TAG_bf16_N, TAG_fp8_N, TAG_fp8_VARIANT_N).
+qwen3_rounds() {
+  local tag="$1" name="$2" base="$3" extra="$4" pair variant
+  for pair in 1 2; do
+    for variant in bf16 fp8 "fp8_$name"; do
+      say "moe_block qwen3 $variant, CUDA-graphed, round $pair"
+      # shellcheck disable=SC2086  # the environments are lists of assignments
+      run env $base $([ "$variant" = "fp8_$name" ] && echo "$extra") python3 benchmarks/moe_block.py \
+        --cases qwen3_30b_a3b --precision "${variant%_"$name"}" --cuda-graph --iters 50 --tag "${tag}_${variant}_$pair"
+    done
+  done
+}
+
 if has tests; then
   say "GPU tests"
   run python3 -m pytest -q -p no:cacheprovider tests/gpu
@@ -135,28 +150,15 @@ fi
 if has wgradtma; then
   say "FP8 grouped GEMM and combine tests"
   run python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_grouped_triton_gpu.py tests/gpu/test_fp8_combine_gpu.py
-  for pair in 1 2; do
-    for variant in bf16 fp8 fp8_tma; do
-      say "moe_block qwen3 $variant, CUDA-graphed, round $pair"
-      LIGHTNING_MOE_WGRAD_TMA_STORE=$([ "$variant" = fp8_tma ] && echo 1 || echo 0) run python3 benchmarks/moe_block.py \
-        --cases qwen3_30b_a3b --precision "${variant%_tma}" --cuda-graph --iters 50 --tag "wgradtma_${variant}_$pair"
-    done
-  done
+  qwen3_rounds wgradtma tma LIGHTNING_MOE_WGRAD_TMA_STORE=0 LIGHTNING_MOE_WGRAD_TMA_STORE=1
 fi
 if has castregs; then
   say "cast register caps"
   run python3 benchmarks/fp8_quant_tune.py --delayed-fused --registers --kinds swiglu_grad swiglu
   say "router logits GPU tests"
   python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/gpu/test_router_logits_gpu.py 2>&1 | tail -15 | tee -a "$LOG"
-  candidate="${CASTREGS_ENV:-LIGHTNING_MOE_CAST_TILES=swiglu_grad=64x32x8 LIGHTNING_MOE_CAST_MAX_REGISTERS=swiglu_grad=128}"
-  for pair in 1 2; do
-    for variant in bf16 fp8 fp8_candidate; do
-      say "moe_block qwen3 $variant, CUDA-graphed, round $pair"
-      env $([ "$variant" = fp8_candidate ] && echo "$candidate") python3 benchmarks/moe_block.py \
-        --cases qwen3_30b_a3b --precision "${variant%_candidate}" --cuda-graph --iters 50 \
-        --tag "castregs_${variant}_$pair" 2>&1 | grep -v -i "warn" | tee -a "$LOG"
-    done
-  done
+  qwen3_rounds castregs candidate "" \
+    "${CASTREGS_ENV:-LIGHTNING_MOE_CAST_TILES=swiglu_grad=64x32x8 LIGHTNING_MOE_CAST_MAX_REGISTERS=swiglu_grad=128}"
 fi
 if has trainmulti && [ "$num_gpus" -ge 4 ]; then
   layers="${TRAIN_LAYERS:-16}"

@@ -31,7 +31,7 @@ follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import triton
@@ -68,18 +68,31 @@ TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (64, 128, 4), "gather":
                                                 "swiglu_grad": (32, 64, 4)}
 
 
+def _per_kind(value: str, variable: str, parse: Callable[[str], Optional[Any]], form: str,
+              example: str) -> dict[str, Any]:
+    """``value`` = ``"KIND=SETTING,..."`` (from the environment variable ``variable``) as ``{kind:
+    parse(SETTING)}``; raises, naming ``form`` and ``example``, for an unknown kind or a setting
+    ``parse`` refuses (returns None for)."""
+    settings = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        kind, _, setting = item.partition("=")
+        parsed = parse(setting) if kind in TILE_SHAPES else None
+        if parsed is None:
+            raise ValueError(f"{variable}: {item!r} is not KIND={form} with KIND one of {', '.join(TILE_SHAPES)} "
+                             f"(e.g. {example})")
+        settings[kind] = parsed
+    return settings
+
+
+def _shape(setting: str) -> Optional[tuple[int, ...]]:
+    parts = setting.split("x")
+    return tuple(int(p) for p in parts) if len(parts) == 3 and all(p.isdigit() for p in parts) else None
+
+
 def _tile_shapes_from_env(value: str) -> dict[str, tuple[int, int, int]]:
     """``LIGHTNING_MOE_CAST_TILES="swiglu=64x32x4,gather=128x64x8"``: launch shapes for an A/B
     measurement of the whole block without editing `TILE_SHAPES` (benchmarks only)."""
-    shapes = {}
-    for item in filter(None, (part.strip() for part in value.split(","))):
-        kind, _, shape = item.partition("=")
-        parts = shape.split("x")
-        if kind not in TILE_SHAPES or len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"LIGHTNING_MOE_CAST_TILES: {item!r} is not KIND=ROWSxCOLSxWARPS with KIND one of "
-                             f"{', '.join(TILE_SHAPES)} (e.g. swiglu=64x32x4)")
-        shapes[kind] = tuple(int(p) for p in parts)
-    return shapes
+    return _per_kind(value, "LIGHTNING_MOE_CAST_TILES", _shape, "ROWSxCOLSxWARPS", "swiglu=64x32x4")
 
 
 TILE_SHAPES.update(_tile_shapes_from_env(os.environ.get("LIGHTNING_MOE_CAST_TILES", "")))
@@ -99,14 +112,7 @@ AMAX_FOLD_ROWS: dict[str, int] = {"plain": 16, "gather": 16}
 def _per_kind_from_env(variable: str, example: str) -> dict[str, int]:
     """``variable="KIND=N,..."`` (e.g. ``LIGHTNING_MOE_CAST_AMAX_ROWS="plain=16,gather=0"``): a per-kind
     setting for an A/B measurement (benchmarks only; 0 turns it off)."""
-    values = {}
-    for item in filter(None, (part.strip() for part in os.environ.get(variable, "").split(","))):
-        kind, _, count = item.partition("=")
-        if kind not in TILE_SHAPES or not count.isdigit():
-            raise ValueError(f"{variable}: {item!r} is not KIND=N with KIND one of {', '.join(TILE_SHAPES)} "
-                             f"(e.g. {example})")
-        values[kind] = int(count)
-    return values
+    return _per_kind(os.environ.get(variable, ""), variable, lambda n: int(n) if n.isdigit() else None, "N", example)
 
 
 AMAX_FOLD_ROWS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_AMAX_ROWS", "plain=16"))
@@ -314,7 +320,8 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                                      C, SWIGLU, src_ptr, T, GATHER)
         ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
         body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr, cols,
-                                scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL, BODY_AMAX_ROWS)
+                                scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL,
+                                BODY_AMAX_ROWS)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# (a, b) -> fp32 a @ b for bf16 a [M, K] and b [K, N]: torch's bf16 GEMM with an fp32 output (CUDA).
+# (a, b) -> a @ b for bf16 a [M, K] and b [K, N], accumulated in fp32: on CUDA torch's bf16 GEMM with an
+# fp32 output (`_cuda_mm_fp32`) or a bf16 one (`_cuda_mm_bf16`).
 MatMul = Callable[[Tensor, Tensor], Tensor]
 
 
