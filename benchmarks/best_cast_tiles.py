@@ -1,12 +1,15 @@
-"""The fastest launch shape per delayed-cast kind in ``fp8_quant_tune_delayed_fused.json``, as a
-``LIGHTNING_MOE_CAST_TILES`` value for an A/B run of the whole block.
+"""The fastest launch per delayed-cast kind in a ``fp8_quant_tune.py --delayed-fused`` JSON, as the
+environment of an A/B run of the whole block.
 
-A kind is listed only where a shape with the same outputs beats the library launch, in time summed
-over the tune's benchmark shapes, by more than ``--margin`` (default 3%); otherwise the kind keeps
-its default. Prints the value (empty
-when nothing wins) on stdout.
+A launch is (rows, columns, warps) and, in the ``--registers`` sweeps, the amax accumulator's rows
+and the register cap. A kind is listed only where a launch with the same outputs beats the library
+launch, in time summed over the tune's benchmark shapes, by more than ``--margin`` (default 3%);
+otherwise the kind keeps its default. Prints (empty when nothing wins) on stdout a
+``LIGHTNING_MOE_CAST_TILES`` value, or with ``--env`` the assignments of all three switches
+(``LIGHTNING_MOE_CAST_TILES``, ``LIGHTNING_MOE_CAST_AMAX_ROWS``, ``LIGHTNING_MOE_CAST_MAX_REGISTERS``).
 
     LIGHTNING_MOE_CAST_TILES=$(python3 benchmarks/best_cast_tiles.py) python3 benchmarks/moe_block.py ...
+    env $(python3 benchmarks/best_cast_tiles.py --env --results R.json) python3 benchmarks/moe_block.py ...
 """
 from __future__ import annotations
 
@@ -17,34 +20,64 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES  # noqa: E402
+from lightning_moe.kernels.fp8_delayed_triton import AMAX_FOLD_ROWS, MAX_REGISTERS, TILE_SHAPES  # noqa: E402
+
+Launch = tuple[int, int, int, int, int]  # rows, columns, warps, amax accumulator rows (0: the tile's), cap (0: none)
 
 
-def best_tiles(results: dict, margin: float) -> dict[str, tuple[int, int, int]]:
-    """``{kind: (rows, cols, warps)}`` for each kind whose best shape beats the library launch.
+def library_launch(kind: str) -> Launch:
+    """The launch the library takes for ``kind`` (`TILE_SHAPES`, `AMAX_FOLD_ROWS`, `MAX_REGISTERS`)."""
+    rows, cols, warps = TILE_SHAPES[kind]
+    fold = AMAX_FOLD_ROWS.get(kind, 0)
+    return rows, cols, warps, fold if 0 < fold < rows else 0, MAX_REGISTERS.get(kind, 0)
 
-    ``results``: ``{"<case>_<kind>": [{"BR", "BC", "warps", "ms", "bytes_equal"}, ...]}``, one case
-    per benchmark shape. A launch shape counts only where it was timed with equal outputs in every
-    case of its kind; the best is the one with the least time summed over those cases, chosen if
-    that sum is below the library launch's by more than ``margin``."""
+
+def _launch(row: dict, kind: str) -> Launch:
+    # a tune row's launch; rows from before the sweeps recorded the fold ran the library's fold at the
+    # library's shape and none elsewhere, and no cap
+    shape = (row["BR"], row["BC"], row["warps"])
+    fold = row["amax_rows"] if "amax_rows" in row else \
+        AMAX_FOLD_ROWS.get(kind, 0) if shape == tuple(TILE_SHAPES[kind]) else 0
+    return (*shape, fold if 0 < fold < row["BR"] else 0, row.get("max_registers", 0))
+
+
+def best_tiles(results: dict, margin: float) -> dict[str, Launch]:
+    """``{kind: launch}`` for each kind whose best launch beats the library's.
+
+    ``results``: ``{"<case>_<kind>": [{"BR", "BC", "warps", ["amax_rows", "max_registers"], "ms",
+    "bytes_equal"}, ...]}``, one case per benchmark shape. A launch counts only where it was timed
+    with equal outputs in every case of its kind; the best is the one with the least time summed over
+    those cases, chosen if that sum is below the library launch's by more than ``margin``."""
     by_kind: dict[str, list[dict]] = {}
     for case, rows in results.items():
         # the longest kind the case name ends in ("swiglu_grad" before "swiglu")
         kind = next((k for k in sorted(TILE_SHAPES, key=len, reverse=True) if case.endswith("_" + k)), None)
         if kind is None:
             raise ValueError(f"case {case!r} does not end in a kind of {sorted(TILE_SHAPES)}")
-        by_kind.setdefault(kind, []).append({(r["BR"], r["BC"], r["warps"]): r["ms"] for r in rows
+        by_kind.setdefault(kind, []).append({_launch(r, kind): r["ms"] for r in rows
                                              if r.get("ms") and r.get("bytes_equal")})
     chosen = {}
     for kind, cases in by_kind.items():
         everywhere = set.intersection(*(set(times) for times in cases))
-        if TILE_SHAPES[kind] not in everywhere:
+        library = library_launch(kind)
+        if library not in everywhere:
             continue
-        total = {shape: sum(times[shape] for times in cases) for shape in everywhere}
+        total = {launch: sum(times[launch] for times in cases) for launch in everywhere}
         best = min(total, key=total.get)
-        if total[best] < total[TILE_SHAPES[kind]] * (1 - margin):
+        if total[best] < total[library] * (1 - margin):
             chosen[kind] = best
     return chosen
+
+
+def as_environment(chosen: dict[str, Launch]) -> str:
+    """The three switches' assignments that make the library launch ``chosen`` (empty: nothing)."""
+    if not chosen:
+        return ""
+    tiles = ",".join(f"{kind}={r}x{c}x{w}" for kind, (r, c, w, _, _) in chosen.items())
+    folds = ",".join(f"{kind}={fold}" for kind, (_, _, _, fold, _) in chosen.items())
+    caps = ",".join(f"{kind}={cap}" for kind, (_, _, _, _, cap) in chosen.items())
+    return (f"LIGHTNING_MOE_CAST_TILES={tiles} LIGHTNING_MOE_CAST_AMAX_ROWS={folds} "
+            f"LIGHTNING_MOE_CAST_MAX_REGISTERS={caps}")
 
 
 def main() -> None:
@@ -52,9 +85,13 @@ def main() -> None:
     default = Path(__file__).parent / "results" / "fp8_quant_tune_delayed_fused.json"
     parser.add_argument("--results", default=str(default))
     parser.add_argument("--margin", type=float, default=0.03)
+    parser.add_argument("--env", action="store_true", help="print the three switches' assignments")
     args = parser.parse_args()
     chosen = best_tiles(json.loads(Path(args.results).read_text())["results"], args.margin)
-    print(",".join(f"{kind}={r}x{c}x{w}" for kind, (r, c, w) in chosen.items()))
+    if args.env:
+        print(as_environment(chosen))
+    else:
+        print(",".join(f"{kind}={r}x{c}x{w}" for kind, (r, c, w, _, _) in chosen.items()))
 
 
 if __name__ == "__main__":

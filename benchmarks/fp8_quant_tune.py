@@ -6,6 +6,7 @@
     python benchmarks/fp8_quant_tune.py --delayed-variants  # its tile, amax and grid-order variants
     python benchmarks/fp8_quant_tune.py --delayed-fused  # its plain, gathered and SwiGLU operands, per TILE_SHAPES
     python benchmarks/fp8_quant_tune.py --delayed-fused --registers  # with the amax fold and register caps
+    python benchmarks/fp8_quant_tune.py --delayed-fused --registers --models qwen3  # one benchmark shape
 
 Prints GB/s (bytes read once + bytes written) per (kernel, shape, config), best first, and
 writes ``benchmarks/results/fp8_quant_tune.json`` (``--dual``: ``fp8_quant_tune_dual.json``; the
@@ -88,11 +89,11 @@ def tune_dual() -> dict:
     return out
 
 
-def _timed(row: dict, launch) -> bool:
-    """``row["ms"]`` = median time of ``launch``; False, with ``row["error"]``, for a launch
-    configuration that does not compile (registers, shared memory)."""
+def _timed(row: dict, launch, iters: int = 5) -> bool:
+    """``row["ms"]`` = median time of ``launch`` over ``iters`` runs; False, with ``row["error"]``,
+    for a launch configuration that does not compile (registers, shared memory)."""
     try:
-        row["ms"], _ = cuda_time_ms(launch, warmup=2, iters=5)
+        row["ms"], _ = cuda_time_ms(launch, warmup=2, iters=iters)
     except Exception as error:
         row["error"] = str(error)[:100]
         return False
@@ -255,15 +256,31 @@ FUSED_SHAPES = {
 # `cast_registers.py` compiles the same.
 FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 4), (64, 32, 8), (32, 64, 4),
                  (128, 32, 4), (128, 32, 8), (64, 128, 4), (64, 128, 8), (32, 128, 4)]
-# --registers: launch shapes with the register options, (rows, columns, warps, amax accumulator rows,
-# register cap; 0 = off) (`fp8_delayed_triton.AMAX_FOLD_ROWS` / `MAX_REGISTERS`). At 128 x 64 x 4 the
-# kernels ran at 255 registers with spills (Nsight Compute). The s28 sweeps (fp8_quant_tune_registers*.json)
-# made plain and gather 64 x 128 x 4 folded onto 16 rows; capping registers was only tried on 128 x 64 x 4
-# folded (itself 2x slower). The caps below are what offline compiles (`cast_registers.py`) leave
-# nearly spill-free at two programs per multiprocessor; untimed yet.
-REGISTER_CONFIGS = [(128, 64, 4, 0, 0), (64, 128, 4, 16, 0), (64, 128, 4, 32, 0), (64, 128, 4, 0, 0),
-                    (64, 128, 8, 16, 0), (32, 128, 4, 16, 0), (64, 128, 4, 16, 168), (64, 32, 4, 0, 0),
-                    (64, 32, 4, 0, 96), (64, 32, 8, 0, 0), (64, 32, 8, 0, 128), (32, 64, 4, 0, 0), (32, 64, 4, 0, 168)]
+# --registers: launch shapes with the register options per kind, (rows, columns, warps, amax accumulator
+# rows, register cap; 0 = off) (`fp8_delayed_triton.AMAX_FOLD_ROWS` / `MAX_REGISTERS`), the library's first.
+# ptxas takes up to 255 registers per thread wherever it may, which holds a 4-warp cast to two programs
+# per multiprocessor (Nsight Compute: 12% occupancy, latency bound); a cap buys programs at the price of
+# spills. The capped rows are those offline compiles (`cast_registers.py`, s29) leave with at most ~250
+# bytes spilled per thread at more resident warps than the library's launch (warps per multiprocessor in
+# the comments: 65,536 registers / (cap x threads), rounded down, x warps).
+REGISTER_CONFIGS: dict[str, list[tuple[int, int, int, int, int]]] = {
+    "plain": [(64, 128, 4, 16, 0),  # library: 255 registers, 8 warps
+              (64, 128, 8, 16, 128), (128, 64, 8, 16, 128), (64, 64, 8, 16, 128), (64, 32, 4, 16, 128),  # 16
+              (64, 32, 8, 16, 0), (32, 64, 8, 16, 0),  # 16 (92-110 registers uncapped)
+              (32, 32, 4, 16, 0),  # 20
+              (64, 32, 8, 16, 80), (32, 64, 8, 16, 80), (32, 32, 4, 16, 80),  # 24
+              (32, 64, 8, 16, 64), (64, 32, 8, 16, 64), (32, 32, 4, 16, 64)],  # 32
+    "swiglu": [(64, 32, 4, 0, 0),  # library: 128 registers, 16 warps
+               (64, 64, 8, 0, 128), (64, 32, 8, 0, 0),  # 16
+               (32, 32, 4, 0, 96),  # 20
+               (64, 32, 8, 0, 80), (32, 64, 8, 0, 80), (32, 32, 4, 0, 80), (64, 64, 8, 0, 80),  # 24
+               (64, 32, 8, 0, 64), (32, 64, 8, 0, 64), (32, 32, 4, 0, 64)],  # 32
+    "swiglu_grad": [(32, 64, 4, 0, 0),  # library: 255 registers with 328 bytes spilled, 8 warps
+                    (64, 32, 8, 0, 128), (32, 32, 4, 0, 128), (32, 64, 8, 0, 128), (64, 64, 8, 0, 128),  # 16
+                    (64, 32, 8, 0, 80),  # 24
+                    (64, 32, 8, 0, 64)],  # 32
+}
+REGISTER_CONFIGS["gather"] = REGISTER_CONFIGS["plain"]
 
 
 def _fused_cases(shape: dict, gen: torch.Generator) -> dict:
@@ -290,14 +307,15 @@ def _fused_cases(shape: dict, gen: torch.Generator) -> dict:
     }
 
 
-def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list] = None,
-                       models: Optional[list[str]] = None) -> dict:
+def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[dict[str, list]] = None,
+                       models: Optional[list[str]] = None, iters: int = 5) -> dict:
     """`delayed_cast` on its plain, gathered and SwiGLU operands (and `delayed_swiglu_grad_cast`,
     kind "swiglu_grad"; ``kinds``: these alone) per launch shape
     (`fp8_delayed_triton.TILE_SHAPES`) at each of `FUSED_SHAPES`: GB/s over the bytes read (fc2's
     output gradient, the gathered token rows, or fc1's output and the probabilities) and the two
-    float8 copies written. Every shape's outputs must equal those of the first, 128 x 64 x 4 warps.
-    Keys: ``<model>_<kind>``."""
+    float8 copies written. Every shape's outputs must equal those of the first launch tried (128 x 64
+    x 4 warps; with ``configs``, ``{kind: [(rows, cols, warps, amax rows, register cap), ...]}``, the
+    first of the kind's list). Keys: ``<model>_<kind>``."""
     from lightning_moe.kernels import fp8_delayed_triton as fd
     from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
 
@@ -317,7 +335,7 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                 if kinds and kind not in kinds:
                     continue
                 reference, rows_out = None, []
-                for config in configs or FUSED_CONFIGS:
+                for config in (configs or {}).get(kind, FUSED_CONFIGS):
                     fd.TILE_SHAPES[kind] = config[:3]
                     # a bare (rows, columns, warps): the library's fold at the library's shape, none elsewhere
                     library_shape = tuple(config[:3]) == tuple(default[kind])
@@ -339,7 +357,7 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
                     row = {"BR": config[0], "BC": config[1], "warps": config[2], "amax_rows": fd.AMAX_FOLD_ROWS[kind],
                            "max_registers": fd.MAX_REGISTERS[kind]}
                     rows_out.append(row)
-                    if not _timed(row, cast):
+                    if not _timed(row, cast, iters):
                         continue
                     outputs = [results[0].view(torch.uint8), results[1], q_col.view(torch.uint8), results[2], record]
                     reference = _check_and_rate(row, outputs, reference, nbytes)
@@ -361,12 +379,19 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[list
 def main() -> None:
     if "--delayed-fused" in sys.argv:
         # --kinds KIND...: those operand kinds alone, written under fp8_quant_tune_delayed_fused_<kinds>
-        # --registers: REGISTER_CONFIGS at every shape instead (fp8_quant_tune_registers[_<kinds>])
-        kinds = sys.argv[sys.argv.index("--kinds") + 1:] if "--kinds" in sys.argv else None
+        # --registers: REGISTER_CONFIGS instead, 20 timed runs each (fp8_quant_tune_registers[_<kinds>])
+        # --models MODEL...: those benchmark shapes of FUSED_SHAPES alone (default: all)
+        def listed(flag: str) -> Optional[list[str]]:
+            if flag not in sys.argv:
+                return None
+            after = sys.argv[sys.argv.index(flag) + 1:]
+            return after[:next((i for i, a in enumerate(after) if a.startswith("--")), len(after))]
+
+        kinds, models = listed("--kinds"), listed("--models")
         registers = "--registers" in sys.argv
         name = ("fp8_quant_tune_registers" if registers else "fp8_quant_tune_delayed_fused") + \
-            ("_" + "_".join(kinds) if kinds else "")
-        results = tune_delayed_fused(kinds, REGISTER_CONFIGS) if registers else tune_delayed_fused(kinds)
+            ("_" + "_".join(kinds) if kinds else "") + ("_" + "_".join(models) if models else "")
+        results = tune_delayed_fused(kinds, REGISTER_CONFIGS if registers else None, models, 20 if registers else 5)
         write_results(name, {"results": results})
         return
     if "--delayed-variants" in sys.argv:

@@ -29,9 +29,9 @@
 # and combine GPU tests, then qwen3 graphed in two rounds of bf16, FP8, FP8 with the switch on),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only),
-# castregs (the casts' register caps and folds, fp8_quant_tune.py --delayed-fused --registers for the
-# SwiGLU kinds, the router-logits GPU tests, then qwen3 graphed in two rounds of bf16, FP8 and FP8 with
-# CASTREGS_ENV, default the SwiGLU-backward cast at 64 x 32 x 8 capped to 128 registers).
+# castregs (the casts' register caps: the router-logits GPU tests, fp8_quant_tune.py --delayed-fused --registers
+# at qwen3's operands, then qwen3 graphed in two rounds of bf16, FP8 and FP8 with the launches best_cast_tiles.py
+# picks from that sweep (CASTREGS_ENV overrides them; none picked: no rounds)).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -153,12 +153,19 @@ if has wgradtma; then
   qwen3_rounds wgradtma tma LIGHTNING_MOE_WGRAD_TMA_STORE=0 LIGHTNING_MOE_WGRAD_TMA_STORE=1
 fi
 if has castregs; then
-  say "cast register caps"
-  run python3 benchmarks/fp8_quant_tune.py --delayed-fused --registers --kinds swiglu_grad swiglu
   say "router logits GPU tests"
   python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/gpu/test_router_logits_gpu.py 2>&1 | tail -15 | tee -a "$LOG"
-  qwen3_rounds castregs candidate "" \
-    "${CASTREGS_ENV:-LIGHTNING_MOE_CAST_TILES=swiglu_grad=64x32x8 LIGHTNING_MOE_CAST_MAX_REGISTERS=swiglu_grad=128}"
+  say "cast launches with register caps at qwen3's operands (fp8_quant_tune.py REGISTER_CONFIGS)"
+  tuned=benchmarks/results/fp8_quant_tune_registers_qwen3.json
+  rm -f "$tuned"  # never choose from an earlier tune
+  run timeout 300 python3 benchmarks/fp8_quant_tune.py --delayed-fused --registers --models qwen3
+  candidate="${CASTREGS_ENV:-$(python3 benchmarks/best_cast_tiles.py --env --results "$tuned" 2>>"$LOG")}"
+  if [ -z "$candidate" ]; then
+    say "no capped launch beats the library's by the margin: no block A/B"
+  else
+    say "block A/B candidate: $candidate"
+    qwen3_rounds castregs candidate "" "$candidate"
+  fi
 fi
 if has trainmulti && [ "$num_gpus" -ge 4 ]; then
   layers="${TRAIN_LAYERS:-16}"

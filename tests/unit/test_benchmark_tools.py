@@ -52,3 +52,37 @@ def test_idle_gaps_name_the_launch_behind_each_gap():
     assert gaps[0]["cpu_stack"] == ["MyBackward", "aten::zeros"]
     assert gaps[1]["launched_after_gap_start_ms"] < 0 and gaps[1]["cpu_stack"] == []
     assert idle_gaps([]) == (0.0, [])
+
+
+def test_best_cast_launch_needs_equal_bytes_everywhere_and_the_margin():
+    from benchmarks.best_cast_tiles import as_environment, best_tiles, library_launch
+
+    lib = library_launch("swiglu_grad")
+    row = dict(zip(("BR", "BC", "warps", "amax_rows", "max_registers"), lib))
+    capped = dict(BR=64, BC=32, warps=8, amax_rows=0, max_registers=128)
+    wrong = dict(BR=64, BC=64, warps=8, amax_rows=0, max_registers=128)
+    results = {
+        "qwen3_swiglu_grad": [dict(row, ms=1.0, bytes_equal=True), dict(capped, ms=0.80, bytes_equal=True),
+                              dict(wrong, ms=0.5, bytes_equal=False)],
+        "mixtral_swiglu_grad": [dict(row, ms=2.0, bytes_equal=True), dict(capped, ms=1.95, bytes_equal=True)],
+        # "swiglu" cases must not be read as "swiglu_grad" ones, nor the reverse
+        "qwen3_swiglu": [dict(zip(("BR", "BC", "warps", "amax_rows", "max_registers"), library_launch("swiglu")),
+                              ms=1.0, bytes_equal=True), dict(capped, ms=0.99, bytes_equal=True)],
+    }
+    chosen = best_tiles(results, margin=0.03)
+    # summed: 2.75 against 3.0 (8%); the faster launch with other bytes is never chosen; swiglu's 1% is no win
+    assert chosen == {"swiglu_grad": (64, 32, 8, 0, 128)}
+    assert best_tiles(results, margin=0.1) == {}
+    assert as_environment(chosen) == ("LIGHTNING_MOE_CAST_TILES=swiglu_grad=64x32x8 LIGHTNING_MOE_CAST_AMAX_ROWS="
+                                      "swiglu_grad=0 LIGHTNING_MOE_CAST_MAX_REGISTERS=swiglu_grad=128")
+    assert as_environment({}) == ""
+
+
+def test_best_cast_launch_reads_rows_without_register_options():
+    from benchmarks.best_cast_tiles import best_tiles
+    from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES
+
+    shape = dict(zip(("BR", "BC", "warps"), TILE_SHAPES["plain"]))
+    results = {"qwen3_plain": [dict(shape, ms=1.0, bytes_equal=True),
+                               dict(BR=128, BC=64, warps=8, ms=0.5, bytes_equal=True)]}
+    assert best_tiles(results, margin=0.03) == {"plain": (128, 64, 8, 0, 0)}
