@@ -91,9 +91,12 @@ def tune_dual() -> dict:
 
 def _timed(row: dict, launch, iters: int = 5) -> bool:
     """``row["ms"]`` = median time of ``launch`` over ``iters`` runs; False, with ``row["error"]``,
-    for a launch configuration that does not compile (registers, shared memory)."""
+    for a launch configuration that does not compile (registers, shared memory). With more than 5
+    runs, 10 warm-up runs first: in the s29 sweep the first launch of each kind, timed after 2, ran
+    15-40% slower than in s28's sweep, where it was not first (the GPU idles while each launch
+    compiles)."""
     try:
-        row["ms"], _ = cuda_time_ms(launch, warmup=2, iters=iters)
+        row["ms"], _ = cuda_time_ms(launch, warmup=2 if iters <= 5 else 10, iters=iters)
     except Exception as error:
         row["error"] = str(error)[:100]
         return False
