@@ -64,8 +64,9 @@ from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launc
 # data gradient, three tiles read per tile cast; fp8_quant_tune_delayed_fused_swiglu_grad.json, every
 # shape's bytes equal): 32 x 64 x 4 takes the least time summed over the three benchmark shapes (2.34
 # against 2.41 ms for 64 x 32 x 4: 10% faster at mixtral, 2% / 5% slower at qwen3 / deepseek).
-TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (64, 128, 4), "gather": (64, 128, 4), "swiglu": (64, 32, 4),
-                                                "swiglu_grad": (32, 64, 4)}
+# Since s29 both SwiGLU kinds run 64 x 32 x 8 warps with a register cap (`MAX_REGISTERS`): see there.
+TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (64, 128, 4), "gather": (64, 128, 4), "swiglu": (64, 32, 8),
+                                                "swiglu_grad": (64, 32, 8)}
 
 
 def _per_kind(value: str, variable: str, parse: Callable[[str], Optional[Any]], form: str,
@@ -118,11 +119,16 @@ def _per_kind_from_env(variable: str, example: str) -> dict[str, int]:
 AMAX_FOLD_ROWS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_AMAX_ROWS", "plain=16"))
 
 # A cap on the tile kernels' registers per thread, per kind (Triton's ``maxnreg``; absent or 0: the
-# compiler's choice, 255 at most of the library's shapes). Off by default: capping 128 x 64 x 4 folded
-# (itself 2x slower) lost further (fp8_quant_tune_registers.json); offline compiles (`cast_registers.py`)
-# put the SwiGLU-backward cast at 64 x 32 x 8 warps capped to 128 registers with 12 bytes of spills,
-# two programs (16 warps) per multiprocessor instead of one: untimed. `LIGHTNING_MOE_CAST_MAX_REGISTERS`.
-MAX_REGISTERS: dict[str, int] = _per_kind_from_env("LIGHTNING_MOE_CAST_MAX_REGISTERS", "swiglu_grad=128")
+# compiler's choice, which takes up to 255 wherever it may and so holds a 4-warp cast to two programs per
+# multiprocessor). Capping 128 x 64 x 4 folded (itself 2x slower) lost (fp8_quant_tune_registers.json).
+# The s29 sweep at qwen3's operands (fp8_quant_tune_registers_qwen3.json, `fp8_quant_tune.py
+# --delayed-fused --registers --models qwen3`, every launch's bytes equal) found the SwiGLU cast at 64 x 32
+# x 8 capped to 64 registers (40 bytes spilled offline, 32 warps per multiprocessor) 0.310 ms and the
+# SwiGLU-backward cast at 64 x 32 x 8 capped to 128 (12 bytes, 16 warps) 0.559 ms; the qwen3 block with
+# both, CUDA-graphed, two interleaved rounds (moe_block_castregs_*.json): FP8 7.41 / 7.42 ms against 7.45 /
+# 7.45. `LIGHTNING_MOE_CAST_MAX_REGISTERS` overrides per kind (0: no cap).
+MAX_REGISTERS: dict[str, int] = {"swiglu": 64, "swiglu_grad": 128}
+MAX_REGISTERS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_MAX_REGISTERS", "swiglu_grad=128"))
 
 
 def register_cap(kind: str) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple, Optional
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_moe.kernels import use_triton
 from lightning_moe.precision.quantize import FLT_MAX
 from lightning_moe.precision.recipes import ROLES, FP8Recipe
 
@@ -125,6 +127,18 @@ def _fmt_max(recipe: FP8Recipe, like: torch.Tensor) -> torch.Tensor:
     return torch.stack([like.new_full((1,), recipe.format(role).max) for role in ROLES])
 
 
+def _updated(history_H3G: torch.Tensor, scale_3G: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new scales ``[3, G]``, the history rolled by one step with a zero row 0): TE's update, in torch
+    (the reference of `kernels.delayed_update_triton`, which CUDA tensors take)."""
+    fmt_max = _fmt_max(recipe, history_H3G)
+    amax = history_H3G.amax(0) if recipe.amax_compute_algo == "max" else history_H3G[0]
+    new = (fmt_max / amax).clamp(max=FLT_MAX) / 2.0**recipe.margin
+    usable = (amax > 0) & torch.isfinite(amax)
+    rolled = torch.roll(history_H3G, 1, 0)
+    rolled[0].zero_()
+    return torch.where(usable, new, scale_3G), rolled
+
+
 @torch.no_grad()
 def update_delayed_scaling(
     modules: Iterable[nn.Module], recipe: FP8Recipe, group: Optional[dist.ProcessGroup] = None
@@ -140,12 +154,16 @@ def update_delayed_scaling(
         return
     states = [s for _, s in owners]
     # All modules' states as one [H, 3, sum G] block per (device, history length), so that the
-    # update is a dozen batched kernels instead of about ten per module (a model has hundreds of
-    # FP8 modules, and the next forward waits for these launches).
+    # update is a few batched kernels instead of about ten per module (a model has hundreds of
+    # FP8 modules, and the next forward waits for these launches): on a GPU with Triton, the
+    # concatenations, one update kernel and two copies back (``LIGHTNING_MOE_FUSED_SCALE_UPDATE=0``: the
+    # torch formulation there too, for A/B timings).
     blocks: dict[tuple, list[DelayedState]] = {}
     for state in states:
         blocks.setdefault((state.amax_history.device, state.amax_history.shape[0]), []).append(state)
-    merged = [(members, torch.cat([s.amax_history for s in members], 2), torch.cat([s.scale for s in members], 1))
+    # (one module alone needs no concatenation: its own buffers are read, and written back below)
+    merged = [(members, members[0].amax_history, members[0].scale) if len(members) == 1 else
+              (members, torch.cat([s.amax_history for s in members], 2), torch.cat([s.scale for s in members], 1))
               for members in blocks.values()]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         current = torch.cat([history[0].reshape(-1) for _, history, _ in merged])
@@ -153,13 +171,14 @@ def update_delayed_scaling(
         for (_, history, _), reduced in zip(merged, current.split([h[0].numel() for _, h, _ in merged])):
             history[0].copy_(reduced.view_as(history[0]))
     for members, history, scale in merged:
-        fmt_max = _fmt_max(recipe, history)
-        amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
-        new = (fmt_max / amax).clamp(max=FLT_MAX) / 2.0**recipe.margin
-        usable = (amax > 0) & torch.isfinite(amax)
-        scale = torch.where(usable, new, scale)
-        history = torch.roll(history, 1, 0)
-        history[0].zero_()
+        if use_triton(history) and os.environ.get("LIGHTNING_MOE_FUSED_SCALE_UPDATE", "1") != "0":
+            # one kernel, the same bits (kernels.delayed_update_triton): about twenty fewer launches
+            from lightning_moe.kernels.delayed_update_triton import delayed_update
+
+            scale, history = delayed_update(history, scale, tuple(recipe.format(role).max for role in ROLES),
+                                            recipe.margin, recipe.amax_compute_algo == "most_recent")
+        else:
+            scale, history = _updated(history, scale, recipe)
         sizes = [s.scale.shape[1] for s in members]
         torch._foreach_copy_([s.amax_history for s in members], list(history.split(sizes, 2)))
         torch._foreach_copy_([s.scale for s in members], list(scale.split(sizes, 1)))

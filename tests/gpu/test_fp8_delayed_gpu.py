@@ -351,3 +351,33 @@ def test_amax_prepass_only_while_the_state_is_fresh(monkeypatch):
         layer(x)
     assert any(k is fd._missing_amax_kernel for k in kernels)
     assert any(k is fd._fill_missing_scales_kernel for k in kernels)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_scaling_update_kernel_gives_the_torch_update_bits(algo, margin):
+    """`update_delayed_scaling` on CUDA (one update kernel per block) against its torch formulation on
+    the same histories (TE's default length, two modules of other group counts, zeros, infinities,
+    NaNs and subnormal amaxes), bit for bit, buffers updated in place."""
+    from lightning_moe.precision.delayed import _updated
+
+    recipe = FP8Recipe("delayed", margin=margin, amax_compute_algo=algo)
+    gen = torch.Generator("cuda").manual_seed(margin)
+    modules = []
+    for groups in (256, 3):
+        module = torch.nn.Module()
+        history = torch.rand(recipe.amax_history_len, 3, groups, device="cuda", generator=gen) * 100
+        history[:, 0, 0] = 0.0
+        history[5, 1, 1 % groups] = float("inf")
+        history[0, 2, 2 % groups] = float("nan")
+        history[:, 2, 0] = 1e-40
+        module.fp8_amax_history = history
+        module.fp8_scale = torch.rand(3, groups, device="cuda", generator=gen) + 0.5
+        modules.append(module)
+    expected = [_updated(m.fp8_amax_history.clone(), m.fp8_scale.clone(), recipe) for m in modules]
+    addresses = [(m.fp8_amax_history.data_ptr(), m.fp8_scale.data_ptr()) for m in modules]
+    update_delayed_scaling(modules, recipe)
+    for module, (scale, history), address in zip(modules, expected, addresses):
+        assert (module.fp8_amax_history.data_ptr(), module.fp8_scale.data_ptr()) == address  # in place
+        assert torch.equal(module.fp8_scale.view(torch.int32), scale.view(torch.int32))
+        assert torch.equal(module.fp8_amax_history.view(torch.int32), history.view(torch.int32))
