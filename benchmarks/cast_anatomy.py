@@ -14,7 +14,13 @@ read by TMA into shared memory, ``STAGES - 1`` of them in flight ahead of the on
 library prefetches one tile into registers), at several launch shapes, its bytes checked against
 the library launch's.
 
-Writes ``benchmarks/results/cast_anatomy_<model>.json``: per variant ms, bytes moved and TB/s.
+Writes ``benchmarks/results/cast_anatomy_<model>.json``: per variant ms, bytes moved and TB/s. With
+``--once`` every variant is launched once, untimed, in the order printed, for Nsight Compute's warp
+stall reasons (a reference launch of the library's cast comes first)::
+
+    ncu --clock-control none -k regex:"_delayed_cast_kernel|_tma_cast_kernel" --section WarpStateStats \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio --section SpeedOfLight \
+        --section Occupancy --csv --page details python3 benchmarks/cast_anatomy.py --once > ncu.csv
 """
 from __future__ import annotations
 
@@ -116,6 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3", choices=sorted(FUSED_SHAPES))
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--once", action="store_true",
+                        help="launch each variant once, untimed (for Nsight Compute; see the module docstring)")
     args = parser.parse_args()
     shape = FUSED_SHAPES[args.model]
     groups, total, d = shape["groups"], shape["groups"] * shape["rows"], shape["D"]
@@ -163,6 +171,12 @@ def main() -> None:
         run()
         equal[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outputs, reference))
         variants[name] = (run, 4 * n)
+    if args.once:
+        for name, (fn, _) in variants.items():
+            print("launching", name, flush=True)
+            fn()
+        torch.cuda.synchronize()
+        return
     # the first timed launch of a run pays for clocks ramping up: warm the GPU on the copy first
     cuda_time_ms(lambda: copy_bf16.copy_(x), warmup=50, iters=50)
     results = {}

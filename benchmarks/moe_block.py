@@ -38,6 +38,7 @@ import contextlib
 import copy
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -275,8 +276,13 @@ def run_case(name: str, c: dict, args) -> dict:
         graph_check = capture_and_check(layer, x, dy, optimizer_step_work, args.accumulate, context)
 
     torch.cuda.reset_peak_memory_stats()
+    # wall-clock bounds of the two timings, to line them up with clock and power samples taken beside
+    # the run (nvidia-smi): the host syncs after each, so they bound the GPU's work
+    started = time.time()
     median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
+    one_at_a_time_done = time.time()
     pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
+    phases_unix = {"one_at_a_time": [started, one_at_a_time_done], "back_to_back": [one_at_a_time_done, time.time()]}
     profile = profile_step(step) if args.profile else None
     flops = block_flops(c) * args.accumulate
     result = {
@@ -295,6 +301,7 @@ def run_case(name: str, c: dict, args) -> dict:
         "min_ms": min(times),
         "tflops": flops / (median_ms * 1e-3) / 1e12,
         "pipelined_ms": pipelined_ms,
+        "phases_unix": phases_unix,
         "pipelined_tflops": flops / (pipelined_ms * 1e-3) / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "flops": flops,
