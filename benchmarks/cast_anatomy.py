@@ -9,16 +9,16 @@ pipelining, ``num_stages`` on the body's loop, leaves these pointer loads as the
 
     python benchmarks/cast_anatomy.py [--model qwen3]
 
-Beside them, `_tma_cast_kernel`: the same cast (groups with a history scale) with the body's tiles
-read by TMA into shared memory, ``STAGES - 1`` of them in flight ahead of the one being cast (the
-library prefetches one tile into registers), at several launch shapes, its bytes checked against
-the library launch's.
+Beside them, the library's cast reading the body's tiles by TMA into shared memory
+(`fp8_delayed_triton.TMA_READS`, ``STAGES - 1`` tiles in flight ahead of the one being cast, where the
+pointer kernel prefetches one into registers) at several launch shapes, its bytes checked against the
+pointer kernel's.
 
 Writes ``benchmarks/results/cast_anatomy_<model>.json``: per variant ms, bytes moved and TB/s. With
 ``--once`` every variant is launched once, untimed, in the order printed, for Nsight Compute's warp
 stall reasons (a reference launch of the library's cast comes first)::
 
-    ncu --clock-control none -k regex:"_delayed_cast_kernel|_tma_cast_kernel" --section WarpStateStats \
+    ncu --clock-control none -k regex:"_delayed_cast_kernel" --section WarpStateStats \
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio --section SpeedOfLight \
         --section Occupancy --csv --page details python3 benchmarks/cast_anatomy.py --once > ncu.csv
 """
@@ -29,21 +29,13 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import cuda_time_ms, write_results  # noqa: E402
 from benchmarks.fp8_quant_tune import FUSED_SHAPES  # noqa: E402
 from lightning_moe.kernels import fp8_delayed_triton as fd  # noqa: E402
-from lightning_moe.kernels.fp8_quant_triton import (  # noqa: E402
-    _aligned_body,
-    _aligned_group_shift,
-    _column_layout,
-    _group_bounds,
-    _zero_aligned_gap,
-)
+from lightning_moe.kernels.fp8_quant_triton import _column_layout  # noqa: E402
 from lightning_moe.kernels.launch import cdiv, launch  # noqa: E402
 
 
@@ -61,62 +53,20 @@ def tile_cast(x, offsets, scale, record, q_row, s_row, q_col, s_col, write_row: 
            num_warps=warps, **fd.register_cap("plain"))
 
 
-@triton.jit
-def _tma_cast_kernel(x_desc, x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, record_ptr,
-                     R, C, G, stride_qc, aligned_ends_ptr, BR: tl.constexpr, BC: tl.constexpr, ALIGN: tl.constexpr,
-                     AMAX_ROWS: tl.constexpr, STAGES: tl.constexpr):
-    # The plain tile cast (both copies, amax recorded; groups with a history scale only) with the
-    # body's tiles read by TMA into shared memory, STAGES - 1 tiles in flight ahead of the one cast,
-    # instead of one tile prefetched into registers. A tile's rows past the group are read (the next
-    # group's) and masked out of the stores and the amax.
-    group = tl.program_id(1)
-    c0 = tl.program_id(0) * BC
-    cols = c0 + tl.arange(0, BC)
-    cmask = cols < C
-    in_group = group < G
-    start, end = _group_bounds(offsets_ptr, group, G, R)
-    scale = tl.load(scale_ptr + group, mask=in_group, other=1.0)
-    scale_inv = tl.math.div_rn(1.0, scale)
-    out_base = _aligned_group_shift(aligned_ends_ptr, group, in_group, start, ALIGN)
-    lo, hi = _aligned_body(start, end)
-    amax = tl.zeros([BC], dtype=tl.float32)
-    amax = fd._delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
-                                 in_group, out_base, C, stride_qc, amax, x_ptr, 0, True, True, False, False, 16,
-                                 x_ptr, False)
-    body_amax = tl.zeros([AMAX_ROWS, BC], dtype=tl.float32)
-    for r0 in tl.range(lo, hi, BR, num_stages=STAGES):
-        tile_rows = r0 + tl.arange(0, BR)
-        m = (tile_rows < hi)[:, None] & cmask[None, :]
-        x = tl.where(m, x_desc.load([tl.cast(r0, tl.int32), c0]).to(tl.float32), 0.0)
-        body_amax = fd._cast_store(x, tile_rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C,
-                                   stride_qc, body_amax, True, True, AMAX_ROWS)
-    amax = tl.maximum(amax, tl.max(body_amax, 0))
-    amax = fd._delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
-                                 stride_qc, amax, x_ptr, 0, True, True, False, False, 16, x_ptr, False)
-    if tl.program_id(0) == 0:
-        for s0 in range(start, end, 1024):
-            rows = s0 + tl.arange(0, 1024)
-            tl.store(s_row_ptr + rows, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=rows < end)
-    _zero_aligned_gap(q_col_ptr, out_base, start, end, cols, cmask, stride_qc, in_group, ALIGN)
-    tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
-             mask=cmask & in_group)
-    tl.atomic_max(record_ptr + group, tl.max(amax, 0), mask=in_group)
 
-
-def tma_cast(x, offsets, scale, record, q_row, s_row, q_col, s_col, aligned_ends, launch_shape, stages: int,
-             amax_rows: int = 16) -> None:
-    """`_tma_cast_kernel` at ``launch_shape`` (rows, columns, warps): the library cast's outputs for
-    groups with a history scale (no tail group: the row copy's rows all belong to groups here)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    rows, cols = x.shape
-    block_r, block_c, warps = launch_shape
-    align, ends = _column_layout(aligned_ends, scale)
-    desc = TensorDescriptor(x, [rows, cols], [x.stride(0), 1], [block_r, block_c])
-    launch(_tma_cast_kernel, (cdiv(cols, block_c), offsets.numel()), desc, x, offsets, scale, q_row, s_row, q_col,
-           s_col, record, rows, cols, offsets.numel(), q_col.stride(0), ends, BR=block_r, BC=block_c, ALIGN=align,
-           AMAX_ROWS=min(amax_rows, block_r) if amax_rows else block_r, STAGES=stages, num_warps=warps)
-
+def library_cast(x, offsets, scale, record, q_col, tma_launch=None) -> list:
+    """`fp8_delayed_triton.delayed_cast` as the block calls it on a plain operand (both copies, the
+    aligned layout); with ``tma_launch`` (rows, columns, warps, stages) reading its tiles by TMA
+    (`TMA_READS`). Returns (row copy, row scales, transposed copy, column scales)."""
+    saved = fd.TMA_READS, fd.TMA_READ_LAUNCH
+    if tma_launch is not None:
+        fd.TMA_READS, fd.TMA_READ_LAUNCH = True, tma_launch
+    try:
+        q_row, s_row, s_col = fd.delayed_cast(x, offsets, scale, record, out_col=q_col, stride_out_col=q_col.shape[1],
+                                              aligned_ends=offsets)
+    finally:
+        fd.TMA_READS, fd.TMA_READ_LAUNCH = saved
+    return [q_row, s_row, q_col, s_col]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -152,24 +102,20 @@ def main() -> None:
         "torch bf16 copy": (lambda: copy_bf16.copy_(x), 4 * n),
         "torch float8 copy": (lambda: copy_fp8.copy_(x), 3 * n),
     }
-    # The body's tiles read by TMA, several in flight (launch shapes that compile spill-free offline,
-    # plus the library's): outputs checked against the library launch's.
+    # The body's tiles read by TMA, several in flight (`fp8_delayed_triton.TMA_READS`; launch shapes that
+    # compile spill-free offline, plus the library's): outputs checked against the pointer kernel's.
     tma_shapes = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 4), (128, 64, 4, 2), (128, 64, 4, 3), (64, 64, 4, 3),
                   (64, 64, 4, 4), (128, 128, 8, 3)]
-    outputs = [q_row, s_row, q_col, s_col]
-    tile_cast(x, offsets, scale, record, q_row, s_row, q_col, s_col, True, True, offsets)
-    reference = [t.clone() for t in outputs]
+    reference = [t.clone() for t in library_cast(x, offsets, scale, record, q_col)]
     equal = {}
-    for br, bc, warps, stages in tma_shapes:
-        name = f"TMA reads {br} x {bc} x {warps}, {stages} stages"
+    for launch_shape in tma_shapes:
+        name = "TMA reads {} x {} x {}, {} stages".format(*launch_shape)
 
-        def run(shape=(br, bc, warps), stages=stages):
-            tma_cast(x, offsets, scale, record, q_row, s_row, q_col, s_col, offsets, shape, stages)
+        def run(launch_shape=launch_shape):
+            return library_cast(x, offsets, scale, record, q_col, launch_shape)
 
-        for t in outputs:
-            t.view(torch.uint8).zero_()
-        run()
-        equal[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outputs, reference))
+        q_col.view(torch.uint8).zero_()
+        equal[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(run(), reference))
         variants[name] = (run, 4 * n)
     if args.once:
         for name, (fn, _) in variants.items():

@@ -131,6 +131,22 @@ MAX_REGISTERS: dict[str, int] = {"swiglu": 64, "swiglu_grad": 128}
 MAX_REGISTERS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_MAX_REGISTERS", "swiglu_grad=128"))
 
 
+# The plain cast (the expert weights' and dense operands') reading its body's tiles by TMA into shared
+# memory, TMA_STAGES - 1 of them in flight, instead of one prefetched into registers: rows, columns,
+# warps, stages. `benchmarks/cast_anatomy.py` (cast_anatomy_qwen3.json, s29, the same bytes): 0.348 against
+# the pointer kernel's 0.398 ms at qwen3's operand, 0.568 against 0.602 at deepseek's. Untimed in the block,
+# so off by default: ``LIGHTNING_MOE_CAST_TMA_READS=1`` turns it on (where the operand can back a
+# descriptor: 16-byte aligned rows).
+TMA_READS: bool = os.environ.get("LIGHTNING_MOE_CAST_TMA_READS", "0") == "1"
+TMA_READ_LAUNCH: tuple[int, int, int, int] = (64, 64, 4, 4)
+
+
+def _tma_readable(x: Tensor) -> bool:
+    """Whether ``x`` (contiguous ``[R, C]``) can back a TMA descriptor: a 16-byte aligned base and rows."""
+    return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.data_ptr() % 16 == 0
+            and (x.shape[1] * x.element_size()) % 16 == 0 and x.shape[0] < 2**31)
+
+
 def register_cap(kind: str) -> dict:
     """The launch option capping ``kind``'s registers per thread (`MAX_REGISTERS`), or none."""
     cap = MAX_REGISTERS.get(kind, 0)
@@ -306,9 +322,11 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
                          GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False,
-                         AMAX_ROWS: tl.constexpr = 0):
+                         AMAX_ROWS: tl.constexpr = 0, x_desc=None, TMA_STAGES: tl.constexpr = 0):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
+    # TMA_STAGES > 0 (plain operands only; ``x_desc``: ``x``'s descriptor of [BR, BC] blocks): the
+    # body's tiles come by TMA into shared memory, TMA_STAGES - 1 of them in flight (`TMA_READS`).
     group = tl.program_id(GROUP_AXIS)
     cols = tl.program_id(1 - GROUP_AXIS) * BC + tl.arange(0, BC)
     cmask = cols < C
@@ -341,20 +359,31 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
     # AMAX_ROWS 0 (the launch default): the tile's own rows, no fold
     BODY_AMAX_ROWS: tl.constexpr = AMAX_ROWS if AMAX_ROWS > 0 else BR
     body_amax = tl.zeros([BODY_AMAX_ROWS, BC], dtype=tl.float32)
-    tile_rows = lo + tl.arange(0, BR)
-    ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols, (tile_rows < hi)[:, None] & cmask[None, :],
-                                 C, SWIGLU, src_ptr, T, GATHER)
-    ahead_p = _load_probs(prob_ptr, tile_rows, tile_rows < hi, ROW_PROBS)  # in flight with the tile
-    for r0 in tl.range(lo, hi, BR, num_stages=1):
-        tile_rows = r0 + tl.arange(0, BR)
-        x = _operand_from_raw(ahead_a, ahead_b, SWIGLU, ahead_p, ROW_PROBS)
-        next_rows = tile_rows + BR
-        ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols, (next_rows < hi)[:, None] & cmask[None, :],
-                                     C, SWIGLU, src_ptr, T, GATHER)
-        ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
-        body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr, cols,
-                                scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL,
-                                BODY_AMAX_ROWS)
+    if TMA_STAGES > 0:
+        tl.static_assert(not SWIGLU and not GATHER, "TMA reads take plain operands only")
+        c0 = tl.program_id(1 - GROUP_AXIS) * BC
+        for r0 in tl.range(lo, hi, BR, num_stages=TMA_STAGES):
+            tile_rows = r0 + tl.arange(0, BR)
+            m = (tile_rows < hi)[:, None] & cmask[None, :]
+            # a tile's rows past the body are the next group's (or past R: zeros): out of the amax
+            x = tl.where(m, x_desc.load([tl.cast(r0, tl.int32), c0]).to(tl.float32), 0.0)
+            body_amax = _cast_store(x, tile_rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C,
+                                    stride_qc, body_amax, WRITE_ROW, WRITE_COL, BODY_AMAX_ROWS)
+    else:
+        tile_rows = lo + tl.arange(0, BR)
+        ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols,
+                                     (tile_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER)
+        ahead_p = _load_probs(prob_ptr, tile_rows, tile_rows < hi, ROW_PROBS)  # in flight with the tile
+        for r0 in tl.range(lo, hi, BR, num_stages=1):
+            tile_rows = r0 + tl.arange(0, BR)
+            x = _operand_from_raw(ahead_a, ahead_b, SWIGLU, ahead_p, ROW_PROBS)
+            next_rows = tile_rows + BR
+            ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols,
+                                         (next_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER)
+            ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
+            body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr,
+                                    cols, scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL,
+                                    BODY_AMAX_ROWS)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,
@@ -592,6 +621,13 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     # bf16 copy of the same tensors: 4.0-4.25 TB/s); the tile shape per operand kind: `TILE_SHAPES`.
     kind = "swiglu" if swiglu else "gather" if gather else "plain"
     block_r, block_c, warps = TILE_SHAPES[kind]
+    options = register_cap(kind)
+    if kind == "plain" and TMA_READS and _tma_readable(x_RC):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        block_r, block_c, warps, stages = TMA_READ_LAUNCH
+        options = dict(x_desc=TensorDescriptor(x_RC, list(x_RC.shape), [x_RC.stride(0), 1], [block_r, block_c]),
+                       TMA_STAGES=stages)
     launch(
         _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),
         x_RC, offsets_G, scale_G,
@@ -601,5 +637,5 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
         BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted,
-        AMAX_ROWS=amax_rows(kind, block_r), num_warps=warps, **register_cap(kind),
+        AMAX_ROWS=amax_rows(kind, block_r), num_warps=warps, **options,
     )

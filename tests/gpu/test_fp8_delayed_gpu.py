@@ -381,3 +381,36 @@ def test_delayed_scaling_update_kernel_gives_the_torch_update_bits(algo, margin)
         assert (module.fp8_amax_history.data_ptr(), module.fp8_scale.data_ptr()) == address  # in place
         assert torch.equal(module.fp8_scale.view(torch.int32), scale.view(torch.int32))
         assert torch.equal(module.fp8_amax_history.view(torch.int32), history.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("launch", [(64, 64, 4, 4), (32, 128, 4, 3), (64, 128, 8, 4)])
+def test_plain_cast_reading_by_tma_gives_the_same_bytes(monkeypatch, dtype, launch):
+    """`fp8_delayed_triton.TMA_READS` (the body's tiles by TMA): every output of the plain tile cast equal
+    to the pointer kernel's, on groups with and without history, an empty and unaligned groups, a tail,
+    NaN and inf, both copies in the aligned layout and the transposed copy alone."""
+    from lightning_moe.kernels import fp8_delayed_triton as fd
+
+    torch.manual_seed(1)
+    rows, cols = 1100, 256
+    x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]).to(dtype)
+    x[7, 3], x[300, 5] = float("nan"), float("inf")
+    offsets = torch.tensor([40, 40, 333, 700, 1024], device="cuda", dtype=torch.int32)
+    aligned = torch.tensor([128, 128, 384, 768, 1152], device="cuda", dtype=torch.int32)
+    scale = torch.tensor([3.0, 0.0, 0.0, 0.5, float("nan")], device="cuda")
+
+    def cast(write_row):
+        q_col = torch.full((cols, 1152), 0x55, device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
+        record = torch.zeros(5, device="cuda")
+        q, s_row, s_col = fd.delayed_cast(x, offsets, scale, record, write_row=write_row, out_col=q_col,
+                                          stride_out_col=1152, aligned_ends=aligned)
+        return [t for t in (q, s_row, s_col, q_col, record) if t is not None]
+
+    for write_row in (True, False):
+        monkeypatch.setattr(fd, "TMA_READS", False)
+        pointer = cast(write_row)
+        monkeypatch.setattr(fd, "TMA_READS", True)
+        monkeypatch.setattr(fd, "TMA_READ_LAUNCH", launch)
+        by_tma = cast(write_row)
+        for a, b in zip(by_tma, pointer):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -10,7 +10,8 @@ interpreter's float8 conversion rounds ties away from zero and some small values
 Triton 3.6, so here bytes are compared between launches of the same interpreter only):
 - plain: every output against the reference launch; scales, amax record and the transposed
   copy's layout (equal to the row copy transposed, nothing written past the last group) against
-  the generic delayed quantizer;
+  the generic delayed quantizer; plain_tma: the same with the body's tiles read by TMA
+  (`fp8_delayed_triton.TMA_READS`; shapes are rows,columns,warps,stages);
 - gather: the cast reading rows through the permutation against the plain cast of the gathered
   rows (zeros for the padding sentinel);
 - swiglu: the cast computing the SwiGLU against the plain cast of the Triton SwiGLU's output, and
@@ -119,6 +120,17 @@ def _launching(kind: str, shape: tuple[int, int, int]) -> Iterator[None]:
         fd.TILE_SHAPES[kind] = library
 
 
+@contextlib.contextmanager
+def _reading_by_tma(launch: tuple[int, int, int, int]) -> Iterator[None]:
+    """The plain cast reading its body's tiles by TMA at ``launch`` (rows, columns, warps, stages)."""
+    saved = fd.TMA_READS, fd.TMA_READ_LAUNCH
+    fd.TMA_READS, fd.TMA_READ_LAUNCH = True, launch
+    try:
+        yield
+    finally:
+        fd.TMA_READS, fd.TMA_READ_LAUNCH = saved
+
+
 def _cast_with(kind: str, shape: tuple[int, int, int], x: torch.Tensor, **kwargs) -> list[torch.Tensor]:
     with _launching(kind, shape):
         return _cast(x, **kwargs)
@@ -130,6 +142,11 @@ def check(kind: str, shape: tuple[int, int, int]) -> list[str]:
         x = _operand(0, COLS)
         out = _cast_with(kind, shape, x)
         return _check_equal(out, _cast_with(kind, REFERENCE_LAUNCH, x)) + _check_plain_against_generic(out, x)
+    if kind == "plain_tma":  # shape: the TMA launch (rows, columns, warps, stages)
+        x = _operand(0, COLS)
+        with _reading_by_tma(shape):
+            out = _cast(x)
+        return _check_equal(out, _cast_with("plain", REFERENCE_LAUNCH, x)) + _check_plain_against_generic(out, x)
     if kind == "gather":
         tokens = _operand(1, COLS, rows=97)
         gather_rows = torch.randint(0, 98, (ROWS,), generator=torch.Generator().manual_seed(2))  # 97: padding
@@ -167,7 +184,7 @@ def check(kind: str, shape: tuple[int, int, int]) -> list[str]:
 
 def main() -> None:
     kind, given = sys.argv[1], [tuple(int(v) for v in s.split(",")) for s in sys.argv[2:]]
-    library = fd.TILE_SHAPES[kind]
+    library = fd.TMA_READ_LAUNCH if kind == "plain_tma" else fd.TILE_SHAPES[kind]
     for shape in [library] + [shape for shape in given if shape != library]:
         failures = check(kind, shape)
         print(kind, shape, "(library launch)" if shape == library else "", failures or "equal", flush=True)

@@ -59,8 +59,8 @@ def test_best_cast_launch_needs_equal_bytes_everywhere_and_the_margin():
 
     lib = library_launch("swiglu_grad")
     row = dict(zip(("BR", "BC", "warps", "amax_rows", "max_registers"), lib))
-    capped = dict(BR=64, BC=32, warps=8, amax_rows=0, max_registers=128)
-    wrong = dict(BR=64, BC=64, warps=8, amax_rows=0, max_registers=128)
+    capped = dict(BR=16, BC=16, warps=1, amax_rows=0, max_registers=96)  # not a library launch
+    wrong = dict(BR=16, BC=32, warps=1, amax_rows=0, max_registers=96)
     results = {
         "qwen3_swiglu_grad": [dict(row, ms=1.0, bytes_equal=True), dict(capped, ms=0.80, bytes_equal=True),
                               dict(wrong, ms=0.5, bytes_equal=False)],
@@ -71,10 +71,10 @@ def test_best_cast_launch_needs_equal_bytes_everywhere_and_the_margin():
     }
     chosen = best_tiles(results, margin=0.03)
     # summed: 2.75 against 3.0 (8%); the faster launch with other bytes is never chosen; swiglu's 1% is no win
-    assert chosen == {"swiglu_grad": (64, 32, 8, 0, 128)}
+    assert chosen == {"swiglu_grad": (16, 16, 1, 0, 96)}
     assert best_tiles(results, margin=0.1) == {}
-    assert as_environment(chosen) == ("LIGHTNING_MOE_CAST_TILES=swiglu_grad=64x32x8 LIGHTNING_MOE_CAST_AMAX_ROWS="
-                                      "swiglu_grad=0 LIGHTNING_MOE_CAST_MAX_REGISTERS=swiglu_grad=128")
+    assert as_environment(chosen) == ("LIGHTNING_MOE_CAST_TILES=swiglu_grad=16x16x1 LIGHTNING_MOE_CAST_AMAX_ROWS="
+                                      "swiglu_grad=0 LIGHTNING_MOE_CAST_MAX_REGISTERS=swiglu_grad=96")
     assert as_environment({}) == ""
 
 
