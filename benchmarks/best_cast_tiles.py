@@ -32,13 +32,11 @@ def library_launch(kind: str) -> Launch:
     return rows, cols, warps, fold if 0 < fold < rows else 0, MAX_REGISTERS.get(kind, 0)
 
 
-def _launch(row: dict, kind: str) -> Launch:
-    # a tune row's launch; rows from before the sweeps recorded the fold ran the library's fold at the
-    # library's shape and none elsewhere, and no cap
-    shape = (row["BR"], row["BC"], row["warps"])
-    fold = row["amax_rows"] if "amax_rows" in row else \
-        AMAX_FOLD_ROWS.get(kind, 0) if shape == tuple(TILE_SHAPES[kind]) else 0
-    return (*shape, fold if 0 < fold < row["BR"] else 0, row.get("max_registers", 0))
+def _launch(row: dict) -> Launch:
+    # a tune row's launch; rows from before the sweeps recorded the fold and the cap (before 75df913)
+    # ran without either
+    fold = row.get("amax_rows", 0)
+    return row["BR"], row["BC"], row["warps"], fold if 0 < fold < row["BR"] else 0, row.get("max_registers", 0)
 
 
 def best_tiles(results: dict, margin: float) -> dict[str, Launch]:
@@ -47,14 +45,16 @@ def best_tiles(results: dict, margin: float) -> dict[str, Launch]:
     ``results``: ``{"<case>_<kind>": [{"BR", "BC", "warps", ["amax_rows", "max_registers"], "ms",
     "bytes_equal"}, ...]}``, one case per benchmark shape. A launch counts only where it was timed
     with equal outputs in every case of its kind; the best is the one with the least time summed over
-    those cases, chosen if that sum is below the library launch's by more than ``margin``."""
+    those cases, chosen if that sum is below the library launch's by more than ``margin``. Rows without
+    the fold and cap (tunes before 75df913) ran neither, so they cannot stand for a folded or capped
+    library launch: a kind whose library launch is not among them gets nothing chosen."""
     by_kind: dict[str, list[dict]] = {}
     for case, rows in results.items():
         # the longest kind the case name ends in ("swiglu_grad" before "swiglu")
         kind = next((k for k in sorted(TILE_SHAPES, key=len, reverse=True) if case.endswith("_" + k)), None)
         if kind is None:
             raise ValueError(f"case {case!r} does not end in a kind of {sorted(TILE_SHAPES)}")
-        by_kind.setdefault(kind, []).append({_launch(r, kind): r["ms"] for r in rows
+        by_kind.setdefault(kind, []).append({_launch(r): r["ms"] for r in rows
                                              if r.get("ms") and r.get("bytes_equal")})
     chosen = {}
     for kind, cases in by_kind.items():

@@ -260,7 +260,8 @@ FUSED_SHAPES = {
 FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 4), (64, 32, 8), (32, 64, 4),
                  (128, 32, 4), (128, 32, 8), (64, 128, 4), (64, 128, 8), (32, 128, 4)]
 # --registers: launch shapes with the register options per kind, (rows, columns, warps, amax accumulator
-# rows, register cap; 0 = off) (`fp8_delayed_triton.AMAX_FOLD_ROWS` / `MAX_REGISTERS`), the library's first.
+# rows, register cap; 0 = off) (`fp8_delayed_triton.AMAX_FOLD_ROWS` / `MAX_REGISTERS`), s28's library launch
+# first (the bytes' reference); s29 made the SwiGLU kinds' 64 x 32 x 8 capped launches below the library's.
 # ptxas takes up to 255 registers per thread wherever it may, which holds a 4-warp cast to two programs
 # per multiprocessor (Nsight Compute: 12% occupancy, latency bound); a cap buys programs at the price of
 # spills. The capped rows are those offline compiles (`cast_registers.py`, s29) leave with at most ~250
@@ -273,12 +274,12 @@ REGISTER_CONFIGS: dict[str, list[tuple[int, int, int, int, int]]] = {
               (32, 32, 4, 16, 0),  # 20
               (64, 32, 8, 16, 80), (32, 64, 8, 16, 80), (32, 32, 4, 16, 80),  # 24
               (32, 64, 8, 16, 64), (64, 32, 8, 16, 64), (32, 32, 4, 16, 64)],  # 32
-    "swiglu": [(64, 32, 4, 0, 0),  # library: 128 registers, 16 warps
+    "swiglu": [(64, 32, 4, 0, 0),  # s28's library launch: 128 registers, 16 warps
                (64, 64, 8, 0, 128), (64, 32, 8, 0, 0),  # 16
                (32, 32, 4, 0, 96),  # 20
                (64, 32, 8, 0, 80), (32, 64, 8, 0, 80), (32, 32, 4, 0, 80), (64, 64, 8, 0, 80),  # 24
                (64, 32, 8, 0, 64), (32, 64, 8, 0, 64), (32, 32, 4, 0, 64)],  # 32
-    "swiglu_grad": [(32, 64, 4, 0, 0),  # library: 255 registers with 328 bytes spilled, 8 warps
+    "swiglu_grad": [(32, 64, 4, 0, 0),  # s28's library launch: 255 registers, 328 bytes spilled, 8 warps
                     (64, 32, 8, 0, 128), (32, 32, 4, 0, 128), (32, 64, 8, 0, 128), (64, 64, 8, 0, 128),  # 16
                     (64, 32, 8, 0, 80),  # 24
                     (64, 32, 8, 0, 64)],  # 32
@@ -340,11 +341,13 @@ def tune_delayed_fused(kinds: Optional[list[str]] = None, configs: Optional[dict
                 reference, rows_out = None, []
                 for config in (configs or {}).get(kind, FUSED_CONFIGS):
                     fd.TILE_SHAPES[kind] = config[:3]
-                    # a bare (rows, columns, warps): the library's fold at the library's shape, none elsewhere
+                    # a bare (rows, columns, warps): the library's fold and cap at the library's shape, neither
+                    # elsewhere
                     library_shape = tuple(config[:3]) == tuple(default[kind])
                     fd.AMAX_FOLD_ROWS[kind] = config[3] if len(config) > 3 else \
                         default_folds.get(kind, 0) if library_shape else 0
-                    fd.MAX_REGISTERS[kind] = config[4] if len(config) > 4 else default_caps.get(kind, 0)
+                    fd.MAX_REGISTERS[kind] = config[4] if len(config) > 4 else \
+                        default_caps.get(kind, 0) if library_shape else 0
                     q_col = torch.empty(cols, total, dtype=torch.float8_e4m3fn, device="cuda")
                     record = torch.zeros(groups, device="cuda")
                     results: list = []

@@ -20,8 +20,8 @@
 # (default "bf16 fp32") the modes),
 # casttune (the delayed cast's launch shapes for its plain, gathered and SwiGLU operands at the three
 # benchmark shapes: registers and spills per shape, then GB/s per shape with the outputs checked equal;
-# where best_cast_tiles.py finds a faster launch, qwen3 FP8 with and without it as
-# LIGHTNING_MOE_CAST_TILES, interleaved twice),
+# where best_cast_tiles.py finds a faster launch, qwen3 FP8 with and without it (its shape, fold and
+# register cap through the three cast switches), interleaved twice),
 # cudagraph (the whole block captured in CUDA graphs, capture_moe_layer: its GPU tests, then qwen3 in
 # rounds of bf16 eager, bf16 graphed and FP8 graphed per parameter mode (CUDAGRAPH_VARIANTS), then
 # mixtral and deepseek in bf16 and FP8 (CUDAGRAPH_OTHERS; empty: skipped)),
@@ -113,18 +113,20 @@ fi
 if has casttune; then
   say "delayed-cast launch shapes: registers and spills (offline compile), then the fused operands timed"
   run python3 benchmarks/cast_registers.py
-  # the library's launch shapes are the baseline: no override from the caller's environment
-  unset LIGHTNING_MOE_CAST_TILES
+  # the library's launches are the baseline: no override from the caller's environment
+  unset LIGHTNING_MOE_CAST_TILES LIGHTNING_MOE_CAST_AMAX_ROWS LIGHTNING_MOE_CAST_MAX_REGISTERS
   rm -f benchmarks/results/fp8_quant_tune_delayed_fused.json  # never choose from an earlier tune
   run python3 benchmarks/fp8_quant_tune.py --delayed-fused
-  tiles=$(python3 benchmarks/best_cast_tiles.py 2>>"$LOG") || say "best_cast_tiles.py failed (see the log)"
-  [ -z "$tiles" ] && say "no launch shape beats the library's by the margin: no A/B"
+  # the whole launch (shape, fold, cap) as the tune ran it, not the shape alone
+  tiles=$(python3 benchmarks/best_cast_tiles.py --env 2>>"$LOG") || say "best_cast_tiles.py failed (see the log)"
+  [ -z "$tiles" ] && say "no launch beats the library's by the margin: no A/B"
   if [ -n "$tiles" ]; then
     for pair in 1 2; do
-      say "moe_block qwen3 fp8, library launch shapes, round $pair"
+      say "moe_block qwen3 fp8, library launches, round $pair"
       run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision fp8 --iters 50 --tag "casttune_library_$pair"
-      say "moe_block qwen3 fp8, LIGHTNING_MOE_CAST_TILES=$tiles, round $pair"
-      LIGHTNING_MOE_CAST_TILES="$tiles" run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision fp8 \
+      say "moe_block qwen3 fp8, $tiles, round $pair"
+      # shellcheck disable=SC2086  # a list of assignments
+      run env $tiles python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision fp8 \
         --iters 50 --tag "casttune_tuned_$pair"
     done
   fi
@@ -159,7 +161,12 @@ if has castregs; then
   tuned=benchmarks/results/fp8_quant_tune_registers_qwen3.json
   rm -f "$tuned"  # never choose from an earlier tune
   run timeout 300 python3 benchmarks/fp8_quant_tune.py --delayed-fused --registers --models qwen3
-  candidate="${CASTREGS_ENV:-$(python3 benchmarks/best_cast_tiles.py --env --results "$tuned" 2>>"$LOG")}"
+  candidate="${CASTREGS_ENV:-}"
+  if [ -z "$candidate" ] && [ ! -f "$tuned" ]; then
+    say "the sweep wrote no $tuned (killed by its time limit?): no block A/B"
+  elif [ -z "$candidate" ]; then
+    candidate="$(python3 benchmarks/best_cast_tiles.py --env --results "$tuned" 2>>"$LOG")"
+  fi
   if [ -z "$candidate" ]; then
     say "no capped launch beats the library's by the margin: no block A/B"
   else

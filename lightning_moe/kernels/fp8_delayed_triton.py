@@ -142,9 +142,10 @@ TMA_READ_LAUNCH: tuple[int, int, int, int] = (64, 64, 4, 4)
 
 
 def _tma_readable(x: Tensor) -> bool:
-    """Whether ``x`` (contiguous ``[R, C]``) can back a TMA descriptor: a 16-byte aligned base and rows."""
-    return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.data_ptr() % 16 == 0
-            and (x.shape[1] * x.element_size()) % 16 == 0 and x.shape[0] < 2**31)
+    """Whether ``x`` ``[R, C]`` can back a TMA descriptor: unit column stride, a 16-byte aligned base and
+    row stride (the stride, not the width: torch calls a one-row tensor of any row stride contiguous)."""
+    return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(1) == 1
+            and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0 and x.shape[0] < 2**31)
 
 
 def register_cap(kind: str) -> dict:
@@ -626,8 +627,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         block_r, block_c, warps, stages = TMA_READ_LAUNCH
-        options = dict(x_desc=TensorDescriptor(x_RC, list(x_RC.shape), [x_RC.stride(0), 1], [block_r, block_c]),
-                       TMA_STAGES=stages)
+        options = dict(options, x_desc=TensorDescriptor(x_RC, list(x_RC.shape), [x_RC.stride(0), 1],
+                                                         [block_r, block_c]), TMA_STAGES=stages)
     launch(
         _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),
         x_RC, offsets_G, scale_G,

@@ -171,12 +171,14 @@ def update_delayed_scaling(
         for (_, history, _), reduced in zip(merged, current.split([h[0].numel() for _, h, _ in merged])):
             history[0].copy_(reduced.view_as(history[0]))
     for members, history, scale in merged:
-        if use_triton(history) and os.environ.get("LIGHTNING_MOE_FUSED_SCALE_UPDATE", "1") != "0":
+        if (use_triton(history) and history.dtype == scale.dtype == torch.float32
+                and os.environ.get("LIGHTNING_MOE_FUSED_SCALE_UPDATE", "1") != "0"):
             # one kernel, the same bits (kernels.delayed_update_triton): about twenty fewer launches
             from lightning_moe.kernels.delayed_update_triton import delayed_update
 
-            scale, history = delayed_update(history, scale, tuple(recipe.format(role).max for role in ROLES),
-                                            recipe.margin, recipe.amax_compute_algo == "most_recent")
+            with torch.cuda.device(history.device):  # Triton launches on the current device
+                scale, history = delayed_update(history, scale, tuple(recipe.format(role).max for role in ROLES),
+                                                recipe.margin, recipe.amax_compute_algo == "most_recent")
         else:
             scale, history = _updated(history, scale, recipe)
         sizes = [s.scale.shape[1] for s in members]

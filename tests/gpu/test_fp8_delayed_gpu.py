@@ -355,16 +355,23 @@ def test_amax_prepass_only_while_the_state_is_fresh(monkeypatch):
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 2])
-def test_delayed_scaling_update_kernel_gives_the_torch_update_bits(algo, margin):
+@pytest.mark.parametrize("group_counts", [(256, 3), (256,)])  # concatenated; one module's own buffers
+def test_delayed_scaling_update_kernel_gives_the_torch_update_bits(monkeypatch, algo, margin, group_counts):
     """`update_delayed_scaling` on CUDA (one update kernel per block) against its torch formulation on
-    the same histories (TE's default length, two modules of other group counts, zeros, infinities,
-    NaNs and subnormal amaxes), bit for bit, buffers updated in place."""
+    the same histories (TE's default length, one module or two of other group counts, zeros,
+    infinities, NaNs and subnormal amaxes), bit for bit, buffers updated in place."""
+    from lightning_moe.kernels import delayed_update_triton
     from lightning_moe.precision.delayed import _updated
 
+    monkeypatch.setenv("LIGHTNING_MOE_FUSED_SCALE_UPDATE", "1")
+    launched = []
+    kernel = delayed_update_triton.delayed_update
+    monkeypatch.setattr(delayed_update_triton, "delayed_update",
+                        lambda *args: launched.append(args) or kernel(*args))
     recipe = FP8Recipe("delayed", margin=margin, amax_compute_algo=algo)
     gen = torch.Generator("cuda").manual_seed(margin)
     modules = []
-    for groups in (256, 3):
+    for groups in group_counts:
         module = torch.nn.Module()
         history = torch.rand(recipe.amax_history_len, 3, groups, device="cuda", generator=gen) * 100
         history[:, 0, 0] = 0.0
@@ -377,6 +384,7 @@ def test_delayed_scaling_update_kernel_gives_the_torch_update_bits(algo, margin)
     expected = [_updated(m.fp8_amax_history.clone(), m.fp8_scale.clone(), recipe) for m in modules]
     addresses = [(m.fp8_amax_history.data_ptr(), m.fp8_scale.data_ptr()) for m in modules]
     update_delayed_scaling(modules, recipe)
+    assert len(launched) == 1  # the kernel, once for the block
     for module, (scale, history), address in zip(modules, expected, addresses):
         assert (module.fp8_amax_history.data_ptr(), module.fp8_scale.data_ptr()) == address  # in place
         assert torch.equal(module.fp8_scale.view(torch.int32), scale.view(torch.int32))
@@ -406,11 +414,25 @@ def test_plain_cast_reading_by_tma_gives_the_same_bytes(monkeypatch, dtype, laun
                                           stride_out_col=1152, aligned_ends=aligned)
         return [t for t in (q, s_row, s_col, q_col, record) if t is not None]
 
+    import triton.tools.tensor_descriptor as descriptors
+
+    made = []
+
+    class Counted(descriptors.TensorDescriptor):  # proves the TMA path ran (else: the pointer kernel)
+        def __post_init__(self):
+            made.append(self)
+            super().__post_init__()
+
     for write_row in (True, False):
         monkeypatch.setattr(fd, "TMA_READS", False)
         pointer = cast(write_row)
+        assert not made
         monkeypatch.setattr(fd, "TMA_READS", True)
         monkeypatch.setattr(fd, "TMA_READ_LAUNCH", launch)
+        monkeypatch.setattr(descriptors, "TensorDescriptor", Counted)
         by_tma = cast(write_row)
+        monkeypatch.undo()
+        assert made
+        made.clear()
         for a, b in zip(by_tma, pointer):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -143,10 +143,24 @@ def check(kind: str, shape: tuple[int, int, int]) -> list[str]:
         out = _cast_with(kind, shape, x)
         return _check_equal(out, _cast_with(kind, REFERENCE_LAUNCH, x)) + _check_plain_against_generic(out, x)
     if kind == "plain_tma":  # shape: the TMA launch (rows, columns, warps, stages)
+        import triton.tools.tensor_descriptor as descriptors
+
         x = _operand(0, COLS)
-        with _reading_by_tma(shape):
-            out = _cast(x)
-        return _check_equal(out, _cast_with("plain", REFERENCE_LAUNCH, x)) + _check_plain_against_generic(out, x)
+        made = []
+
+        class Counted(descriptors.TensorDescriptor):  # proves the TMA path ran (else: the pointer kernel)
+            def __post_init__(self):
+                made.append(self)
+                super().__post_init__()
+
+        real, descriptors.TensorDescriptor = descriptors.TensorDescriptor, Counted
+        try:
+            with _reading_by_tma(shape):
+                out = _cast(x)
+        finally:
+            descriptors.TensorDescriptor = real
+        return ([] if made else ["no TMA descriptor made"]) + _check_equal(
+            out, _cast_with("plain", REFERENCE_LAUNCH, x)) + _check_plain_against_generic(out, x)
     if kind == "gather":
         tokens = _operand(1, COLS, rows=97)
         gather_rows = torch.randint(0, 98, (ROWS,), generator=torch.Generator().manual_seed(2))  # 97: padding

@@ -78,11 +78,15 @@ def test_best_cast_launch_needs_equal_bytes_everywhere_and_the_margin():
     assert as_environment({}) == ""
 
 
-def test_best_cast_launch_reads_rows_without_register_options():
+def test_best_cast_launch_reads_rows_without_register_options_as_unfolded_and_uncapped():
     from benchmarks.best_cast_tiles import best_tiles
     from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES
 
+    # the library's plain launch folds its amax: a row of its shape from an older tune (no fold) is another
+    # launch, so nothing can be compared with the library's and nothing is chosen
     shape = dict(zip(("BR", "BC", "warps"), TILE_SHAPES["plain"]))
     results = {"qwen3_plain": [dict(shape, ms=1.0, bytes_equal=True),
                                dict(BR=128, BC=64, warps=8, ms=0.5, bytes_equal=True)]}
+    assert best_tiles(results, margin=0.03) == {}
+    results["qwen3_plain"][0].update(amax_rows=16, max_registers=0)  # now the library's launch
     assert best_tiles(results, margin=0.03) == {"plain": (128, 64, 8, 0, 0)}
