@@ -29,6 +29,9 @@
 # and combine GPU tests, then qwen3 graphed in two rounds of bf16, FP8, FP8 with the switch on),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only),
+# tmareads (the plain cast reading its tiles by TMA, LIGHTNING_MOE_CAST_TMA_READS: its GPU tests and the fused
+# scale update's, cast_anatomy.py at qwen3 and deepseek, then qwen3 graphed in two rounds of bf16, FP8 and FP8
+# with the switch on),
 # castregs (the casts' register caps: the router-logits GPU tests, fp8_quant_tune.py --delayed-fused --registers
 # at qwen3's operands, then qwen3 graphed in two rounds of bf16, FP8 and FP8 with the launches best_cast_tiles.py
 # picks from that sweep (CASTREGS_ENV overrides them; none picked: no rounds)).
@@ -173,6 +176,15 @@ if has castregs; then
     say "block A/B candidate: $candidate"
     qwen3_rounds castregs candidate "" "$candidate"
   fi
+fi
+if has tmareads; then
+  say "TMA-read cast and fused scale update GPU tests"
+  python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/gpu/test_fp8_delayed_gpu.py -k "tma or update" 2>&1 \
+    | tail -15 | tee -a "$LOG"
+  say "cast anatomy at qwen3 and deepseek"
+  run python3 benchmarks/cast_anatomy.py --model qwen3
+  run python3 benchmarks/cast_anatomy.py --model deepseek
+  qwen3_rounds tmareads tma "" LIGHTNING_MOE_CAST_TMA_READS=1
 fi
 if has trainmulti && [ "$num_gpus" -ge 4 ]; then
   layers="${TRAIN_LAYERS:-16}"
