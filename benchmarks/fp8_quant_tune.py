@@ -268,12 +268,14 @@ FUSED_CONFIGS = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 64, 8), (64, 32, 
 # bytes spilled per thread at more resident warps than the library's launch (warps per multiprocessor in
 # the comments: 65,536 registers / (cap x threads), rounded down, x warps).
 REGISTER_CONFIGS: dict[str, list[tuple[int, int, int, int, int]]] = {
-    "plain": [(64, 128, 4, 16, 0),  # library: 255 registers, 8 warps
-              (64, 128, 8, 16, 128), (128, 64, 8, 16, 128), (64, 64, 8, 16, 128), (64, 32, 4, 16, 128),  # 16
-              (64, 32, 8, 16, 0), (32, 64, 8, 16, 0),  # 16 (92-110 registers uncapped)
-              (32, 32, 4, 16, 0),  # 20
-              (64, 32, 8, 16, 80), (32, 64, 8, 16, 80), (32, 32, 4, 16, 80),  # 24
-              (32, 64, 8, 16, 64), (64, 32, 8, 16, 64), (32, 32, 4, 16, 64)],  # 32
+    # plain and gathered: the s29 sweep's small tiles all folded their amax onto 16 rows, which costs them a
+    # layout conversion (1.5-2.7 ms at qwen3); unfolded, and with the amax by `max.f32` (c27bd67), offline
+    # compiles put them at 63-100 registers with at most 8 bytes spilled (128 x 64 x 8 capped: 44)
+    "plain": [(64, 128, 4, 16, 0),  # library: 255 registers (132 bytes spilled), 8 warps
+              (64, 64, 8, 0, 0), (32, 64, 8, 0, 0), (128, 64, 8, 0, 128),  # 16 warps
+              (64, 32, 4, 0, 0),  # 20
+              (32, 32, 4, 0, 80), (32, 64, 8, 0, 80),  # 24
+              (64, 32, 8, 0, 80)],  # 32
     "swiglu": [(64, 32, 4, 0, 0),  # s28's library launch: 128 registers, 16 warps
                (64, 64, 8, 0, 128), (64, 32, 8, 0, 0),  # 16
                (32, 32, 4, 0, 96),  # 20
