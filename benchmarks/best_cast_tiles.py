@@ -20,16 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_moe.kernels.fp8_delayed_triton import AMAX_FOLD_ROWS, MAX_REGISTERS, TILE_SHAPES  # noqa: E402
+from lightning_moe.kernels.fp8_delayed_triton import MAX_REGISTERS, TILE_SHAPES, amax_rows  # noqa: E402
 
 Launch = tuple[int, int, int, int, int]  # rows, columns, warps, amax accumulator rows (0: the tile's), cap (0: none)
 
 
 def library_launch(kind: str) -> Launch:
-    """The launch the library takes for ``kind`` (`TILE_SHAPES`, `AMAX_FOLD_ROWS`, `MAX_REGISTERS`)."""
+    """The launch the library takes for ``kind`` (`TILE_SHAPES`, `amax_rows`, `MAX_REGISTERS`)."""
     rows, cols, warps = TILE_SHAPES[kind]
-    fold = AMAX_FOLD_ROWS.get(kind, 0)
-    return rows, cols, warps, fold if 0 < fold < rows else 0, MAX_REGISTERS.get(kind, 0)
+    fold = amax_rows(kind, rows)
+    return rows, cols, warps, 0 if fold == rows else fold, MAX_REGISTERS.get(kind, 0)
 
 
 def _launch(row: dict) -> Launch:

@@ -46,7 +46,7 @@ def _delayed_update_kernel(history_ptr, scale_ptr, new_scale_ptr, rolled_ptr, H,
     amax = tl.where(nan > 0, float("nan"), amax)
     slot = cols // S
     fmt_max = tl.where(slot == 0, FMT0, tl.where(slot == 1, FMT1, FMT2))
-    new = tl.minimum(tl.math.div_rn(fmt_max + tl.zeros_like(amax), amax), _FLT_MAX)
+    new = tl.minimum(tl.math.div_rn(fmt_max, amax), _FLT_MAX)
     new = tl.math.div_rn(new, MARGIN_SCALE + tl.zeros_like(new))
     usable = (amax > 0.0) & (amax < float("inf"))
     old = tl.load(scale_ptr + cols, mask=live, other=0.0)

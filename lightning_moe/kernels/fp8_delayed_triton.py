@@ -318,6 +318,14 @@ def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_bas
 
 
 @triton.jit
+def _store_row_scales(s_row_ptr, start, end, scale_inv):
+    # ``scale_inv`` into the row copy's scales of rows [start, end) (one program of the group does it).
+    for r0 in range(start, end, 1024):
+        rows = r0 + tl.arange(0, 1024)
+        tl.store(s_row_ptr + rows, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=rows < end)
+
+
+@triton.jit
 def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
                          record_ptr, R, C, G, stride_qc, stride_qg, src_ptr, T, aligned_ends_ptr, prob_ptr,
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
@@ -391,9 +399,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                               ROW_PROBS)
     if WRITE_ROW:
         if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the group's row scales
-            for r0 in range(start, end, 1024):
-                rows = r0 + tl.arange(0, 1024)
-                tl.store(s_row_ptr + rows, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=rows < end)
+            _store_row_scales(s_row_ptr, start, end, scale_inv)
     if WRITE_COL:
         _zero_aligned_gap(q_col_ptr, out_base, start, end, cols, cmask, stride_qc, in_group, ALIGN)
         tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,

@@ -27,7 +27,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_moe.kernels.fp8_delayed_triton import TILE_SHAPES, _cast_store, amax_rows, register_cap
+from lightning_moe.kernels.fp8_delayed_triton import (
+    TILE_SHAPES,
+    _cast_store,
+    _store_row_scales,
+    amax_rows,
+    register_cap,
+)
 from lightning_moe.kernels.fp8_quant_triton import (
     _abs_ignoring_nan,
     _aligned_body,
@@ -159,9 +165,7 @@ def _swiglu_grad_cast_kernel(h_ptr, g_ptr, prob_ptr, offsets_ptr, scale_ptr, q_r
     amax = _edge_tile(h_ptr, g_ptr, prob_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, F, scale, in_group,
                       out_base, stride_qc, amax, partial_ptr, R, WEIGHTED)
     if tl.program_id(0) == 0:  # one column block writes the group's row scales
-        for r0 in range(start, end, 1024):
-            srows = r0 + tl.arange(0, 1024)
-            tl.store(s_row_ptr + srows, tl.zeros([1024], dtype=tl.float32) + scale_inv, mask=srows < end)
+        _store_row_scales(s_row_ptr, start, end, scale_inv)
     for half in tl.static_range(2):
         _zero_aligned_gap(q_col_ptr, out_base, start, end, cols + half * F, cmask, stride_qc, in_group, ALIGN)
         tl.store(s_col_ptr + group.to(tl.int64) * (2 * F) + half * F + cols,
