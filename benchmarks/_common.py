@@ -84,6 +84,24 @@ def cuda_time_pipelined_ms(fn: Callable[[], None], warmup: int = 5, iters: int =
     return start.elapsed_time(end) / iters
 
 
+def cuda_time_queued_ms(fn: Callable[[], None], iters: int = 20, lead_cycles: int = 4_000_000) -> float:
+    """Median milliseconds of ``fn`` one run at a time, as `cuda_time_ms`, but each run queued behind a
+    GPU spin of ``lead_cycles`` clock cycles (~2 ms at the H200's clocks) that starts before the host
+    issues it: the start event fires when the spin ends, by which time the host has issued the whole
+    run, so the elapsed time is the GPU's work alone. Its gap to `cuda_time_ms` is the time a run
+    started on an idle GPU waits for its host (the first launch, and any launch the GPU catches up with)."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(lead_cycles)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()  # host sync: read this run's elapsed time
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     """``||a - ref|| / ||ref||`` in float64."""
     a, ref = a.detach().double(), ref.detach().double()

@@ -12,8 +12,9 @@ running the per-expert loop backend: relative errors of output, input and weight
 run whose errors exceed `error_bound` stops there), then times forward + backward with CUDA
 events (median of --iters runs after warm-up, each started on an idle GPU) on random inputs, and
 also the mean of --iters runs issued back to back (``pipelined_ms``: the CPU runs ahead as in a
-training loop, so a run's launch latency is hidden unless it syncs), and writes
-``benchmarks/results/moe_block_<tag>.json``.
+training loop, so a run's launch latency is hidden unless it syncs) and the median of --iters runs one
+at a time, each queued behind a GPU spin (``queued_ms``: the GPU's work alone, without the wait for the
+host at the start of a run on an idle GPU), and writes ``benchmarks/results/moe_block_<tag>.json``.
 With ``--accumulate N`` the timed unit is the window of one optimizer step under gradient
 accumulation: N forward + backward passes whose weight gradients accumulate, starting from fresh
 gradients and (FP8 with ``--cache-weights``) an empty FP8 weight cache, as right after an optimizer
@@ -46,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import cuda_time_ms, cuda_time_pipelined_ms, relative_error, write_results  # noqa: E402
+from benchmarks._common import cuda_time_ms, cuda_time_pipelined_ms, cuda_time_queued_ms, relative_error, write_results  # noqa: E402
 from benchmarks._profile import print_profile, profile_step  # noqa: E402
 from lightning_moe.nn import MoEConfig, MoELayer  # noqa: E402
 
@@ -282,7 +283,12 @@ def run_case(name: str, c: dict, args) -> dict:
     median_ms, times = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
     one_at_a_time_done = time.time()
     pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
-    phases_unix = {"one_at_a_time": [started, one_at_a_time_done], "back_to_back": [one_at_a_time_done, time.time()]}
+    back_to_back_done = time.time()
+    # one step at a time again, each queued behind a GPU spin: the GPU's work without the host's wait
+    queued_ms = cuda_time_queued_ms(step, iters=args.iters)
+    phases_unix = {"one_at_a_time": [started, one_at_a_time_done], "back_to_back": [one_at_a_time_done,
+                                                                                  back_to_back_done],
+                   "queued": [back_to_back_done, time.time()]}
     profile = profile_step(step) if args.profile else None
     flops = block_flops(c) * args.accumulate
     result = {
@@ -301,6 +307,7 @@ def run_case(name: str, c: dict, args) -> dict:
         "min_ms": min(times),
         "tflops": flops / (median_ms * 1e-3) / 1e12,
         "pipelined_ms": pipelined_ms,
+        "queued_ms": queued_ms,
         "phases_unix": phases_unix,
         "pipelined_tflops": flops / (pipelined_ms * 1e-3) / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -371,7 +378,9 @@ def main(argv=None) -> None:
         r = results[name]
         print(
             f"{name:20s} {r['backend']:10s} {args.precision:6s} x{args.accumulate} {r['median_ms']:8.2f} ms "
-            f"{r['tflops']:7.1f} TFLOP/s (back to back {r['pipelined_ms']:.2f} ms, {r['pipelined_tflops']:.1f}) peak {r['peak_gib']:6.1f} GiB  err out {r['rel_err_out']:.2e} dx {r['rel_err_dx']:.2e}",
+            f"{r['tflops']:7.1f} TFLOP/s (back to back {r['pipelined_ms']:.2f} ms, {r['pipelined_tflops']:.1f}; "
+            f"queued {r['queued_ms']:.2f} ms) peak {r['peak_gib']:6.1f} GiB  "
+            f"err out {r['rel_err_out']:.2e} dx {r['rel_err_dx']:.2e}",
             flush=True,
         )
         if "profile" in r:
