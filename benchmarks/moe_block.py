@@ -47,7 +47,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import cuda_time_ms, cuda_time_pipelined_ms, cuda_time_queued_ms, relative_error, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    cuda_time_ms,
+    cuda_time_pipelined_ms,
+    cuda_time_queued_ms,
+    relative_error,
+    write_results,
+)
 from benchmarks._profile import print_profile, profile_step  # noqa: E402
 from lightning_moe.nn import MoEConfig, MoELayer  # noqa: E402
 
