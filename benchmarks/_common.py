@@ -88,8 +88,9 @@ def cuda_time_queued_ms(fn: Callable[[], None], iters: int = 20, lead_cycles: in
     """Median milliseconds of ``fn`` one run at a time, as `cuda_time_ms`, but each run queued behind a
     GPU spin of ``lead_cycles`` clock cycles (~2 ms at the H200's clocks) that starts before the host
     issues it: the start event fires when the spin ends, by which time the host has issued the whole
-    run, so the elapsed time is the GPU's work alone. Its gap to `cuda_time_ms` is the time a run
-    started on an idle GPU waits for its host (the first launch, and any launch the GPU catches up with)."""
+    run, so no part of it waits for its host. It is not the same GPU work under the same conditions as
+    `cuda_time_ms`, though: the GPU comes to each run from a spin of one thread rather than from idle
+    (at qwen3's block the gap to `cuda_time_ms` exceeded the host's measured lead: `step_phases.py`)."""
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -13,8 +13,9 @@ run whose errors exceed `error_bound` stops there), then times forward + backwar
 events (median of --iters runs after warm-up, each started on an idle GPU) on random inputs, and
 also the mean of --iters runs issued back to back (``pipelined_ms``: the CPU runs ahead as in a
 training loop, so a run's launch latency is hidden unless it syncs) and the median of --iters runs one
-at a time, each queued behind a GPU spin (``queued_ms``: the GPU's work alone, without the wait for the
-host at the start of a run on an idle GPU), and writes ``benchmarks/results/moe_block_<tag>.json``.
+at a time, each queued behind a GPU spin (``queued_ms``: no wait for the host, which has issued the
+step before the spin ends; see `_common.cuda_time_queued_ms`), and writes
+``benchmarks/results/moe_block_<tag>.json``.
 With ``--accumulate N`` the timed unit is the window of one optimizer step under gradient
 accumulation: N forward + backward passes whose weight gradients accumulate, starting from fresh
 gradients and (FP8 with ``--cache-weights``) an empty FP8 weight cache, as right after an optimizer
@@ -290,7 +291,7 @@ def run_case(name: str, c: dict, args) -> dict:
     one_at_a_time_done = time.time()
     pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
     back_to_back_done = time.time()
-    # one step at a time again, each queued behind a GPU spin: the GPU's work without the host's wait
+    # one step at a time again, each queued behind a GPU spin: no wait for the host
     queued_ms = cuda_time_queued_ms(step, iters=args.iters)
     phases_unix = {"one_at_a_time": [started, one_at_a_time_done], "back_to_back": [one_at_a_time_done,
                                                                                   back_to_back_done],

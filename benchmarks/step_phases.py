@@ -2,8 +2,8 @@
 each phase of `moe_block.py`'s timed step beside the GPU's time between the same points.
 
 `moe_block.py` times each step from an idle GPU (``median_ms``) and again queued behind a GPU spin
-(``queued_ms``, the GPU's work alone); at qwen3's shape the gap between the two was 0.6 ms in bf16 and
-0.3 ms in FP8 (s30). Here each step is split at four points (before the forward's call, after it, after
+(``queued_ms``, no wait for the host); at qwen3's shape the gap between the two was 0.6 ms in bf16 and
+0.3 ms in FP8 (s30), more than the host's lead measured here. Here each step is split at four points (before the forward's call, after it, after
 the backward's, after the optimizer-step work) with a host clock reading and a CUDA event at each, after
 a sync, so that a phase whose host time exceeds the GPU's work queued before it shows where the GPU
 waits::

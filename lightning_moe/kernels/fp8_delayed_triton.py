@@ -142,12 +142,9 @@ TMA_READ_LAUNCH: tuple[int, int, int, int] = (64, 64, 4, 4)
 
 
 def _tma_readable(x: Tensor) -> bool:
-    """Whether the plain cast may read ``x`` ``[R, C]`` by TMA: a 16-bit dtype, unit column stride, a
-    16-byte aligned base and row stride (the stride, not the width: torch calls a one-row tensor of any
-    row stride contiguous). fp32 operands (fp32 master weights) stay on the pointer kernel: read by TMA at
-    64 x 128 x 8 warps with 4 stages they came out with other float8 bytes on the H200 (s30 call 3; the
-    64 x 64 and 32 x 128 launches gave the same bytes, and so does Triton's interpreter at every launch)."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+    """Whether ``x`` ``[R, C]`` can back a TMA descriptor: unit column stride, a 16-byte aligned base and
+    row stride (the stride, not the width: torch calls a one-row tensor of any row stride contiguous)."""
+    return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(1) == 1
             and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0 and x.shape[0] < 2**31)
 
 

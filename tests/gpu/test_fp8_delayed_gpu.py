@@ -394,28 +394,31 @@ def test_delayed_scaling_update_kernel_gives_the_torch_update_bits(monkeypatch, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("launch", [(64, 64, 4, 4), (32, 128, 4, 3), (64, 128, 8, 4)])
 def test_plain_cast_reading_by_tma_gives_the_same_bytes(monkeypatch, dtype, launch):
-    """`fp8_delayed_triton.TMA_READS` (the body's tiles by TMA; fp32 operands keep the pointer kernel): every
-    output of the plain tile cast equal to the pointer kernel's, on groups with and without history, an empty
-    and unaligned groups, a tail, NaN and inf, both copies in the aligned layout and the transposed copy alone."""
+    """`fp8_delayed_triton.TMA_READS` (the body's tiles by TMA): every output of the plain tile cast equal to
+    the pointer kernel's, on groups with and without history, an empty group, a tail, NaN and inf, both
+    copies and the transposed copy alone; in the weight gradient's aligned layout (group ends on 16 rows, as
+    the FP8 path pads them: `_assert_groups_aligned`) and in the plain one (unaligned ends)."""
     from lightning_moe.kernels import fp8_delayed_triton as fd
 
     torch.manual_seed(1)
     rows, cols = 1100, 256
     x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]).to(dtype)
     x[7, 3], x[300, 5] = float("nan"), float("inf")
-    offsets = torch.tensor([40, 40, 333, 700, 1024], device="cuda", dtype=torch.int32)
-    # the weight gradient's layout: each group's size rounded up to 128, cumulated (128, 128, 512, 896,
-    # 1280); ends that leave a group less room than its rows make two groups write the same bytes
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    aligned = torch.cumsum((sizes + 127) // 128 * 128, 0).to(torch.int32)
-    width = int(aligned[-1])
     scale = torch.tensor([3.0, 0.0, 0.0, 0.5, float("nan")], device="cuda")
+    # aligned: each group's size rounded up to 128, cumulated (128, 128, 512, 896, 1280). Ends off the
+    # 16-row grid, or aligned ends with less room than a group's rows, make two groups' programs write
+    # the same bytes (a race, which an earlier version of this test ran into)
+    aligned_offsets = torch.tensor([48, 48, 336, 704, 1024], device="cuda", dtype=torch.int32)
+    sizes = torch.diff(aligned_offsets, prepend=aligned_offsets.new_zeros(1))
+    aligned_ends = torch.cumsum((sizes + 127) // 128 * 128, 0).to(torch.int32)
+    layouts = [(aligned_offsets, aligned_ends, int(aligned_ends[-1])),
+               (torch.tensor([40, 40, 333, 700, 1024], device="cuda", dtype=torch.int32), None, 1104)]
 
-    def cast(write_row):
+    def cast(write_row, offsets, ends, width):
         q_col = torch.full((cols, width), 0x55, device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
         record = torch.zeros(5, device="cuda")
         q, s_row, s_col = fd.delayed_cast(x, offsets, scale, record, write_row=write_row, out_col=q_col,
-                                          stride_out_col=width, aligned_ends=aligned)
+                                          stride_out_col=width, aligned_ends=ends)
         return [t for t in (q, s_row, s_col, q_col, record) if t is not None]
 
     import triton.tools.tensor_descriptor as descriptors
@@ -427,17 +430,17 @@ def test_plain_cast_reading_by_tma_gives_the_same_bytes(monkeypatch, dtype, laun
             made.append(self)
             super().__post_init__()
 
-    for write_row in (True, False):
-        monkeypatch.setattr(fd, "TMA_READS", False)
-        pointer = cast(write_row)
-        assert not made
-        monkeypatch.setattr(fd, "TMA_READS", True)
-        monkeypatch.setattr(fd, "TMA_READ_LAUNCH", launch)
-        monkeypatch.setattr(descriptors, "TensorDescriptor", Counted)
-        by_tma = cast(write_row)
-        monkeypatch.undo()
-        # 16-bit operands take the TMA path; fp32 ones stay on the pointer kernel (`_tma_readable`)
-        assert bool(made) == (dtype != torch.float32)
-        made.clear()
-        for a, b in zip(by_tma, pointer):
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for layout in layouts:
+        for write_row in (True, False):
+            monkeypatch.setattr(fd, "TMA_READS", False)
+            pointer = cast(write_row, *layout)
+            assert not made
+            monkeypatch.setattr(fd, "TMA_READS", True)
+            monkeypatch.setattr(fd, "TMA_READ_LAUNCH", launch)
+            monkeypatch.setattr(descriptors, "TensorDescriptor", Counted)
+            by_tma = cast(write_row, *layout)
+            monkeypatch.undo()
+            assert made
+            made.clear()
+            for a, b in zip(by_tma, pointer):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
