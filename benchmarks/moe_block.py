@@ -292,7 +292,7 @@ def run_case(name: str, c: dict, args) -> dict:
     pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
     back_to_back_done = time.time()
     # one step at a time again, each queued behind a GPU spin: no wait for the host
-    queued_ms = cuda_time_queued_ms(step, iters=args.iters)
+    queued_ms = cuda_time_queued_ms(step, iters=args.iters, lead_cycles=args.queued_lead_cycles)
     phases_unix = {"one_at_a_time": [started, one_at_a_time_done], "back_to_back": [one_at_a_time_done,
                                                                                   back_to_back_done],
                    "queued": [back_to_back_done, time.time()]}
@@ -315,6 +315,7 @@ def run_case(name: str, c: dict, args) -> dict:
         "tflops": flops / (median_ms * 1e-3) / 1e12,
         "pipelined_ms": pipelined_ms,
         "queued_ms": queued_ms,
+        "queued_lead_cycles": args.queued_lead_cycles,
         "phases_unix": phases_unix,
         "pipelined_tflops": flops / (pipelined_ms * 1e-3) / 1e12,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -357,6 +358,8 @@ def main(argv=None) -> None:
     parser.add_argument("--router-logits", default="fp32", choices=["fp32", "bf16x3"],
                         help="MoEConfig.router_logits_gemm: the router's fp32 logits by fp32 products (default) or by "
                              "exact bf16 splits of its weight on the tensor cores")
+    parser.add_argument("--queued-lead-cycles", type=int, default=4_000_000,
+                        help="GPU clock cycles of the spin each queued step waits behind (queued_ms; ~2 ms)")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches per timed window (one optimizer step under gradient accumulation)")
     parser.add_argument("--tag", default=None,
