@@ -90,7 +90,8 @@ def cuda_time_queued_ms(fn: Callable[[], None], iters: int = 20, lead_cycles: in
     issues it: the start event fires when the spin ends, by which time the host has issued the whole
     run, so no part of it waits for its host. It is not the same GPU work under the same conditions as
     `cuda_time_ms`, though: the GPU comes to each run from a spin of one thread rather than from idle
-    (at qwen3's block the gap to `cuda_time_ms` exceeded the host's measured lead: `trace_step.py --marks N --cuda-graph`)."""
+    (at qwen3's block the gap to `cuda_time_ms` exceeded the host's measured lead:
+    `trace_step.py --marks N --cuda-graph`)."""
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
