@@ -52,14 +52,28 @@ def metadata() -> dict:
     return meta
 
 
-def cuda_time_ms(fn: Callable[[], None], warmup: int = 5, iters: int = 20) -> tuple[float, list[float]]:
-    """Median milliseconds of ``fn`` over ``iters`` runs timed with CUDA events, after warm-up."""
+# The spin `cuda_time_ms` queues each run behind with ``lead_cycles`` (``queued_ms``): ~2 ms at the H200's clocks.
+QUEUED_LEAD_CYCLES = 4_000_000
+
+
+def cuda_time_ms(fn: Callable[[], None], warmup: int = 5, iters: int = 20,
+                 lead_cycles: int = 0) -> tuple[float, list[float]]:
+    """Median milliseconds of ``fn`` over ``iters`` runs timed with CUDA events, after warm-up.
+
+    Each run starts on an idle GPU, or with ``lead_cycles`` queued behind a GPU spin of that many clock
+    cycles that starts before the host issues the run: the start event fires when the spin ends, by
+    which time the host has issued the whole run, so no part of it waits for its host. That is not the
+    same GPU work under the same conditions, though: the GPU comes to each run from a spin of one thread
+    rather than from idle (at qwen3's block the gap between the two exceeded the host's measured lead:
+    `trace_step.py --marks N --cuda-graph`)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         start.record()
         fn()
         end.record()
@@ -82,26 +96,6 @@ def cuda_time_pipelined_ms(fn: Callable[[], None], warmup: int = 5, iters: int =
     end.record()
     torch.cuda.synchronize()  # host sync: read the elapsed time
     return start.elapsed_time(end) / iters
-
-
-def cuda_time_queued_ms(fn: Callable[[], None], iters: int = 20, lead_cycles: int = 4_000_000) -> float:
-    """Median milliseconds of ``fn`` one run at a time, as `cuda_time_ms`, but each run queued behind a
-    GPU spin of ``lead_cycles`` clock cycles (~2 ms at the H200's clocks) that starts before the host
-    issues it: the start event fires when the spin ends, by which time the host has issued the whole
-    run, so no part of it waits for its host. It is not the same GPU work under the same conditions as
-    `cuda_time_ms`, though: the GPU comes to each run from a spin of one thread rather than from idle
-    (at qwen3's block the gap to `cuda_time_ms` exceeded the host's measured lead:
-    `trace_step.py --marks N --cuda-graph`)."""
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(lead_cycles)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()  # host sync: read this run's elapsed time
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:

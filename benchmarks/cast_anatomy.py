@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import cuda_time_ms, cuda_time_queued_ms, write_results  # noqa: E402
+from benchmarks._common import QUEUED_LEAD_CYCLES, cuda_time_ms, write_results  # noqa: E402
 from benchmarks.fp8_quant_tune import FUSED_SHAPES  # noqa: E402
 from lightning_moe.kernels import fp8_delayed_triton as fd  # noqa: E402
 from lightning_moe.kernels.fp8_quant_triton import _column_layout  # noqa: E402
@@ -53,7 +53,6 @@ def tile_cast(x, offsets, scale, record, q_row, s_row, q_col, s_col, write_row: 
            num_warps=warps, **fd.register_cap("plain"))
 
 
-
 def library_cast(x, offsets, scale, record, q_col, tma_launch=None) -> list:
     """`fp8_delayed_triton.delayed_cast` as the block calls it on a plain operand (both copies, the
     aligned layout); with ``tma_launch`` (rows, columns, warps, stages) reading its tiles by TMA
@@ -67,6 +66,7 @@ def library_cast(x, offsets, scale, record, q_col, tma_launch=None) -> list:
     finally:
         fd.TMA_READS, fd.TMA_READ_LAUNCH = saved
     return [q_row, s_row, q_col, s_col]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -128,11 +128,9 @@ def main() -> None:
     results = {}
     for rounds in range(2):  # twice, interleaved: the better of two is kept
         for name, (fn, nbytes) in variants.items():
-            for _ in range(3):  # warm-up
-                fn()
             # each launch queued behind a GPU spin: the library path's host work (allocating the
             # outputs, making a TMA descriptor) stays out of the kernel's time, as in a CUDA graph
-            ms = cuda_time_queued_ms(fn, iters=args.iters)
+            ms, _ = cuda_time_ms(fn, warmup=3, iters=args.iters, lead_cycles=QUEUED_LEAD_CYCLES)
             best = min(ms, results.get(name, {}).get("ms", ms))
             results[name] = {"ms": best, "bytes": nbytes, "tb_s": nbytes / best / 1e9}
             if name in equal:

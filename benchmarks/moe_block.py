@@ -14,7 +14,7 @@ events (median of --iters runs after warm-up, each started on an idle GPU) on ra
 also the mean of --iters runs issued back to back (``pipelined_ms``: the CPU runs ahead as in a
 training loop, so a run's launch latency is hidden unless it syncs) and the median of --iters runs one
 at a time, each queued behind a GPU spin (``queued_ms``: no wait for the host, which has issued the
-step before the spin ends; see `_common.cuda_time_queued_ms`), and writes
+step before the spin ends; see `_common.cuda_time_ms`), and writes
 ``benchmarks/results/moe_block_<tag>.json``.
 With ``--accumulate N`` the timed unit is the window of one optimizer step under gradient
 accumulation: N forward + backward passes whose weight gradients accumulate, starting from fresh
@@ -49,9 +49,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import (  # noqa: E402
+    QUEUED_LEAD_CYCLES,
     cuda_time_ms,
     cuda_time_pipelined_ms,
-    cuda_time_queued_ms,
     relative_error,
     write_results,
 )
@@ -292,7 +292,7 @@ def run_case(name: str, c: dict, args) -> dict:
     pipelined_ms = cuda_time_pipelined_ms(step, warmup=1, iters=args.iters)
     back_to_back_done = time.time()
     # one step at a time again, each queued behind a GPU spin: no wait for the host
-    queued_ms = cuda_time_queued_ms(step, iters=args.iters, lead_cycles=args.queued_lead_cycles)
+    queued_ms, _ = cuda_time_ms(step, warmup=0, iters=args.iters, lead_cycles=args.queued_lead_cycles)
     phases_unix = {"one_at_a_time": [started, one_at_a_time_done], "back_to_back": [one_at_a_time_done,
                                                                                   back_to_back_done],
                    "queued": [back_to_back_done, time.time()]}
@@ -358,7 +358,7 @@ def main(argv=None) -> None:
     parser.add_argument("--router-logits", default="fp32", choices=["fp32", "bf16x3"],
                         help="MoEConfig.router_logits_gemm: the router's fp32 logits by fp32 products (default) or by "
                              "exact bf16 splits of its weight on the tensor cores")
-    parser.add_argument("--queued-lead-cycles", type=int, default=4_000_000,
+    parser.add_argument("--queued-lead-cycles", type=int, default=QUEUED_LEAD_CYCLES,
                         help="GPU clock cycles of the spin each queued step waits behind (queued_ms; ~2 ms)")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="micro-batches per timed window (one optimizer step under gradient accumulation)")

@@ -133,10 +133,11 @@ MAX_REGISTERS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_MAX_REGISTERS", "swi
 
 # The plain cast (the expert weights' and dense operands') reading its body's tiles by TMA into shared
 # memory, TMA_STAGES - 1 of them in flight, instead of one prefetched into registers: rows, columns,
-# warps, stages. `benchmarks/cast_anatomy.py` (cast_anatomy_qwen3.json, s29, the same bytes): 0.348 against
-# the pointer kernel's 0.398 ms at qwen3's operand, 0.568 against 0.602 at deepseek's. Untimed in the block,
-# so off by default: ``LIGHTNING_MOE_CAST_TMA_READS=1`` turns it on (where the operand can back a
-# descriptor: 16-byte aligned rows).
+# warps, stages. `benchmarks/cast_anatomy.py` (the same bytes): 0.310 against the pointer kernel's 0.363 ms
+# at qwen3's operand (cast_anatomy_qwen3_s30c3.json), 0.568 against 0.602 at deepseek's (s29). Off by
+# default: no gain in the graphed qwen3 block (s30, moe_block_tmareads_*.json), where the plain casts (the
+# expert weights') run on a side stream beside the router. ``LIGHTNING_MOE_CAST_TMA_READS=1`` turns it on
+# (where the operand can back a descriptor: 16-byte aligned rows).
 TMA_READS: bool = os.environ.get("LIGHTNING_MOE_CAST_TMA_READS", "0") == "1"
 TMA_READ_LAUNCH: tuple[int, int, int, int] = (64, 64, 4, 4)
 
