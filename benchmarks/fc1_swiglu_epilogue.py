@@ -24,9 +24,12 @@ from benchmarks._common import QUEUED_LEAD_CYCLES, cuda_time_ms, write_results  
 
 # (experts, rows, K, F): fc1's product [rows, K] x [K, 2F] per expert, as `fp8_grouped_tune.py`'s *_fc1 cases.
 CASES = {"qwen3": (128, 131072, 2048, 768), "mixtral": (8, 16384, 4096, 14336), "deepseek": (32, 65536, 7168, 2048)}
-# (block_m, block_f, block_k, warps, stages); None stages: the library's choice by K.
-LAUNCHES = [(128, 128, 128, 8, None), (128, 128, 128, 8, 4), (128, 64, 128, 8, 4), (128, 128, 64, 8, 4),
-            (64, 128, 128, 4, 4)]
+# (block_m, block_f, block_k, warps, stages, options); None stages: the library's choice by K. Options:
+# "ptr" stores the transposed copy by pointers instead of TMA; "row" / "col" / "h" write only the row copy /
+# only the transposed copy / neither (timing the epilogue's parts: their bytes are then not compared).
+LAUNCHES = [(128, 128, 128, 8, None, ""), (128, 128, 128, 8, 4, ""), (128, 128, 128, 8, None, "ptr"),
+            (128, 128, 128, 8, None, "row"), (128, 128, 128, 8, None, "col"), (128, 128, 128, 8, None, "h")]
+PARTS = {"": ("row", "col"), "ptr": ("row", "col"), "row": ("row",), "col": ("col",), "h": ()}
 
 
 def _operands(experts: int, rows: int, k: int, f: int) -> dict:
@@ -61,11 +64,12 @@ def _pair(o: dict) -> tuple:
 def _fused(o: dict, launch: tuple) -> tuple:
     from lightning_moe.kernels.fp8_fc1_swiglu_triton import grouped_mm_fprop_swiglu_cast
 
-    block_m, block_f, block_k, warps, stages = launch
+    block_m, block_f, block_k, warps, stages, option = launch
     record = torch.zeros_like(o["scale"])
     h, q, s_row, s_col = grouped_mm_fprop_swiglu_cast(
         o["a"], o["sa"], o["b"], o["sb"], o["ends"], o["scale"], record, o["col"], aligned_ends=o["aligned_ends"],
-        row_probs=o["probs"], block_m=block_m, block_f=block_f, block_k=block_k, num_warps=warps, num_stages=stages)
+        row_probs=o["probs"], block_m=block_m, block_f=block_f, block_k=block_k, num_warps=warps, num_stages=stages,
+        col_tma=False if option == "ptr" else None, parts=PARTS[option])
     return h, q, s_row, s_col, record
 
 
@@ -87,19 +91,26 @@ def run_case(name: str, iters: int) -> dict:
     ref = _pair(o)
     col_ref = o["col"].clone()
     pair_ms, _ = cuda_time_ms(lambda: _pair(o), warmup=5, iters=iters, lead_cycles=QUEUED_LEAD_CYCLES)
-    row = {"case": name, "experts": experts, "rows": rows, "k": k, "f": f, "pair_ms": pair_ms, "launches": []}
-    print(name, "fprop + swiglu cast", f"{pair_ms:.3f} ms", flush=True)
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
+
+    fprop_ms, _ = cuda_time_ms(lambda: grouped_mm_fprop(o["a"], o["sa"], o["b"], o["sb"], o["ends"]), warmup=5,
+                               iters=iters, lead_cycles=QUEUED_LEAD_CYCLES)
+    row = {"case": name, "experts": experts, "rows": rows, "k": k, "f": f, "pair_ms": pair_ms, "fprop_ms": fprop_ms,
+           "launches": []}
+    print(name, "fprop + swiglu cast", f"{pair_ms:.3f} ms, fprop alone {fprop_ms:.3f} ms", flush=True)
     for launch in LAUNCHES:
         try:
             o["col"].view(torch.uint8).fill_(0)
-            same = _same(_fused(o, launch), ref, o["col"], col_ref, end)
+            out = _fused(o, launch)
+            same = _same(out, ref, o["col"], col_ref, end) if launch[-1] in ("", "ptr") else None
             ms, _ = cuda_time_ms(lambda: _fused(o, launch), warmup=5, iters=iters, lead_cycles=QUEUED_LEAD_CYCLES)
         except Exception as error:  # a launch that does not compile or fit: recorded, the others still run
             row["launches"].append({"launch": list(launch), "error": repr(error)[:300]})
             print(name, launch, "failed:", repr(error)[:200], flush=True)
             continue
         row["launches"].append({"launch": list(launch), "ms": ms, "same_bytes": same, "speedup": pair_ms / ms})
-        print(name, launch, f"{ms:.3f} ms", "equal" if same else "DIFFERENT", f"{pair_ms / ms:.2f}x", flush=True)
+        print(name, launch, f"{ms:.3f} ms", {True: "equal", False: "DIFFERENT", None: "(part)"}[same],
+              f"{pair_ms / ms:.2f}x", flush=True)
     return row
 
 

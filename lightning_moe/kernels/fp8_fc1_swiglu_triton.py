@@ -43,10 +43,17 @@ def _fprop_swiglu_cast_kernel(a_desc, b_desc, h_ptr, scale_a_ptr, scale_b_ptr, e
                               E, R, F, stride_qc,
                               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_E: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                              RECORD: tl.constexpr, ROW_PROBS: tl.constexpr, ALIGN: tl.constexpr):
+                              RECORD: tl.constexpr, ROW_PROBS: tl.constexpr, ALIGN: tl.constexpr,
+                              col_desc=None, COL_TMA: tl.constexpr = False, WRITE_ROW: tl.constexpr = True,
+                              WRITE_COL: tl.constexpr = True):
     """The tiles of `fp8_grouped_gemm_triton._grouped_fprop_kernel` (round-robin over persistent
     programs, group by group, row block fastest) over the SwiGLU's ``F`` columns: tile (rows,
-    columns c) accumulates gate columns c and up columns ``F + c`` of ``h``."""
+    columns c) accumulates gate columns c and up columns ``F + c`` of ``h``.
+
+    COL_TMA (the aligned layout, ``ALIGN`` a multiple of ``BLOCK_M``; ``col_desc``: the transposed
+    copy's descriptor of ``[BLOCK_F, BLOCK_M]`` blocks): the transposed tile leaves by TMA, whole. A
+    group's row tiles then land inside its aligned columns, the rows past its end as zeros (its gap).
+    WRITE_ROW / WRITE_COL False leave a copy out (timing the epilogue's parts only)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(F, BLOCK_F)
     k_tiles: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -91,23 +98,38 @@ def _fprop_swiglu_cast_kernel(a_desc, b_desc, h_ptr, scale_a_ptr, scale_b_ptr, e
         # group in this tile's last rows are out of the copies and the amax.
         act = tl.where(m, _operand_from_raw(gate, up, True, _load_probs(prob_ptr, rows, row_ok, ROW_PROBS),
                                             ROW_PROBS), 0.0)
+        # A group without a scale (0 or NaN) is cast by `cast_groups_without_scale` after the GEMM,
+        # which writes all of its rows and its gap: here its copies are masked off (or, by TMA, written
+        # and then overwritten), with no branch in the tile loop.
         scale = tl.load(cast_scale_ptr + g)
-        if scale > 0.0:  # else `cast_groups_without_scale` casts this group after the GEMM
+        # the per-column copy of the scale, as the cast kernel's transposed store takes it
+        col_scale = tl.zeros([BLOCK_F], dtype=tl.float32) + scale
+        has_scale = col_scale > 0.0  # [BLOCK_F], all alike (a scalar mask: the interpreter refuses it)
+        mq = m & has_scale[None, :]
+        if WRITE_ROW:
             tl.store(q_row_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], (act * scale).to(tl.float8e4nv),
-                     mask=m)
-            out_base = _aligned_group_shift(aligned_ends_ptr, g, True, start.to(tl.int64), ALIGN)
-            # the per-column copy of the scale, as the cast kernel's transposed store takes it
-            col_scale = tl.zeros_like(cols).to(tl.float32) + scale
-            tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
-                     (act * col_scale[None, :]).to(tl.float8e4nv), mask=m)
-            scale_inv = tl.math.div_rn(1.0, scale)
-            if col0 == 0:
-                tl.store(s_row_ptr + rows, tl.zeros([BLOCK_M], dtype=tl.float32) + scale_inv, mask=row_ok)
-            if row0 == start:
-                tl.store(s_col_ptr + g * F + cols, tl.zeros([BLOCK_F], dtype=tl.float32) + scale_inv, mask=col_ok)
-            if row0 + BLOCK_M >= end:
-                _zero_aligned_gap(q_col_ptr, out_base, start.to(tl.int64), end.to(tl.int64), cols, col_ok, stride_qc,
-                                  True, ALIGN)
+                     mask=mq)
+        out_base = _aligned_group_shift(aligned_ends_ptr, g, True, start.to(tl.int64), ALIGN)
+        if WRITE_COL:
+            q_t = (act * col_scale[None, :]).to(tl.float8e4nv)
+            if COL_TMA:
+                col_desc.store([col0, (out_base + row0).to(tl.int32)], tl.trans(q_t))
+                if (BLOCK_M < ALIGN) & (row0 + BLOCK_M >= end):
+                    # the gap past the last tile (none where BLOCK_M == ALIGN: the tiles end at the aligned end)
+                    _zero_aligned_gap(q_col_ptr, out_base, start.to(tl.int64), (row0 + BLOCK_M).to(tl.int64), cols,
+                                      col_ok, stride_qc, True, ALIGN)
+            else:
+                tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None], q_t, mask=mq)
+                if row0 + BLOCK_M >= end:
+                    _zero_aligned_gap(q_col_ptr, out_base, start.to(tl.int64), end.to(tl.int64), cols,
+                                      col_ok & has_scale, stride_qc, True, ALIGN)
+        scale_inv = tl.math.div_rn(1.0, scale)
+        if col0 == 0:
+            tl.store(s_row_ptr + rows, tl.zeros([BLOCK_M], dtype=tl.float32) + scale_inv,
+                     mask=row_ok & (tl.zeros([BLOCK_M], dtype=tl.float32) + scale > 0.0))
+        if row0 == start:
+            tl.store(s_col_ptr + g * F + cols, tl.zeros([BLOCK_F], dtype=tl.float32) + scale_inv,
+                     mask=col_ok & has_scale)
         if RECORD:
             tl.atomic_max(record_ptr + g, tl.max(tl.max(_abs_ignoring_nan(act), 1), 0))
 
@@ -116,7 +138,8 @@ def grouped_mm_fprop_swiglu_cast(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor,
                                  cast_scale_E: Tensor, record_E: Optional[Tensor], out_col: Tensor,
                                  aligned_ends: Optional[Tensor] = None, row_probs: Optional[Tensor] = None,
                                  block_m: int = 128, block_f: int = 128, block_k: int = 128, num_warps: int = 8,
-                                 num_stages: Optional[int] = None, programs: Optional[int] = None
+                                 num_stages: Optional[int] = None, programs: Optional[int] = None,
+                                 col_tma: Optional[bool] = None, parts: tuple[str, ...] = ("row", "col")
                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """fc1's product and fc2's input cast: ``(h, q_row, s_row, s_col)``.
 
@@ -129,7 +152,9 @@ def grouped_mm_fprop_swiglu_cast(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor,
 
     ``cast_scale_E`` fp32: fc2's input scales (0: none yet, see the module docstring); ``record_E``:
     fc2's amax row, or None. Launch options as `grouped_mm_fprop`'s (``block_f``: SwiGLU columns per
-    tile, so ``2 * block_f`` columns of ``h``)."""
+    tile, so ``2 * block_f`` columns of ``h``). ``col_tma``: the transposed tiles leave by TMA (default:
+    where it can, the aligned layout, see `COL_TMA`). ``parts``: the float8 copies written (a benchmark
+    leaves one out to time the other; the result is then incomplete)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows, k = a_RK.shape
@@ -154,13 +179,23 @@ def grouped_mm_fprop_swiglu_cast(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor,
     if num_stages is None:
         num_stages = 4 if k < 2048 else 3  # as grouped_mm_fprop
     align, aligned_ends_ptr = _column_layout(aligned_ends, cast_scale_E)
+    can_tma = bool(align) and align % block_m == 0 and out_col.shape[1] % 16 == 0 and out_col.data_ptr() % 16 == 0
+    if col_tma is None:
+        col_tma = can_tma
+    elif col_tma and not can_tma:
+        raise ValueError("grouped_mm_fprop_swiglu_cast(col_tma=True) needs the aligned layout (aligned_ends) with "
+                         f"block_m ({block_m}) dividing its alignment and a 16-byte aligned transposed copy")
+    col_options = {}
+    if col_tma:
+        col_options = dict(col_desc=TensorDescriptor(out_col, list(out_col.shape), [out_col.stride(0), 1],
+                                                     [block_f, block_m]), COL_TMA=True)
     launch(_fprop_swiglu_cast_kernel, (programs,),
            a_desc, b_desc, h, scale_a_R, scale_b_EO, ends_E, cast_scale_E, q_row, s_row, out_col, s_col,
            record_E if record_E is not None else cast_scale_E, row_probs if row_probs is not None else cast_scale_E,
            aligned_ends_ptr, experts, rows, f, out_col.shape[1],
            K=k, BLOCK_M=block_m, BLOCK_F=block_f, BLOCK_K=block_k, BLOCK_E=next_power_of_2(experts),
            NUM_PROGRAMS=programs, NUM_STAGES=num_stages, RECORD=record_E is not None, ROW_PROBS=row_probs is not None,
-           ALIGN=align, num_warps=num_warps)
+           ALIGN=align, WRITE_ROW="row" in parts, WRITE_COL="col" in parts, num_warps=num_warps, **col_options)
     cast_groups_without_scale(h, ends_E, cast_scale_E, q_row, s_row, out_col, s_col, out_col.shape[1], aligned_ends,
                               row_probs)
     return h, q_row, s_row, s_col

@@ -3,7 +3,8 @@
 interpreter, against the two kernels it replaces: `grouped_mm_fprop` then `delayed_cast(h, ...,
 swiglu=True)`. Groups: one without tokens, one without a history scale (0), one with a NaN scale,
 one with a scale, rows past the last end; the transposed copy in the plain and in the weight-gradient
-kernel's aligned layout, with and without row probabilities, a partial column block. Run as a
+kernel's aligned layout (stored by pointers, and by TMA with a gap past the last tile to zero), with
+and without row probabilities, a partial column block. Run as a
 script with ``TRITON_INTERPRET=1`` (see `_interpreted_casts.py`); prints one line per case and
 exits non-zero on the first mismatch.
 """
@@ -29,6 +30,7 @@ from _float8 import same_bits  # noqa: E402
 ENDS = torch.tensor([48, 48, 160, 224], dtype=torch.int32)  # 16-row ends (the aligned layout needs them)
 SCALES = torch.tensor([3.0, 0.0, 0.0, float("nan")])  # group 1 empty; groups 2 and 3 have no scale
 ROWS, K, F = 240, 64, 40  # 16 rows past the last end; 40 columns: a partial block of 32
+# 32-row tiles: the TMA-stored transposed copy leaves a gap past a group's last tile to zero
 LAUNCH = dict(block_m=32, block_f=32, block_k=32, num_warps=4, num_stages=2, programs=3)
 
 
@@ -42,7 +44,7 @@ def _inputs(seed: int) -> tuple[torch.Tensor, ...]:
     return a, sa, b, sb
 
 
-def check(aligned: bool, weighted: bool, scales: torch.Tensor) -> list[str]:
+def check(aligned: bool, col_tma: bool, weighted: bool, scales: torch.Tensor) -> list[str]:
     a, sa, b, sb = _inputs(int(aligned) + 2 * int(weighted))
     probs = torch.rand(ROWS, generator=torch.Generator().manual_seed(9)) if weighted else None
     aligned_ends = _wgrad_aligned_ends(ENDS) if aligned else None
@@ -61,7 +63,8 @@ def check(aligned: bool, weighted: bool, scales: torch.Tensor) -> list[str]:
     col = torch.full_like(col_ref.view(torch.uint8), 0x55).view(torch.float8_e4m3fn)
     record = torch.zeros(ENDS.numel())
     h, q, s_row, s_col = grouped_mm_fprop_swiglu_cast(a, sa, b, sb, ENDS, scales, record, col,
-                                                      aligned_ends=aligned_ends, row_probs=probs, **LAUNCH)
+                                                      aligned_ends=aligned_ends, row_probs=probs, col_tma=col_tma,
+                                                      **LAUNCH)
     failures = []
     if not torch.equal(h[:end].view(torch.int16), h_ref[:end].view(torch.int16)):
         failures.append("h")
@@ -79,11 +82,11 @@ def check(aligned: bool, weighted: bool, scales: torch.Tensor) -> list[str]:
 
 
 def main() -> None:
-    for aligned in (False, True):
+    for aligned, col_tma in [(False, False), (True, False), (True, True)]:
         for weighted in (False, True):
             for name, scales in [("mixed scales", SCALES), ("all scales", torch.tensor([3.0, 0.5, 0.25, 2.0]))]:
-                failures = check(aligned, weighted, scales)
-                label = f"fc1 swiglu aligned={aligned} weighted={weighted} {name}"
+                failures = check(aligned, col_tma, weighted, scales)
+                label = f"fc1 swiglu aligned={aligned} col_tma={col_tma} weighted={weighted} {name}"
                 print(label, "DIFFERENT: " + ", ".join(failures) if failures else "equal", flush=True)
                 if failures:
                     sys.exit(1)
