@@ -7,6 +7,13 @@ GPU spin (`cuda_time_ms` with ``lead_cycles``), so the host's allocations stay o
 
     python benchmarks/fc1_swiglu_epilogue.py [--cases qwen3 mixtral deepseek] [--tag s31]
 
+Under Nsight Compute (``--once``: each kernel once, untimed)::
+
+    ncu --clock-control none -k regex:"_fprop_swiglu_cast_kernel|_grouped_fprop_kernel" --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+        --csv --page details python benchmarks/fc1_swiglu_epilogue.py --cases qwen3 --once > ncu.csv
+    python benchmarks/ncu_summary.py ncu.csv --tag s31_fc1_swiglu
+
 Writes ``benchmarks/results/fc1_swiglu_epilogue[_TAG].json``.
 """
 
@@ -26,10 +33,14 @@ from benchmarks._common import QUEUED_LEAD_CYCLES, cuda_time_ms, write_results  
 CASES = {"qwen3": (128, 131072, 2048, 768), "mixtral": (8, 16384, 4096, 14336), "deepseek": (32, 65536, 7168, 2048)}
 # (block_m, block_f, block_k, warps, stages, options); None stages: the library's choice by K. Options:
 # "ptr" stores the transposed copy by pointers instead of TMA; "row" / "col" / "h" write only the row copy /
-# only the transposed copy / neither (timing the epilogue's parts: their bytes are then not compared).
-LAUNCHES = [(128, 128, 128, 8, None, ""), (128, 128, 128, 8, 4, ""), (128, 128, 128, 8, None, "ptr"),
-            (128, 128, 128, 8, None, "row"), (128, 128, 128, 8, None, "col"), (128, 128, 128, 8, None, "h")]
-PARTS = {"": ("row", "col"), "ptr": ("row", "col"), "row": ("row",), "col": ("col",), "h": ()}
+# only the transposed copy / neither (timing the epilogue's parts: their bytes are then not compared);
+# "noprobs": no row probabilities; "gemm": no copies, no probabilities, no amax record (the SwiGLU is then
+# dead code: the two-accumulator product and h's store alone).
+LAUNCHES = [(128, 128, 128, 8, None, ""), (128, 128, 128, 8, None, "ptr"), (128, 128, 128, 8, None, "row"),
+            (128, 128, 128, 8, None, "col"), (128, 128, 128, 8, None, "h"), (128, 128, 128, 8, None, "noprobs"),
+            (128, 128, 128, 8, None, "gemm"), (128, 128, 64, 8, 4, "gemm")]
+PARTS = {"": ("row", "col"), "ptr": ("row", "col"), "row": ("row",), "col": ("col",), "h": (),
+         "noprobs": ("row", "col"), "gemm": ()}
 
 
 def _operands(experts: int, rows: int, k: int, f: int) -> dict:
@@ -67,8 +78,9 @@ def _fused(o: dict, launch: tuple) -> tuple:
     block_m, block_f, block_k, warps, stages, option = launch
     record = torch.zeros_like(o["scale"])
     h, q, s_row, s_col = grouped_mm_fprop_swiglu_cast(
-        o["a"], o["sa"], o["b"], o["sb"], o["ends"], o["scale"], record, o["col"], aligned_ends=o["aligned_ends"],
-        row_probs=o["probs"], block_m=block_m, block_f=block_f, block_k=block_k, num_warps=warps, num_stages=stages,
+        o["a"], o["sa"], o["b"], o["sb"], o["ends"], o["scale"], None if option == "gemm" else record, o["col"],
+        aligned_ends=o["aligned_ends"], row_probs=None if option in ("gemm", "noprobs") else o["probs"],
+        block_m=block_m, block_f=block_f, block_k=block_k, num_warps=warps, num_stages=stages,
         col_tma=False if option == "ptr" else None, parts=PARTS[option])
     return h, q, s_row, s_col, record
 
@@ -83,6 +95,18 @@ def _same(out: tuple, ref: tuple, col: torch.Tensor, col_ref: torch.Tensor, end:
             and torch.equal(record, record_ref))
 
 
+def once(name: str) -> None:
+    """Each kernel once, untimed (for Nsight Compute): the pair, the GEMM at 128 x 128 tiles, each launch."""
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
+
+    o = _operands(*CASES[name])
+    _pair(o)
+    grouped_mm_fprop(o["a"], o["sa"], o["b"], o["sb"], o["ends"], block_n=128)
+    for launch in LAUNCHES:
+        _fused(o, launch)
+    torch.cuda.synchronize()
+
+
 def run_case(name: str, iters: int) -> dict:
     experts, rows, k, f = CASES[name]
     o = _operands(experts, rows, k, f)
@@ -95,14 +119,18 @@ def run_case(name: str, iters: int) -> dict:
 
     fprop_ms, _ = cuda_time_ms(lambda: grouped_mm_fprop(o["a"], o["sa"], o["b"], o["sb"], o["ends"]), warmup=5,
                                iters=iters, lead_cycles=QUEUED_LEAD_CYCLES)
+    narrow_ms, _ = cuda_time_ms(lambda: grouped_mm_fprop(o["a"], o["sa"], o["b"], o["sb"], o["ends"], block_n=128),
+                                warmup=5, iters=iters, lead_cycles=QUEUED_LEAD_CYCLES)
     row = {"case": name, "experts": experts, "rows": rows, "k": k, "f": f, "pair_ms": pair_ms, "fprop_ms": fprop_ms,
-           "launches": []}
-    print(name, "fprop + swiglu cast", f"{pair_ms:.3f} ms, fprop alone {fprop_ms:.3f} ms", flush=True)
+           "fprop_128x128_ms": narrow_ms, "launches": []}
+    print(name, "fprop + swiglu cast", f"{pair_ms:.3f} ms, fprop alone {fprop_ms:.3f} ms (128 x 128 tiles "
+          f"{narrow_ms:.3f})", flush=True)
     for launch in LAUNCHES:
         try:
             o["col"].view(torch.uint8).fill_(0)
             out = _fused(o, launch)
             same = _same(out, ref, o["col"], col_ref, end) if launch[-1] in ("", "ptr") else None
+            del out
             ms, _ = cuda_time_ms(lambda: _fused(o, launch), warmup=5, iters=iters, lead_cycles=QUEUED_LEAD_CYCLES)
         except Exception as error:  # a launch that does not compile or fit: recorded, the others still run
             row["launches"].append({"launch": list(launch), "error": repr(error)[:300]})
@@ -119,7 +147,12 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--tag", default=None)
+    parser.add_argument("--once", action="store_true", help="run each kernel once, untimed (under ncu), and exit")
     args = parser.parse_args()
+    if args.once:
+        for name in args.cases:
+            once(name)
+        return
     results = [run_case(name, args.iters) for name in args.cases]
     write_results("fc1_swiglu_epilogue" + (f"_{args.tag}" if args.tag else ""),
                   {"results": results, "launches": [list(launch) for launch in LAUNCHES]})

@@ -176,8 +176,6 @@ def grouped_mm_fprop_swiglu_cast(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor,
     b_rows = b_EOK.reshape(experts * o, k)
     b_desc = TensorDescriptor(b_rows, [experts * o, k], [b_rows.stride(0), 1], [block_f, block_k])
     programs = programs or _multiprocessors(device.index or 0)
-    if num_stages is None:
-        num_stages = 4 if k < 2048 else 3  # as grouped_mm_fprop
     align, aligned_ends_ptr = _column_layout(aligned_ends, cast_scale_E)
     can_tma = bool(align) and align % block_m == 0 and out_col.shape[1] % 16 == 0 and out_col.data_ptr() % 16 == 0
     if col_tma is None:
@@ -185,6 +183,9 @@ def grouped_mm_fprop_swiglu_cast(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor,
     elif col_tma and not can_tma:
         raise ValueError("grouped_mm_fprop_swiglu_cast(col_tma=True) needs the aligned layout (aligned_ends) with "
                          f"block_m ({block_m}) dividing its alignment and a 16-byte aligned transposed copy")
+    if num_stages is None:
+        # as grouped_mm_fprop; 4 stages and the TMA store's staging tile overflow shared memory at 128 x 128 x 128
+        num_stages = 4 if k < 2048 and not col_tma else 3
     col_options = {}
     if col_tma:
         col_options = dict(col_desc=TensorDescriptor(out_col, list(out_col.shape), [out_col.stride(0), 1],
