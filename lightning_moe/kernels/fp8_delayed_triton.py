@@ -332,22 +332,17 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
                          GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False,
-                         AMAX_ROWS: tl.constexpr = 0, x_desc=None, TMA_STAGES: tl.constexpr = 0,
-                         MISSING_ONLY: tl.constexpr = False):
+                         AMAX_ROWS: tl.constexpr = 0, x_desc=None, TMA_STAGES: tl.constexpr = 0):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
     # TMA_STAGES > 0 (plain operands only; ``x_desc``: ``x``'s descriptor of [BR, BC] blocks): the
     # body's tiles come by TMA into shared memory, TMA_STAGES - 1 of them in flight (`TMA_READS`).
-    # MISSING_ONLY: cast the groups without a history scale alone (`cast_groups_without_scale`); a
-    # group with one is taken as empty, so its programs only rewrite its column scales, same values.
     group = tl.program_id(GROUP_AXIS)
     cols = tl.program_id(1 - GROUP_AXIS) * BC + tl.arange(0, BC)
     cmask = cols < C
     in_group = group < G
     start, end = _group_bounds(offsets_ptr, group, G, R)
     history = tl.load(scale_ptr + group, mask=in_group, other=1.0)
-    if MISSING_ONLY:
-        end = tl.where(history > 0.0, start, end)
     scale = history
     if (history > 0.0) == 0:  # a group without history (also a NaN scale): its current amax decides
         # Over every column of the group, so each of its column blocks' programs reads the whole
@@ -654,30 +649,4 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
         BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted,
         AMAX_ROWS=amax_rows(kind, block_r), num_warps=warps, **options,
-    )
-
-
-def cast_groups_without_scale(h_RF2: Tensor, offsets_G: Tensor, scale_G: Tensor, q_row: Tensor, s_row: Tensor,
-                              out_col: Tensor, s_col: Tensor, stride_out_col: int, aligned_ends: Optional[Tensor],
-                              row_probs: Optional[Tensor]) -> None:
-    """Finish a SwiGLU cast whose groups with a history scale are already written: cast the groups
-    without one (scale 0 or NaN: an expert whose first tokens arrive after the first step) from
-    ``h = [gate | up]`` into the same buffers as `delayed_cast(h, ..., swiglu=True)` would, from
-    their current amax. Groups with a scale cost their programs one load and a rewrite of their
-    column scales; the amax is not recorded (the caller's cast recorded every group's). The rows
-    past the last group are not written (no GEMM reads them)."""
-    rows, cols = h_RF2.shape[0], h_RF2.shape[1] // 2
-    groups = offsets_G.numel()
-    if not (rows and cols and groups):
-        return
-    block_r, block_c, warps = TILE_SHAPES["swiglu"]
-    align, aligned_ends_ptr = _column_layout(aligned_ends, scale_G)
-    launch(
-        _delayed_cast_kernel, (cdiv(cols, block_c), groups),
-        h_RF2, offsets_G, scale_G, q_row, s_row, out_col, s_col, scale_G,
-        rows, cols, groups, stride_out_col, 0, scale_G, 0, aligned_ends_ptr,
-        scale_G if row_probs is None else row_probs,
-        WRITE_ROW=True, WRITE_COL=True, RECORD=False, SWIGLU=True, BR=block_r, BC=block_c, GROUP_AXIS=1,
-        GATHER=False, ALIGN=align, ROW_PROBS=row_probs is not None, AMAX_ROWS=amax_rows("swiglu", block_r),
-        MISSING_ONLY=True, num_warps=warps, **register_cap("swiglu"),
     )

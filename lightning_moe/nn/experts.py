@@ -239,7 +239,7 @@ class GroupedExperts(nn.Module):
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0] if permuted is None else permuted.num_rows)
         if permuted is not None:
-            h_RF = self._gathered_first_projection(permuted, fc1, offsets_E, fc2, combine)
+            h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
         elif self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
             return _combined(self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten),
                              combine)
@@ -260,20 +260,11 @@ class GroupedExperts(nn.Module):
                 return y if fuses_combine else _combined(y, combine)
         return _combined(self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E), combine)
 
-    def _gathered_first_projection(self, permuted: DeferredPermutation, fc1: Tensor, offsets_E: Tensor, fc2: Tensor,
-                                   combine: Optional[DeferredCombine]) -> Tensor:
+    def _gathered_first_projection(self, permuted: DeferredPermutation, fc1: Tensor, offsets_E: Tensor) -> Tensor:
         """fc1 of tokens not yet permuted, reading the permutation inside its quantized input cast
-        (only where `takes_deferred_permutation`). Where fc2's fused SwiGLU call follows and the
-        quantization takes ``swiglu_next``, it is told of that call (fc2's weight and the combine
-        `_second_projection` will pass), so it may cast fc2's input in fc1's epilogue."""
+        (only where `takes_deferred_permutation`)."""
         gathered = getattr(self.quantization, "grouped_mm_gathered", None)
-        extra = {}
-        if (gathered is not None and self.activation == "swiglu" and _gathered_takes_swiglu_next(self.quantization)
-                and getattr(self.quantization, "grouped_mm_swiglu", None) is not None):
-            fused_combine = combine if combine is not None and _swiglu_takes_combine(self.quantization) else None
-            extra["swiglu_next"] = ("fc2", fc2, fused_combine)
-        h_RF = None if gathered is None else gathered(permuted.tokens_TD, permuted.plan, fc1, offsets_E, "fc1",
-                                                      **extra)
+        h_RF = None if gathered is None else gathered(permuted.tokens_TD, permuted.plan, fc1, offsets_E, "fc1")
         if h_RF is None:  # the two predicates drifted apart: a bug, not a configuration to fall back from
             raise RuntimeError(
                 f"{type(self.quantization).__name__}.takes_deferred_permutation accepted these tokens but its "
@@ -360,11 +351,3 @@ def _swiglu_takes_combine(quantization: object) -> bool:
     from lightning_moe.precision.modules import swiglu_takes_combine  # lazily: only with a quantization
 
     return swiglu_takes_combine(type(quantization))
-
-
-def _gathered_takes_swiglu_next(quantization: object) -> bool:
-    """Whether ``quantization.grouped_mm_gathered`` accepts ``swiglu_next=`` (by its class's signature,
-    as `_swiglu_takes_combine`)."""
-    from lightning_moe.precision.modules import gathered_takes_swiglu_next  # lazily: only with a quantization
-
-    return gathered_takes_swiglu_next(type(quantization))

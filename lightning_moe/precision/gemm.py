@@ -257,7 +257,6 @@ def fp8_grouped_mm_gathered(
     state: Optional[DelayedState] = None,
     weight_key: Optional[Hashable] = None,
     prefetched: Optional[PrefetchedWeight] = None,
-    swiglu_next: Optional[tuple[DelayedState, Any]] = None,
 ) -> Optional[Tensor]:
     """``permute(tokens, plan) @ w`` per group with the permutation's gather read straight into
     the FP8 cast of the GEMM's input, so the permuted rows are never written in ``tokens``'
@@ -270,17 +269,13 @@ def fp8_grouped_mm_gathered(
         plan: the `PermutationPlan` whose rows (``R = plan.num_rows``) the GEMM takes.
         w_EKN / offsets_E / recipe / backend / state / weight_key / prefetched: as in
             `fp8_grouped_mm`.
-        swiglu_next: (the second projection's delayed state, the `DeferredCombine` it ends in or
-            None) where the output goes straight into `fp8_grouped_mm_swiglu`: its input copies are
-            then cast in this GEMM's epilogue where our Triton GEMM runs (the same bytes).
     """
     recipe = FP8Recipe.of(recipe)
     if state is None or not gathered_cast_runs(recipe, backend, tokens_TK, w_EKN):
         return None
     from lightning_moe.precision.scaled_mm import scaled_grouped_mm_gathered
 
-    return scaled_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, recipe, state, weight_key, prefetched,
-                                      swiglu_next)
+    return scaled_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
 
 
 def fp8_grouped_mm_swiglu(

@@ -112,14 +112,6 @@ def swiglu_takes_combine(cls: type) -> bool:
     return "combine" in inspect.signature(cls.grouped_mm_swiglu).parameters
 
 
-@functools.lru_cache(maxsize=None)
-def gathered_takes_swiglu_next(cls: type) -> bool:
-    """Whether ``cls.grouped_mm_gathered`` accepts ``swiglu_next=`` (a subclass may override it without)."""
-    import inspect
-
-    return "swiglu_next" in inspect.signature(cls.grouped_mm_gathered).parameters
-
-
 class FP8GroupedGemm(nn.Module):
     """Quantized grouped GEMM for grouped experts (``experts.quantization = FP8GroupedGemm(...)``).
 
@@ -241,21 +233,12 @@ class FP8GroupedGemm(nn.Module):
         return gathered_cast_runs(self.recipe, self.backend, tokens_TK)
 
     def grouped_mm_gathered(self, tokens_TK: Tensor, plan: "PermutationPlan", w_EKN: Tensor, offsets_E: Tensor,
-                            projection: str = "",
-                            swiglu_next: Optional[tuple[str, Tensor, Optional["DeferredCombine"]]] = None
-                            ) -> Optional[Tensor]:
+                            projection: str = "") -> Optional[Tensor]:
         """``permute(tokens, plan) @ w`` with the permutation read inside the FP8 cast
         (`fp8_grouped_mm_gathered`), or None where that does not run (then the caller permutes
-        the tokens and calls `grouped_mm`). ``swiglu_next``: (projection, weight, combine) of the
-        `grouped_mm_swiglu` call the output goes to next, whose input copies this GEMM may then
-        cast in its epilogue."""
-        next_state = None
-        if swiglu_next is not None and self.recipe.name == "delayed":
-            next_projection, next_w, combine = swiglu_next
-            next_state = (self._state_and_key(next_projection, next_w)[0], combine)
+        the tokens and calls `grouped_mm`)."""
         return self._fused_delayed_call(projection, w_EKN, lambda state, key, prefetched: fp8_grouped_mm_gathered(
-            tokens_TK, plan, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key, prefetched=prefetched,
-            swiglu_next=next_state))
+            tokens_TK, plan, w_EKN, offsets_E, self.recipe, self.backend, state, weight_key=key, prefetched=prefetched))
 
     def takes_deferred_combine(self, tokens_TK: Tensor) -> bool:
         """Whether `grouped_mm_swiglu` with ``combine`` would run in this layer (the test of

@@ -839,78 +839,6 @@ class _SwiGLUGradHandoff:
         return operands
 
 
-# fc2's input cast (the SwiGLU of fc1's output) inside fc1's grouped GEMM (`_SwiGLUCastAhead`); off
-# with ``LIGHTNING_MOE_FC1_SWIGLU_CAST=0`` (read at each forward) or by setting this False.
-FC1_SWIGLU_CAST = True
-# The attribute of fc1's output that carries its `_SwiGLUCastAhead` to fc2's call.
-_AHEAD_ATTR = "_lightning_moe_swiglu_cast_ahead"
-
-
-class _SwiGLUCastAhead:
-    """fc2's FP8 input copies made by fc1's forward (``kernels.fp8_fc1_swiglu_triton``): fc1's grouped
-    GEMM casts ``silu(gate) * up`` (weighted by the rows' probabilities under a deferred combine) in
-    its epilogue with fc2's delayed scales, so fc2's forward does not read ``h`` back to cast it.
-
-    The experts' quantization makes one for fc1's call when fc2 follows with the fused SwiGLU
-    (``FP8GroupedGemm.grouped_mm_gathered(..., swiglu_next=...)``); fc1's forward fills it where
-    that runs (our Triton GEMM for fc1, a training pass, bf16 ``h``, fc2's state past its first
-    step), and fc1's output carries it to fc2's call, which takes the copies if they were made for
-    the same scaling state, groups, combine and weight-gradient layout, and casts ``h`` itself
-    otherwise. The same bytes either way (interpreter and GPU tests)."""
-
-    def __init__(self, state: DelayedState, combine: Any = None) -> None:
-        self.state = state  # fc2's
-        self.combine = combine  # the `DeferredCombine` fc2 ends in, or None
-        self.made: Optional[tuple[Tensor, bool, Optional[Tensor]]] = None  # (offsets, aligned, row probabilities)
-        self.operands: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
-
-    @staticmethod
-    def enabled() -> bool:
-        return FC1_SWIGLU_CAST and os.environ.get("LIGHTNING_MOE_FC1_SWIGLU_CAST", "1") != "0"
-
-    def runs(self, recipe: FP8Recipe, qx: Tensor, qw_ENK: Tensor, out_dtype: torch.dtype) -> bool:
-        """Whether fc1's forward (its FP8 operands here, Triton taking the product) can make the copies."""
-        from lightning_moe.kernels.fp8_grouped_gemm_triton import MAX_EXPERTS, tma_operands
-
-        return (out_dtype == torch.bfloat16 and recipe.name == "delayed" and not self.state.fresh
-                and qw_ENK.shape[1] % 2 == 0 and qw_ENK.shape[0] <= MAX_EXPERTS and tma_operands(qx, qw_ENK))
-
-    def product(self, recipe: FP8Recipe, qx: Tensor, sx_R: Tensor, qw_ENK: Tensor, sw_EN: Tensor, offsets: Tensor,
-                aligned: bool) -> Tensor:
-        """fc1's output ``h`` bf16 ``[R, 2F]``, fc2's copies kept here (``aligned``: the transposed one in
-        the Triton weight-gradient kernel's layout)."""
-        from lightning_moe.kernels.fp8_fc1_swiglu_triton import grouped_mm_fprop_swiglu_cast
-
-        rows, f = qx.shape[0], qw_ENK.shape[1] // 2
-        row_probs = None
-        if self.combine is not None:
-            from lightning_moe.nn.permutation import row_probs as gather_row_probs
-
-            row_probs = gather_row_probs(self.combine.probs_TK, self.combine.plan).float()
-        scale, record = _FusedGroupedOperands(recipe, self.state)._delayed("input")
-        q_CR = _transposed_out(qx, f, rows=rows, aligned_groups=offsets.numel() if aligned else 0)
-        h, q_RC, s_R, s_GC = grouped_mm_fprop_swiglu_cast(
-            qx, sx_R.contiguous(), qw_ENK, sw_EN.contiguous(), offsets, scale, record, q_CR,
-            aligned_ends=_wgrad_aligned_ends(offsets) if aligned else None, row_probs=row_probs)
-        self.operands, self.made = (q_RC, s_R, q_CR, s_GC.reshape(-1)), (offsets, aligned, row_probs)
-        return h
-
-    def take(self, state: Optional[DelayedState], offsets: Tensor, plan: Any, probs: Optional[Tensor], aligned: bool
-             ) -> Optional[tuple[tuple[Tensor, Tensor, Tensor, Tensor], Optional[Tensor]]]:
-        """(fc2's copies, the row probabilities they were weighted by) if made for fc2's call as it is
-        (its state, groups, combine and layout), else None; either way they are dropped here."""
-        operands, made, self.operands, self.made = self.operands, self.made, None, None
-        if operands is None or made is None or state is not self.state:
-            return None
-        made_offsets, made_aligned, row_probs = made
-        combine = self.combine
-        same_combine = (plan is None and combine is None) or (
-            combine is not None and plan is combine.plan and probs is combine.probs_TK)
-        if made_offsets is not offsets or made_aligned != aligned or not same_combine:
-            return None
-        return operands, row_probs
-
-
 class _ScaledGroupedMM(torch.autograd.Function):
     """``x @ w`` per group; with ``input_swiglu`` ``x`` is ``h = [gate | up]`` and the GEMM's
     input is ``silu(gate) * up``, quantized straight from ``h`` (see `scaled_grouped_mm_swiglu`);
@@ -926,8 +854,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
                 cache: Optional[FP8WeightCache], needs_backward: bool, input_swiglu: bool = False,
                 prefetched: Optional[PrefetchedWeight] = None, gather: Any = None, combine: Any = None,
-                probs: Optional[Tensor] = None, handoff: Optional[_SwiGLUGradHandoff] = None,
-                ahead: Optional[_SwiGLUCastAhead] = None) -> Tensor:
+                probs: Optional[Tensor] = None, handoff: Optional[_SwiGLUGradHandoff] = None) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
@@ -937,7 +864,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 "scaled_grouped_mm_gathered needs the native delayed casts"
             assert combine is None or (input_swiglu and probs is not None), "combine weights a SwiGLU's rows"
             row_probs = None
-            if combine is not None and ahead is None:
+            if combine is not None:
                 from lightning_moe.nn.permutation import row_probs as gather_row_probs
 
                 # [R] fp32, 0 for padding rows; the backward maps the rows' gradient back by gathers
@@ -963,20 +890,10 @@ class _ScaledGroupedMM(torch.autograd.Function):
                     # with Triton the ends' kernel makes the check's flag, so it comes first).
                     wgrad_aligned_ends = _wgrad_aligned_ends(offsets)
                     _assert_groups_aligned(offsets)
-                # fc2: its copies from fc1's epilogue (`_SwiGLUCastAhead`) where they were made for this call
-                taken = None if ahead is None or not input_swiglu else ahead.take(
-                    state, offsets, combine, probs, wgrad_aligned_ends is not None)
-                if taken is not None:
-                    (qx, sx_R, qx_t, sx_t), row_probs = taken
-                else:
-                    if combine is not None and row_probs is None:
-                        from lightning_moe.nn.permutation import row_probs as gather_row_probs
-
-                        row_probs = gather_row_probs(probs, combine).float()
-                    qx, sx_R, qx_t, sx_t = quantizer.activation(
-                        source, offsets, "input", needs_backward, swiglu=input_swiglu,
-                        gather_rows=None if gather is None else gather.row_token_R, aligned_ends=wgrad_aligned_ends,
-                        row_probs=row_probs)
+                qx, sx_R, qx_t, sx_t = quantizer.activation(
+                    source, offsets, "input", needs_backward, swiglu=input_swiglu,
+                    gather_rows=None if gather is None else gather.row_token_R, aligned_ends=wgrad_aligned_ends,
+                    row_probs=row_probs)
                 # Waited for only now, so the input's cast above overlaps the weight's.
                 prefetched_layouts = prefetched.take(w) if prefetched is not None else None
                 if _caching(cache, weight_key):
@@ -1020,13 +937,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             # gradient then takes ours or torch's grouped kernel, with no host sync at all).
             per_expert_products = not (triton_fprop and (triton_dgrad or not needs_backward))
             ends = _host_group_ends(offsets, experts) if per_expert_products else None
-            if (ahead is not None and not input_swiglu and fused and needs_backward and triton_fprop
-                    and ahead.runs(recipe, qx, qw_ENK, out_dtype)):
-                # fc1: fc2's input copies cast in this product's epilogue, with the layout fc2 will choose
-                y = ahead.product(recipe, qx, sx_R, qw_ENK, sw_EN, offsets, triton_here and recipe.fast("wgrad"))
-            else:
-                y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"),
-                                triton=triton_fprop)
+            y = _group_gemm(qx, sx_R, qw_ENK, sw_EN, offsets, ends, fast=recipe.fast("fprop"), triton=triton_fprop)
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward). Under
             # input_swiglu h is kept for the SwiGLU's backward (the unfused SwiGLU keeps it too).
@@ -1067,7 +978,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         # fc1's output gradient as fc2's backward cast it (see `_SwiGLUGradHandoff`), or None
         handed = ctx.handoff.take() if ctx.handoff is not None and not ctx.input_swiglu else None
         if handed is None and dy is None:  # fc1 armed a handoff that nothing filled: no gradient
-            return (None,) * 15
+            return (None,) * 14
         if handed is not None and dy is not None:
             raise RuntimeError(
                 "FP8 grouped GEMM: fc1's output received a gradient from a consumer besides fc2's fused SwiGLU cast, "
@@ -1139,7 +1050,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
             from lightning_moe.nn.permutation import permute_backward
 
             dx = permute_backward(dx, ctx.gather)  # the gradient of the permutation the cast read
-        return dx, dw, *(None,) * 10, grad_probs, None, None
+        return dx, dw, *(None,) * 10, grad_probs, None
 
 
 def _saved_weight_dgrad(ctx: Any, qw_saved: Tensor, sw_saved: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -1174,38 +1085,28 @@ def scaled_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                                False, prefetched, None)
 
 
-def _apply_with_handoff(*args: Any, ahead: Optional[_SwiGLUCastAhead] = None) -> Tensor:
+def _apply_with_handoff(*args: Any) -> Tensor:
     """``_ScaledGroupedMM.apply(*args)`` for a first projection (no SwiGLU input, no combine), given a
-    fresh `_SwiGLUGradHandoff` that its output carries where the forward armed it, and ``ahead``
-    (fc2's input cast, see `_SwiGLUCastAhead`), which it carries where the forward made the copies."""
+    fresh `_SwiGLUGradHandoff` that its output carries where the forward armed it."""
     handoff = _SwiGLUGradHandoff() if _SwiGLUGradHandoff.enabled() else None
-    ahead = ahead if ahead is not None and _SwiGLUCastAhead.enabled() else None
-    h = _ScaledGroupedMM.apply(*args, None, None, handoff, ahead)
+    h = _ScaledGroupedMM.apply(*args, None, None, handoff)
     if handoff is not None and handoff.armed:
         setattr(h, _HANDOFF_ATTR, handoff)
-    if ahead is not None and ahead.operands is not None:
-        setattr(h, _AHEAD_ATTR, ahead)
     return h
 
 
 def scaled_grouped_mm_gathered(tokens: Tensor, plan: Any, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
                                state: DelayedState, weight_key: Optional[Hashable] = None,
-                               prefetched: Optional[PrefetchedWeight] = None,
-                               swiglu_next: Optional[tuple[DelayedState, Any]] = None) -> Tensor:
+                               prefetched: Optional[PrefetchedWeight] = None) -> Tensor:
     """``permute(tokens, plan) @ w`` per group, the permutation's gather read straight into the
     FP8 cast of the GEMM's input: the permuted rows are never written in ``tokens``' dtype and
     read back. The gradient flows to ``tokens`` through the permutation's backward. Under
     autocast the tokens are first rounded to its dtype, as ``GroupedExperts`` rounds permuted
     rows before a quantized GEMM: the same bits as that path (GPU test); without autocast the
     same bits as ``scaled_grouped_mm(permute(tokens, plan), w, ...)``. Only with a delayed state where
-    `native_delayed_casts` (training or evaluation: both cast kernels read through the row index).
-
-    ``swiglu_next``: (fc2's delayed state, the `DeferredCombine` fc2 ends in or None) where the output
-    goes straight into `scaled_grouped_mm_swiglu`: fc2's input copies are then cast in this GEMM's
-    epilogue where that runs (`_SwiGLUCastAhead`)."""
-    ahead = None if swiglu_next is None else _SwiGLUCastAhead(*swiglu_next)
+    `native_delayed_casts` (training or evaluation: both cast kernels read through the row index)."""
     return _apply_with_handoff(tokens, w, offsets, recipe, state, weight_key, training_cache(w),
-                               _needs_backward(tokens, w), False, prefetched, plan, ahead=ahead)
+                               _needs_backward(tokens, w), False, prefetched, plan)
 
 
 def swiglu_fusable(h: Tensor, w: Tensor, recipe: FP8Recipe, state: Optional[DelayedState]) -> bool:
@@ -1230,9 +1131,8 @@ def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8R
     token gradient, and the probabilities' gradient comes out of the SwiGLU's backward.
 
     Where ``h`` is the output of an FP8 grouped GEMM that armed a `_SwiGLUGradHandoff`, the
-    backward casts ``h``'s gradient straight into that GEMM's FP8 copies (no bf16 ``grad_h``); where that
-    GEMM cast this GEMM's input in its epilogue (a `_SwiGLUCastAhead`), the copies are taken from it."""
+    backward casts ``h``'s gradient straight into that GEMM's FP8 copies (no bf16 ``grad_h``)."""
     return _ScaledGroupedMM.apply(h, w, offsets, recipe, state, weight_key, training_cache(w),
                                   _needs_backward(h, w), True, prefetched, None,
                                   *((None, None) if combine is None else (combine.plan, combine.probs_TK)),
-                                  getattr(h, _HANDOFF_ATTR, None), getattr(h, _AHEAD_ATTR, None))
+                                  getattr(h, _HANDOFF_ATTR, None))
