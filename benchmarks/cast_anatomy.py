@@ -25,6 +25,7 @@ stall reasons (a reference launch of the library's cast comes first)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -57,14 +58,9 @@ def library_cast(x, offsets, scale, record, q_col, tma_launch=None) -> list:
     """`fp8_delayed_triton.delayed_cast` as the block calls it on a plain operand (both copies, the
     aligned layout); with ``tma_launch`` (rows, columns, warps, stages) reading its tiles by TMA
     (`TMA_READS`). Returns (row copy, row scales, transposed copy, column scales)."""
-    saved = fd.TMA_READS, fd.TMA_READ_LAUNCH
-    if tma_launch is not None:
-        fd.TMA_READS, fd.TMA_READ_LAUNCH = True, tma_launch
-    try:
+    with fd.reading_by_tma(tma_launch) if tma_launch is not None else contextlib.nullcontext():
         q_row, s_row, s_col = fd.delayed_cast(x, offsets, scale, record, out_col=q_col, stride_out_col=q_col.shape[1],
                                               aligned_ends=offsets)
-    finally:
-        fd.TMA_READS, fd.TMA_READ_LAUNCH = saved
     return [q_row, s_row, q_col, s_col]
 
 

@@ -30,7 +30,9 @@ follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -140,6 +142,18 @@ MAX_REGISTERS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_MAX_REGISTERS", "swi
 # (where the operand can back a descriptor: 16-byte aligned rows).
 TMA_READS: bool = os.environ.get("LIGHTNING_MOE_CAST_TMA_READS", "0") == "1"
 TMA_READ_LAUNCH: tuple[int, int, int, int] = (64, 64, 4, 4)
+
+
+@contextlib.contextmanager
+def reading_by_tma(launch_shape: Optional[tuple[int, int, int, int]] = None) -> Iterator[None]:
+    """`TMA_READS` on inside the block, at ``launch_shape`` (rows, columns, warps, stages; default
+    `TMA_READ_LAUNCH`), for benchmarks and tests; both settings are restored after it."""
+    saved = TMA_READS, TMA_READ_LAUNCH
+    globals().update(TMA_READS=True, TMA_READ_LAUNCH=launch_shape or TMA_READ_LAUNCH)
+    try:
+        yield
+    finally:
+        globals().update(TMA_READS=saved[0], TMA_READ_LAUNCH=saved[1])
 
 
 def _tma_readable(x: Tensor) -> bool:

@@ -120,17 +120,6 @@ def _launching(kind: str, shape: tuple[int, int, int]) -> Iterator[None]:
         fd.TILE_SHAPES[kind] = library
 
 
-@contextlib.contextmanager
-def _reading_by_tma(launch: tuple[int, int, int, int]) -> Iterator[None]:
-    """The plain cast reading its body's tiles by TMA at ``launch`` (rows, columns, warps, stages)."""
-    saved = fd.TMA_READS, fd.TMA_READ_LAUNCH
-    fd.TMA_READS, fd.TMA_READ_LAUNCH = True, launch
-    try:
-        yield
-    finally:
-        fd.TMA_READS, fd.TMA_READ_LAUNCH = saved
-
-
 def _cast_with(kind: str, shape: tuple[int, int, int], x: torch.Tensor, **kwargs) -> list[torch.Tensor]:
     with _launching(kind, shape):
         return _cast(x, **kwargs)
@@ -155,7 +144,7 @@ def check(kind: str, shape: tuple[int, int, int]) -> list[str]:
 
         real, descriptors.TensorDescriptor = descriptors.TensorDescriptor, Counted
         try:
-            with _reading_by_tma(shape):
+            with fd.reading_by_tma(shape):
                 out = _cast(x)
         finally:
             descriptors.TensorDescriptor = real
