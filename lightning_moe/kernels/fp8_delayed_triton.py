@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_moe.kernels import fp8_cast_cuda
 from lightning_moe.kernels.fp8_quant_triton import (
     _abs_ignoring_nan,
     _aligned_body,
@@ -638,6 +639,10 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         launch(_fill_missing_scales_kernel, (cdiv(groups, 1024),), scale_G, cur_amax, filled, groups, BLOCK=1024,
                num_warps=4)
         scale_G = filled
+    if fp8_cast_cuda.applies(x_RC, cols, offsets_G, swiglu, out_col, e5m2, gather_rows):
+        fp8_cast_cuda.launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
+                                          stride_out_col, stride_out_group, gather_rows, aligned_ends)
+        return
     align, aligned_ends_ptr = _column_layout(aligned_ends, dummy)
     # Launch shape from fp8_quant_tune_delayed_variants_*.json and fp8_cast_tma_tune_s20f.json (H200,
     # both copies of the FP8 block's operands): amax kept per element until the loop ends, column

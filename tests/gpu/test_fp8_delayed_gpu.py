@@ -398,6 +398,7 @@ def test_plain_cast_reading_by_tma_gives_the_same_bytes(monkeypatch, dtype, laun
     the pointer kernel's, on groups with and without history, an empty group, a tail, NaN and inf, both
     copies and the transposed copy alone; in the weight gradient's aligned layout (group ends on 16 rows, as
     the FP8 path pads them: `_assert_groups_aligned`) and in the plain one (unaligned ends)."""
+    from lightning_moe.kernels import fp8_cast_cuda
     from lightning_moe.kernels import fp8_delayed_triton as fd
 
     torch.manual_seed(1)
@@ -432,11 +433,13 @@ def test_plain_cast_reading_by_tma_gives_the_same_bytes(monkeypatch, dtype, laun
 
     for layout in layouts:
         for write_row in (True, False):
+            monkeypatch.setattr(fp8_cast_cuda, "CUDA_CASTS", False)  # the Triton kernels, by pointers and by TMA
             monkeypatch.setattr(fd, "TMA_READS", False)
             pointer = cast(write_row, *layout)
             assert not made
             monkeypatch.setattr(fd, "TMA_READS", True)
             monkeypatch.setattr(fd, "TMA_READ_LAUNCH", launch)
+            monkeypatch.setattr(fp8_cast_cuda, "CUDA_CASTS", False)
             monkeypatch.setattr(descriptors, "TensorDescriptor", Counted)
             by_tma = cast(write_row, *layout)
             monkeypatch.undo()
