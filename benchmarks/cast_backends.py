@@ -17,7 +17,7 @@ read, twice as many written as one float8 copy: the two copies' bytes).
 
     python benchmarks/cast_backends.py [--models qwen3 mixtral deepseek]
 
-Writes ``benchmarks/results/cast_backends.json``: per model and operand, ms and TB/s of both kernels and
+Writes ``benchmarks/results/cast_backends[_<tag>].json``: per model and operand, ms and TB/s of both kernels and
 whether every output's bytes are equal.
 """
 from __future__ import annotations
@@ -80,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(FUSED_SHAPES), choices=sorted(FUSED_SHAPES))
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--tag", default="", help="suffix of the results file")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     out = {}
@@ -132,7 +133,7 @@ def main() -> None:
             print(f"{model:8s} {name:28s} {entry['ms']:.3f} ms {entry['tb_s']:.2f} TB/s {entry.get('bytes_equal', '')}",
                   flush=True)
         out[model] = {"shape": shape, "top_k": TOP_K[model], "expert_rows": int(src.numel()), "results": results}
-    write_results("cast_backends", out)
+    write_results("cast_backends" + (f"_{args.tag}" if args.tag else ""), out)
 
 
 if __name__ == "__main__":
