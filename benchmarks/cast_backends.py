@@ -81,6 +81,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(FUSED_SHAPES), choices=sorted(FUSED_SHAPES))
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--tag", default="", help="suffix of the results file")
+    parser.add_argument("--min-blocks", type=int, nargs="+", default=[fp8_cast_cuda.MIN_BLOCKS],
+                        help="the CUDA kernel's register cap as blocks per multiprocessor (`fp8_cast_cuda.MIN_BLOCKS`)"
+                             "; each value timed")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     out = {}
@@ -104,32 +107,41 @@ def main() -> None:
         copy = torch.empty_like(plain)
         results = {"torch bf16 copy (plain)": {"ms": None, "bytes": 4 * plain.numel()}}
         equal = {}
+        default_blocks = fp8_cast_cuda.MIN_BLOCKS
+        kernels = [(f"cuda b{blocks}", True, blocks) for blocks in args.min_blocks] + [("triton", False, None)]
+
+        def use(on: bool, blocks) -> None:
+            fp8_cast_cuda.CUDA_CASTS = on
+            if blocks is not None:
+                fp8_cast_cuda.MIN_BLOCKS = blocks
+
         for name, (cast, _, _) in operands.items():
             outputs = {}
-            for on in (True, False):
-                fp8_cast_cuda.CUDA_CASTS = on
-                outputs[on] = [t.clone() for t in cast()]
-            fp8_cast_cuda.CUDA_CASTS = True
-            equal[name] = all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                                          b.view(torch.uint8) if b.element_size() == 1 else b)
-                              for a, b in zip(outputs[True], outputs[False]))
+            for kernel, on, blocks in kernels:
+                use(on, blocks)
+                outputs[kernel] = [t.clone() for t in cast()]
+            reference = outputs["triton"]
+            for kernel, _, _ in kernels[:-1]:
+                equal[f"{name} {kernel}"] = all(
+                    torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                b.view(torch.uint8) if b.element_size() == 1 else b)
+                    for a, b in zip(outputs[kernel], reference))
         cuda_time_ms(lambda: copy.copy_(plain), warmup=50, iters=50)  # clocks up before the first timing
         for _ in range(2):
             ms, _ = cuda_time_ms(lambda: copy.copy_(plain), warmup=3, iters=args.iters, lead_cycles=QUEUED_LEAD_CYCLES)
             entry = results["torch bf16 copy (plain)"]
             entry["ms"] = ms if entry["ms"] is None else min(ms, entry["ms"])
             for name, (cast, read, written) in operands.items():
-                for on, kernel in ((True, "cuda"), (False, "triton")):
-                    fp8_cast_cuda.CUDA_CASTS = on
+                for kernel, on, blocks in kernels:
+                    use(on, blocks)
                     ms, _ = cuda_time_ms(cast, warmup=3, iters=args.iters, lead_cycles=QUEUED_LEAD_CYCLES)
                     entry = results.setdefault(f"{name} {kernel}", {"bytes": read + written, "ms": ms})
                     entry["ms"] = min(ms, entry["ms"])
-                fp8_cast_cuda.CUDA_CASTS = True
+        use(True, default_blocks)
         for name, entry in results.items():
             entry["tb_s"] = entry["bytes"] / entry["ms"] / 1e9
-            kind = name.rsplit(" ", 1)[0]
-            if kind in equal:
-                entry["bytes_equal"] = equal[kind]
+            if name in equal:
+                entry["bytes_equal"] = equal[name]
             print(f"{model:8s} {name:28s} {entry['ms']:.3f} ms {entry['tb_s']:.2f} TB/s {entry.get('bytes_equal', '')}",
                   flush=True)
         out[model] = {"shape": shape, "top_k": TOP_K[model], "expert_rows": int(src.numel()), "results": results}

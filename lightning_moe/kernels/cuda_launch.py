@@ -3,8 +3,8 @@ through the driver on the current stream (so CUDA-graph capture records them lik
 
 NVRTC ships with PyTorch's CUDA wheels (``torch.cuda._utils`` loads it and the driver for
 ``torch.cuda._compile_kernel``). The compile call and the launch are our own: that helper needs the CUDA
-toolkit's headers and passes every Python int as a 32-bit ``int``, and these kernels take 64-bit strides. Each (source, kernel, macros, device) is compiled
-once per process (~0.1-0.3 s) and kept.
+toolkit's headers and passes every Python int as a 32-bit ``int``, and these kernels take 64-bit strides.
+Each (source, kernel, macros, device) is compiled once per process (~0.1-0.3 s) and kept.
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@
 //
 // Why CUDA C (benchmarks/NOTES.md, s29 and s32): the Triton cast issues ~12 thread instructions per
 // element at two 4-warp programs per multiprocessor (255 registers, spills), and reaches ~65% of a copy's
-// bandwidth. Here a thread owns a 16-row x 8-column chunk: it loads 16 rows of 16 bytes, casts them, stores
-// the row copy 8 bytes a row, and transposes the float8 bytes in registers (`prmt`, no shared memory) so
-// that each of its 8 columns goes out as one 16-byte store of 16 consecutive rows; two threads of a warp
-// fill each 32-byte sector. ~5 instructions per element, ~100 registers, 16 warps per multiprocessor.
-//
+// bandwidth. Here a thread owns an 8-row x 8-column chunk: it loads 8 rows of 16 bytes (all in flight at
+// once), casts them, stores the row copy 8 bytes a row, and transposes the float8 bytes in registers
+// (`prmt`, no shared memory) so that each of its 8 columns goes out as one 8-byte store of 8 consecutive
+// rows. A warp is 4 chunks of rows x 8 of columns (32 rows x 64 columns): each row read is one 128-byte
+// line, each transposed column one 32-byte sector. Gathered rows' token indices come one per lane, loaded
+// a pass ahead, and reach the lanes that read the rows by shuffle.
 // Compiled at run time by NVRTC (`kernels/cuda_launch.py`) with these macros, each 0 or 1 (ALIGN: 0 or the
 // aligned group layout's alignment, `WGRAD_GROUP_ALIGN`):
 //   GATHER     x is [T, C]; operand row r is x[src[r]], zeros where src[r] == T (a padding row)
@@ -16,7 +17,7 @@
 //   WRITE_COL  write the transposed copy (q_col, stride_qc, stride_qg, aligned_ends) and s_col [G, C]
 //   RECORD     max-fold each group's amax into record [G]
 //
-// Grid (ceil(C / 128), groups (+1 with WRITE_ROW: the tail group, rows past the last end, scale 1, row
+// Grid (ceil(C / 64), groups (+1 with WRITE_ROW: the tail group, rows past the last end, scale 1, row
 // copy only)), 128 threads. The numbers follow the Triton kernel exactly: fp32 product x * scale rounded to
 // nearest, saturating round-to-nearest-even to E4M3 (cvt.rn.satfinite), scale_inv = 1 / scale correctly
 // rounded; a group without a scale (0 or NaN) is scaled from its current amax, which every column block of
@@ -26,10 +27,14 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
 
-#define BLOCK_COLS 128
-#define CHUNK_ROWS 16
+#define BLOCK_COLS 64   // a warp's 8 lanes of 8 columns
+#define CHUNK_ROWS 8    // a thread's rows
+#define WARP_ROWS 32    // a warp's 4 chunks of rows
 #define THREADS 128
-#define CHUNKS_PER_PASS (THREADS / 16)  // 16 threads span a chunk row's 128 columns
+#define PASS_ROWS (WARP_ROWS * THREADS / 32)  // rows a block covers per pass
+#ifndef MIN_BLOCKS  // blocks per multiprocessor the registers are capped for: 6 -> 80 registers, no spill
+#define MIN_BLOCKS 6
+#endif
 
 __device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
   u16 packed;
@@ -50,17 +55,26 @@ __device__ __forceinline__ float scale_from_amax(float amax) {
   return (amax == 0.0f || isinf(amax)) ? 1.0f : scale;
 }
 
-// Row r of the operand as 8 bf16 at column `col` (16 bytes), zeros for a padding row or a row left out.
-__device__ __forceinline__ uint4 load_row(const u16* __restrict__ x, const i64* __restrict__ src, i64 r, int col,
-                                          int C, int T, bool wanted) {
+// Row r of the operand as 8 bf16 at column `col` (16 bytes), zeros for a row left out; with GATHER, token
+// `token` of x (zeros for the padding token T).
+__device__ __forceinline__ uint4 load_row(const u16* __restrict__ x, i64 r, int token, int col, int C, int T,
+                                          bool wanted) {
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
 #if GATHER
-  i64 s = wanted ? __ldg(src + r) : (i64)T;
-  if (s < (i64)T) v = __ldg(reinterpret_cast<const uint4*>(x + s * C + col));
+  if (wanted && token < T) v = __ldg(reinterpret_cast<const uint4*>(x + (i64)token * C + col));
 #else
   if (wanted) v = __ldg(reinterpret_cast<const uint4*>(x + r * C + col));
 #endif
   return v;
+}
+
+// The token index of row r, T (padding: zeros) for a row outside [start, end).
+__device__ __forceinline__ int row_token(const i64* __restrict__ src, i64 r, i64 start, i64 end, int T) {
+#if GATHER
+  return (r >= start && r < end) ? (int)__ldg(src + r) : T;
+#else
+  return T;
+#endif
 }
 
 // Max of |x| over rows [start, end), every column: a group without a scale.
@@ -70,7 +84,7 @@ __device__ float whole_group_amax(const u16* __restrict__ x, const i64* __restri
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (i64 r = start + warp; r < end; r += THREADS / 32) {
     for (int col = lane * 8; col < C; col += 256) {
-      uint4 v = load_row(x, src, r, col, C, T, true);
+      uint4 v = load_row(x, r, row_token(src, r, start, end, T), col, C, T, true);
       u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) amax = fmaxf(amax, fmaxf(fabsf(bf16_lo(w[k])), fabsf(bf16_hi(w[k]))));
@@ -86,54 +100,47 @@ __device__ float whole_group_amax(const u16* __restrict__ x, const i64* __restri
   return amax;
 }
 
-// One thread's chunk: rows r0..r0+15 (those in [start, end) unless WHOLE) x columns col..col+7, cast into
-// the row copy and the transposed copy; folds |x| into amax. WHOLE: every row is the group's and the
-// transposed copy's 16-row runs lie on the 16-byte grid (no checks, vector stores).
+// One thread's chunk: rows r0..r0+7 (those in [start, end) unless WHOLE) x columns col..col+7, cast into
+// the row copy and the transposed copy; folds |x| into amax. ``tokens``: the rows' token indices (GATHER).
+// WHOLE: every row is the group's and the transposed copy's 8-row runs lie on the 8-byte grid (no checks,
+// vector stores).
 template <bool WHOLE>
-__device__ __forceinline__ void cast_chunk(const u16* __restrict__ x, const i64* __restrict__ src, i64 r0,
+__device__ __forceinline__ void cast_chunk(const u16* __restrict__ x, const int (&tokens)[CHUNK_ROWS], i64 r0,
                                            i64 start, i64 end, int col, bool col_ok, int C, int T, float scale,
                                            unsigned char* __restrict__ q_row, unsigned char* __restrict__ q_col_at,
                                            i64 stride_qc, bool write_col, float& amax) {
+  uint4 raw[CHUNK_ROWS];
+#pragma unroll
+  for (int i = 0; i < CHUNK_ROWS; ++i)
+    raw[i] = load_row(x, r0 + i, tokens[i], col, C, T, WHOLE || (col_ok && r0 + i >= start && r0 + i < end));
   u32 q[CHUNK_ROWS][2];  // row i's 8 float8 bytes, columns 0-3 and 4-7
-  // two halves of 8 rows, each loaded whole before it is cast: 8 loads of 16 bytes in flight per thread,
-  // and half the registers of holding all 16 rows' bf16
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    uint4 raw[CHUNK_ROWS / 2];
+  for (int i = 0; i < CHUNK_ROWS; ++i) {
+    const u32 w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+    float f[8];
 #pragma unroll
-    for (int i = 0; i < CHUNK_ROWS / 2; ++i) {
-      const i64 r = r0 + half * (CHUNK_ROWS / 2) + i;
-      raw[i] = load_row(x, src, r, col, C, T, WHOLE || (col_ok && r >= start && r < end));
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = bf16_lo(w[k]);
+      f[2 * k + 1] = bf16_hi(w[k]);
     }
 #pragma unroll
-    for (int i = 0; i < CHUNK_ROWS / 2; ++i) {
-      const int row = half * (CHUNK_ROWS / 2) + i;
-      const u32 w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-      float f[8];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        f[2 * k] = bf16_lo(w[k]);
-        f[2 * k + 1] = bf16_hi(w[k]);
-      }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        amax = fmaxf(amax, fabsf(f[k]));  // fmaxf ignores a NaN operand, as the amax must
-        f[k] = __fmul_rn(f[k], scale);
-      }
-      q[row][0] = e4m3x2(f[0], f[1]) | (e4m3x2(f[2], f[3]) << 16);
-      q[row][1] = e4m3x2(f[4], f[5]) | (e4m3x2(f[6], f[7]) << 16);
+    for (int k = 0; k < 8; ++k) {
+      amax = fmaxf(amax, fabsf(f[k]));  // fmaxf ignores a NaN operand, as the amax must
+      f[k] = __fmul_rn(f[k], scale);
+    }
+    q[i][0] = e4m3x2(f[0], f[1]) | (e4m3x2(f[2], f[3]) << 16);
+    q[i][1] = e4m3x2(f[4], f[5]) | (e4m3x2(f[6], f[7]) << 16);
 #if WRITE_ROW
-      if (WHOLE || (col_ok && r0 + row >= start && r0 + row < end))
-        *reinterpret_cast<uint2*>(q_row + (r0 + row) * C + col) = make_uint2(q[row][0], q[row][1]);
+    if (WHOLE || (col_ok && r0 + i >= start && r0 + i < end))
+      *reinterpret_cast<uint2*>(q_row + (r0 + i) * C + col) = make_uint2(q[i][0], q[i][1]);
 #endif
-    }
   }
 #if WRITE_COL
   if (!write_col || !(WHOLE || col_ok)) return;
   // 4 x 4 byte blocks transposed: rows 4j..4j+3 x columns 4h..4h+3 -> t[4h + k][j]
-  u32 t[8][4];
+  u32 t[8][2];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < 2; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const u32 a = q[4 * j][h], b = q[4 * j + 1][h], c = q[4 * j + 2][h], d = q[4 * j + 3][h];
@@ -149,7 +156,7 @@ __device__ __forceinline__ void cast_chunk(const u16* __restrict__ x, const i64*
   for (int k = 0; k < 8; ++k) {
     unsigned char* dst = q_col_at + (i64)(col + k) * stride_qc + r0;
     if (WHOLE) {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(t[k][0], t[k][1], t[k][2], t[k][3]);
+      *reinterpret_cast<uint2*>(dst) = make_uint2(t[k][0], t[k][1]);
     } else {
 #pragma unroll
       for (int i = 0; i < CHUNK_ROWS; ++i)
@@ -159,7 +166,7 @@ __device__ __forceinline__ void cast_chunk(const u16* __restrict__ x, const i64*
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 4)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const int* __restrict__ offsets,
                  const float* __restrict__ scale_g, unsigned char* __restrict__ q_row, float* __restrict__ s_row,
                  unsigned char* __restrict__ q_col, float* __restrict__ s_col, float* __restrict__ record,
@@ -168,7 +175,7 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
   const int g = blockIdx.y;
   const bool in_group = g < G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int col = blockIdx.x * BLOCK_COLS + (lane & 15) * 8;
+  const int col = blockIdx.x * BLOCK_COLS + (lane & 7) * 8;
   const bool col_ok = col < C;  // C is a multiple of 8: a thread's 8 columns are all in or all out
   const i64 start = g > 0 ? (i64)offsets[g - 1] : 0;
   const i64 end = in_group ? (i64)offsets[g] : R;
@@ -180,17 +187,26 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
   if (in_group && g > 0) out_base += ((i64)aligned_ends[g - 1] - start) / 16 * 16;
 #endif
   unsigned char* q_col_at = q_col + out_base;
-  // the transposed copy's 16-row runs on the 16-byte grid (always so for the FP8 path's layouts)
-  const bool col_runs_aligned = (reinterpret_cast<size_t>(q_col_at) & 15) == 0 && (stride_qc & 15) == 0;
+  // the transposed copy's 8-row runs on the 8-byte grid (always so for the FP8 path's layouts)
+  const bool col_runs_aligned = (reinterpret_cast<size_t>(q_col_at) & 7) == 0 && (stride_qc & 7) == 0;
   const bool write_col = WRITE_COL && in_group;
   float amax = 0.0f;
-  // chunks of 16 rows on the 16-row grid, those meeting [start, end); a warp's two halves take two of them
-  for (i64 r0 = (start & ~(i64)(CHUNK_ROWS - 1)) + (warp * 2 + (lane >> 4)) * CHUNK_ROWS; r0 < end;
-       r0 += CHUNKS_PER_PASS * CHUNK_ROWS) {
+  // passes over the rows from `start` rounded down to the 8-row grid; a warp takes 32 rows a pass, its lane
+  // l's chunk rows r0 = base + 8 * (l / 8) onwards (warp-uniform loop: the shuffles need every lane)
+  const i64 first = (start & ~(i64)(CHUNK_ROWS - 1)) + warp * WARP_ROWS;
+  int token_ahead = row_token(src, first + lane, start, end, T);  // row base + lane's token, a pass ahead
+  for (i64 base = first; base < end; base += PASS_ROWS) {
+    int tokens[CHUNK_ROWS];
+#pragma unroll
+    for (int i = 0; i < CHUNK_ROWS; ++i) tokens[i] = GATHER ? __shfl_sync(0xffffffffu, token_ahead, (lane & ~7) + i) : T;
+    token_ahead = row_token(src, base + PASS_ROWS + lane, start, end, T);
+    const i64 r0 = base + (lane >> 3) * CHUNK_ROWS;
     if (col_ok && r0 >= start && r0 + CHUNK_ROWS <= end && (col_runs_aligned || !write_col))
-      cast_chunk<true>(x, src, r0, start, end, col, col_ok, C, T, scale, q_row, q_col_at, stride_qc, write_col, amax);
+      cast_chunk<true>(x, tokens, r0, start, end, col, col_ok, C, T, scale, q_row, q_col_at, stride_qc, write_col,
+                       amax);
     else
-      cast_chunk<false>(x, src, r0, start, end, col, col_ok, C, T, scale, q_row, q_col_at, stride_qc, write_col, amax);
+      cast_chunk<false>(x, tokens, r0, start, end, col, col_ok, C, T, scale, q_row, q_col_at, stride_qc, write_col,
+                        amax);
   }
 #if RECORD
   if (in_group) {
@@ -207,7 +223,7 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
 #if WRITE_COL
   if (in_group) {
     const int c = blockIdx.x * BLOCK_COLS + threadIdx.x;
-    if (c < C) s_col[(i64)g * C + c] = scale_inv;
+    if (threadIdx.x < BLOCK_COLS && c < C) s_col[(i64)g * C + c] = scale_inv;
 #if ALIGN
     // Zeros after the group's last row up to its aligned end (the weight-gradient GEMM's contraction reads
     // them): 16 rows of a column per store where the gap lies on the 16-byte grid (groups of whole 16-row
