@@ -81,9 +81,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(FUSED_SHAPES), choices=sorted(FUSED_SHAPES))
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--tag", default="", help="suffix of the results file")
-    parser.add_argument("--min-blocks", type=int, nargs="+", default=[fp8_cast_cuda.MIN_BLOCKS],
-                        help="the CUDA kernel's register cap as blocks per multiprocessor (`fp8_cast_cuda.MIN_BLOCKS`)"
-                             "; each value timed")
+    parser.add_argument("--launches", nargs="+", default=[f"{fp8_cast_cuda.MIN_BLOCKS}x{fp8_cast_cuda.WARPS_ACROSS}"],
+                        help="the CUDA kernel's launches timed, each BLOCKSxACROSS: its register cap as blocks per "
+                             "multiprocessor (`fp8_cast_cuda.MIN_BLOCKS`) and its warps side by side in columns "
+                             "(`WARPS_ACROSS`)")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     out = {}
@@ -107,18 +108,19 @@ def main() -> None:
         copy = torch.empty_like(plain)
         results = {"torch bf16 copy (plain)": {"ms": None, "bytes": 4 * plain.numel()}}
         equal = {}
-        default_blocks = fp8_cast_cuda.MIN_BLOCKS
-        kernels = [(f"cuda b{blocks}", True, blocks) for blocks in args.min_blocks] + [("triton", False, None)]
+        default_launch = fp8_cast_cuda.MIN_BLOCKS, fp8_cast_cuda.WARPS_ACROSS
+        kernels = [(f"cuda {launch}", True, tuple(int(n) for n in launch.split("x"))) for launch in args.launches]
+        kernels.append(("triton", False, None))
 
-        def use(on: bool, blocks) -> None:
+        def use(on: bool, launch) -> None:
             fp8_cast_cuda.CUDA_CASTS = on
-            if blocks is not None:
-                fp8_cast_cuda.MIN_BLOCKS = blocks
+            if launch is not None:
+                fp8_cast_cuda.MIN_BLOCKS, fp8_cast_cuda.WARPS_ACROSS = launch
 
         for name, (cast, _, _) in operands.items():
             outputs = {}
-            for kernel, on, blocks in kernels:
-                use(on, blocks)
+            for kernel, on, launch in kernels:
+                use(on, launch)
                 outputs[kernel] = [t.clone() for t in cast()]
             reference = outputs["triton"]
             for kernel, _, _ in kernels[:-1]:
@@ -132,12 +134,12 @@ def main() -> None:
             entry = results["torch bf16 copy (plain)"]
             entry["ms"] = ms if entry["ms"] is None else min(ms, entry["ms"])
             for name, (cast, read, written) in operands.items():
-                for kernel, on, blocks in kernels:
-                    use(on, blocks)
+                for kernel, on, launch in kernels:
+                    use(on, launch)
                     ms, _ = cuda_time_ms(cast, warmup=3, iters=args.iters, lead_cycles=QUEUED_LEAD_CYCLES)
                     entry = results.setdefault(f"{name} {kernel}", {"bytes": read + written, "ms": ms})
                     entry["ms"] = min(ms, entry["ms"])
-        use(True, default_blocks)
+        use(True, default_launch)
         for name, entry in results.items():
             entry["tb_s"] = entry["bytes"] / entry["ms"] / 1e9
             if name in equal:

@@ -21,11 +21,14 @@ from torch import Tensor
 _SETTING = os.environ.get("LIGHTNING_MOE_CAST_CUDA", "auto")
 CUDA_CASTS: bool = _SETTING != "0"
 
-_BLOCK_COLS = 64  # the kernel's columns per program (BLOCK_COLS in the source)
 _THREADS = 128
-# Blocks per multiprocessor the kernel's registers are capped for (``__launch_bounds__``): 6 -> 80
-# registers per thread without spills (offline sm90 compile), 24 warps per multiprocessor.
-MIN_BLOCKS = 6
+# A block's 4 warps side by side in columns: 1 (a block 128 rows x 64 columns per pass), 2 or 4 (32 x 256).
+WARPS_ACROSS = 1
+# Blocks per multiprocessor the kernel's registers are capped for (``__launch_bounds__``): 4 -> 128 registers
+# per thread, 6 -> 80, both without spills (offline sm90). 4 was the fastest in every case of
+# `benchmarks/cast_backends.py` (cast_backends_s32c2.json: 0.472 / 0.500 / 0.518 ms at 4 / 5 / 6 on qwen3's
+# gathered operand, 0.314 / 0.320 / 0.328 on the plain one).
+MIN_BLOCKS = 4
 _SIGNATURE = "ppppppppppqiiiqq"
 
 
@@ -59,7 +62,8 @@ def _kernel(device: int, gather: bool, write_row: bool, write_col: bool, record:
     from lightning_moe.kernels.cuda_launch import compiled
 
     macros = (("GATHER", int(gather)), ("WRITE_ROW", int(write_row)), ("WRITE_COL", int(write_col)),
-              ("RECORD", int(record)), ("ALIGN", align), ("MIN_BLOCKS", MIN_BLOCKS))
+              ("RECORD", int(record)), ("ALIGN", align), ("MIN_BLOCKS", MIN_BLOCKS),
+              ("WARPS_ACROSS", WARPS_ACROSS))
     return compiled("fp8_delayed_cast.cu", "fp8_delayed_cast", _SIGNATURE, macros, device)
 
 
@@ -75,7 +79,7 @@ def launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, s
     write_row = q_row is not None
     kernel = _kernel(x_RC.device.index, gather_rows is not None, write_row, True, record_G is not None,
                      0 if aligned_ends is None else WGRAD_GROUP_ALIGN)
-    grid = (-(-cols // _BLOCK_COLS), groups + 1 if write_row else groups, 1)
+    grid = (-(-cols // (64 * WARPS_ACROSS)), groups + 1 if write_row else groups, 1)
     kernel.launch(grid, (_THREADS, 1, 1), [
         x_RC, gather_rows, offsets_G, scale_G, q_row, s_row, out_col, s_col, record_G,
         None if aligned_ends is None else aligned_ends.contiguous(), rows, cols, groups, x_RC.shape[0],

@@ -60,10 +60,14 @@ def _layouts(rows: int) -> list:
     return [(aligned, aligned_ends, int(aligned_ends[-1])), (plain, None, rows + 16)]
 
 
+@pytest.mark.parametrize("warps_across", [1, 4])  # a block's warps stacked in rows / side by side in columns
 @pytest.mark.parametrize("cols", [256, 136, 2048])
 @pytest.mark.parametrize("gather", [False, True])
-def test_cuda_cast_writes_the_triton_bytes(both_kernels, cols, gather):
+def test_cuda_cast_writes_the_triton_bytes(monkeypatch, both_kernels, cols, gather, warps_across):
+    from lightning_moe.kernels import fp8_cast_cuda
     from lightning_moe.kernels import fp8_delayed_triton as fd
+
+    monkeypatch.setattr(fp8_cast_cuda, "WARPS_ACROSS", warps_across)
 
     torch.manual_seed(cols + gather)
     rows, tokens = 1100, 400

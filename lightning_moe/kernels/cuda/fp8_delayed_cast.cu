@@ -27,13 +27,17 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
 
-#define BLOCK_COLS 64   // a warp's 8 lanes of 8 columns
+#ifndef WARPS_ACROSS  // a block's 4 warps side by side in columns (1, 2 or 4), the rest of them stacked in rows
+#define WARPS_ACROSS 1
+#endif
+#define WARP_COLS 64    // a warp's 8 lanes of 8 columns
+#define BLOCK_COLS (WARP_COLS * WARPS_ACROSS)
 #define CHUNK_ROWS 8    // a thread's rows
 #define WARP_ROWS 32    // a warp's 4 chunks of rows
 #define THREADS 128
-#define PASS_ROWS (WARP_ROWS * THREADS / 32)  // rows a block covers per pass
-#ifndef MIN_BLOCKS  // blocks per multiprocessor the registers are capped for: 6 -> 80 registers, no spill
-#define MIN_BLOCKS 6
+#define PASS_ROWS (WARP_ROWS * THREADS / 32 / WARPS_ACROSS)  // rows a block covers per pass
+#ifndef MIN_BLOCKS  // blocks per multiprocessor the registers are capped for (fp8_cast_cuda.MIN_BLOCKS)
+#define MIN_BLOCKS 4
 #endif
 
 __device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
@@ -175,7 +179,7 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
   const int g = blockIdx.y;
   const bool in_group = g < G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int col = blockIdx.x * BLOCK_COLS + (lane & 7) * 8;
+  const int col = blockIdx.x * BLOCK_COLS + (warp % WARPS_ACROSS) * WARP_COLS + (lane & 7) * 8;
   const bool col_ok = col < C;  // C is a multiple of 8: a thread's 8 columns are all in or all out
   const i64 start = g > 0 ? (i64)offsets[g - 1] : 0;
   const i64 end = in_group ? (i64)offsets[g] : R;
@@ -193,7 +197,7 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
   float amax = 0.0f;
   // passes over the rows from `start` rounded down to the 8-row grid; a warp takes 32 rows a pass, its lane
   // l's chunk rows r0 = base + 8 * (l / 8) onwards (warp-uniform loop: the shuffles need every lane)
-  const i64 first = (start & ~(i64)(CHUNK_ROWS - 1)) + warp * WARP_ROWS;
+  const i64 first = (start & ~(i64)(CHUNK_ROWS - 1)) + (warp / WARPS_ACROSS) * WARP_ROWS;
   int token_ahead = row_token(src, first + lane, start, end, T);  // row base + lane's token, a pass ahead
   for (i64 base = first; base < end; base += PASS_ROWS) {
     int tokens[CHUNK_ROWS];
@@ -222,8 +226,8 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
 #endif
 #if WRITE_COL
   if (in_group) {
-    const int c = blockIdx.x * BLOCK_COLS + threadIdx.x;
-    if (threadIdx.x < BLOCK_COLS && c < C) s_col[(i64)g * C + c] = scale_inv;
+    for (int c = blockIdx.x * BLOCK_COLS + threadIdx.x; c < min(C, (blockIdx.x + 1) * BLOCK_COLS); c += THREADS)
+      s_col[(i64)g * C + c] = scale_inv;
 #if ALIGN
     // Zeros after the group's last row up to its aligned end (the weight-gradient GEMM's contraction reads
     // them): 16 rows of a column per store where the gap lies on the 16-byte grid (groups of whole 16-row
