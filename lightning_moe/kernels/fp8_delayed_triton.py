@@ -26,6 +26,9 @@ tail group of ``groups_axis``, read by no GEMM) take their current amax in the r
 the generic path, and scale 1 in the tile kernel. Scale, cast and rounding
 follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest even,
 ``scale_inv = 1 / scale`` in IEEE division).
+
+The tile case of bf16 operands, plain or gathered (not the SwiGLU kinds), runs the CUDA C kernel of
+`fp8_cast_cuda` instead where it compiles (the same bytes, fewer instructions per element; see there).
 """
 
 from __future__ import annotations
@@ -140,7 +143,8 @@ MAX_REGISTERS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_MAX_REGISTERS", "swi
 # at qwen3's operand (cast_anatomy_qwen3_s30c3.json), 0.568 against 0.602 at deepseek's (s29). Off by
 # default: no gain in the graphed qwen3 block (s30, moe_block_tmareads_*.json), where the plain casts (the
 # expert weights') run on a side stream beside the router. ``LIGHTNING_MOE_CAST_TMA_READS=1`` turns it on
-# (where the operand can back a descriptor: 16-byte aligned rows).
+# (where the operand can back a descriptor: 16-byte aligned rows); the CUDA cast (`fp8_cast_cuda`) takes
+# bf16 operands first.
 TMA_READS: bool = os.environ.get("LIGHTNING_MOE_CAST_TMA_READS", "0") == "1"
 TMA_READ_LAUNCH: tuple[int, int, int, int] = (64, 64, 4, 4)
 
