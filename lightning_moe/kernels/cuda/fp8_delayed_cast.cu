@@ -10,14 +10,16 @@
 // rows. A warp is 4 chunks of rows x 8 of columns (32 rows x 64 columns): each row read is one 128-byte
 // line, each transposed column one 32-byte sector. Gathered rows' token indices come one per lane, loaded
 // a pass ahead, and reach the lanes that read the rows by shuffle.
+//
 // Compiled at run time by NVRTC (`kernels/cuda_launch.py`) with these macros, each 0 or 1 (ALIGN: 0 or the
 // aligned group layout's alignment, `WGRAD_GROUP_ALIGN`):
 //   GATHER     x is [T, C]; operand row r is x[src[r]], zeros where src[r] == T (a padding row)
 //   WRITE_ROW  write the row copy q_row [R, C] and its scales s_row [R]
 //   WRITE_COL  write the transposed copy (q_col, stride_qc, stride_qg, aligned_ends) and s_col [G, C]
 //   RECORD     max-fold each group's amax into record [G]
+// and the launch's MIN_BLOCKS (register cap, `fp8_cast_cuda.MIN_BLOCKS`) and WARPS_ACROSS.
 //
-// Grid (ceil(C / 64), groups (+1 with WRITE_ROW: the tail group, rows past the last end, scale 1, row
+// Grid (ceil(C / BLOCK_COLS), groups (+1 with WRITE_ROW: the tail group, rows past the last end, scale 1, row
 // copy only)), 128 threads. The numbers follow the Triton kernel exactly: fp32 product x * scale rounded to
 // nearest, saturating round-to-nearest-even to E4M3 (cvt.rn.satfinite), scale_inv = 1 / scale correctly
 // rounded; a group without a scale (0 or NaN) is scaled from its current amax, which every column block of
