@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_rtc_library, _get_gpu_runtime_library
 
 _SOURCES = Path(__file__).resolve().parent / "cuda"
 
@@ -42,8 +43,6 @@ class CudaKernel:
             values.append(_ARG_TYPES[kind](arg))
         pointers = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values))
         stream = torch.cuda.current_stream() if stream is None else stream
-        from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
-
         _check_cuda(_get_gpu_runtime_library().cuLaunchKernel(
             self._function, *grid, *block, 0, ctypes.c_void_p(stream.cuda_stream), pointers, None))
 
@@ -52,8 +51,6 @@ def _nvrtc_cubin(source: str, name: str, arch: str, options: list[str]) -> tuple
     """(cubin, lowered name) of kernel ``name`` in ``source`` for ``sm_<arch>``. Our own call sequence rather
     than ``torch.cuda._utils._nvrtc_compile``, which adds the CUDA toolkit's include directory and so needs
     ``CUDA_HOME``, absent where PyTorch came from its wheels alone; these sources include no header."""
-    from torch.cuda._utils import _get_gpu_rtc_library
-
     nvrtc = _get_gpu_rtc_library()
 
     def check(result: int, program: Optional[ctypes.c_void_p] = None) -> None:
@@ -92,8 +89,6 @@ def compiled(source: str, kernel: str, signature: str, macros: tuple[tuple[str, 
     """``kernel`` of ``kernels/cuda/<source>`` compiled for ``device``'s architecture with ``-D`` ``macros``.
     Raises RuntimeError (with NVRTC's log) where it does not compile, and whatever loading NVRTC or the
     module raises."""
-    from torch.cuda._utils import _cuda_load_module
-
     major, minor = torch.cuda.get_device_capability(device)
     cubin, lowered = _nvrtc_cubin((_SOURCES / source).read_text(), kernel, f"{major}{minor}",
                                   [f"-D{name}={value}" for name, value in macros] + ["-std=c++17"])

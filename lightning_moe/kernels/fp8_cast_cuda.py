@@ -36,10 +36,12 @@ def applies(x_RC: Tensor, cols: int, offsets_G: Tensor, swiglu: bool, out_col: O
             gather_rows: Optional[Tensor]) -> bool:
     """Whether the CUDA kernel casts this operand: bf16 ``x`` on a CUDA device with 16-byte aligned rows
     (``cols`` a multiple of 8), int32 group ends, not the SwiGLU kind, a transposed copy asked for (the
-    tile kernel's case), E4M3, int64 gather indices; and `CUDA_CASTS` on."""
-    return (CUDA_CASTS and x_RC.is_cuda and x_RC.dtype == torch.bfloat16 and not swiglu and out_col is not None
-            and not e5m2 and cols % 8 == 0 and x_RC.data_ptr() % 16 == 0 and offsets_G.dtype == torch.int32
-            and (gather_rows is None or gather_rows.dtype == torch.int64) and _available(x_RC.device.index))
+    tile kernel's case), E4M3, int64 gather indices; and `CUDA_CASTS` on. Not while ``torch.compile``
+    traces: it traces user Triton kernels, not a driver launch through ctypes."""
+    return (CUDA_CASTS and not torch.compiler.is_compiling() and x_RC.is_cuda and x_RC.dtype == torch.bfloat16
+            and not swiglu and out_col is not None and not e5m2 and cols % 8 == 0 and x_RC.data_ptr() % 16 == 0
+            and offsets_G.dtype == torch.int32 and (gather_rows is None or gather_rows.dtype == torch.int64)
+            and _available(x_RC.device.index))
 
 
 @functools.lru_cache(maxsize=None)
