@@ -19,6 +19,9 @@ from torch import Tensor
 # On by default where NVRTC compiles the kernel (``LIGHTNING_MOE_CAST_CUDA=0``: the Triton kernel, an A/B
 # switch for benchmarks; ``=1``: fail instead of falling back where the kernel cannot be compiled).
 _SETTING = os.environ.get("LIGHTNING_MOE_CAST_CUDA", "auto")
+if _SETTING not in ("0", "1", "auto"):
+    raise ValueError(f"LIGHTNING_MOE_CAST_CUDA={_SETTING!r}: use 0 (Triton casts), 1 (the CUDA cast, failing where it "
+                     "cannot compile) or auto (the default: the CUDA cast where it compiles)")
 CUDA_CASTS: bool = _SETTING != "0"
 
 _THREADS = 128
@@ -35,13 +38,14 @@ _SIGNATURE = "ppppppppppqiiiqq"
 def applies(x_RC: Tensor, cols: int, offsets_G: Tensor, swiglu: bool, out_col: Optional[Tensor], e5m2: bool,
             gather_rows: Optional[Tensor]) -> bool:
     """Whether the CUDA kernel casts this operand: bf16 ``x`` on a CUDA device with 16-byte aligned rows
-    (``cols`` a multiple of 8), int32 group ends, not the SwiGLU kind, a transposed copy asked for (the
-    tile kernel's case), E4M3, int64 gather indices; and `CUDA_CASTS` on. Not while ``torch.compile``
-    traces: it traces user Triton kernels, not a driver launch through ctypes."""
+    (``cols`` a multiple of 8) and fewer than 2^31 of them (the kernel's int32 token index), int32 group
+    ends, not the SwiGLU kind, a transposed copy asked for (the tile kernel's case), E4M3, int64 gather
+    indices; and `CUDA_CASTS` on. Not while ``torch.compile`` traces: it traces user Triton kernels, not a
+    driver launch through ctypes."""
     return (CUDA_CASTS and not torch.compiler.is_compiling() and x_RC.is_cuda and x_RC.dtype == torch.bfloat16
-            and not swiglu and out_col is not None and not e5m2 and cols % 8 == 0 and x_RC.data_ptr() % 16 == 0
-            and offsets_G.dtype == torch.int32 and (gather_rows is None or gather_rows.dtype == torch.int64)
-            and _available(x_RC.device.index))
+            and x_RC.shape[0] < 2**31 and cols % 8 == 0 and x_RC.data_ptr() % 16 == 0 and not swiglu
+            and out_col is not None and not e5m2 and offsets_G.dtype == torch.int32
+            and (gather_rows is None or gather_rows.dtype == torch.int64) and _available(x_RC.device.index))
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +53,7 @@ def _available(device: int) -> bool:
     """Whether the kernel compiles on ``device`` (tried once per device); warns once and falls back to
     the Triton kernel where it does not, unless ``LIGHTNING_MOE_CAST_CUDA=1`` asked for it."""
     try:
-        _kernel(device, True, True, True, True, 128)
+        _kernel(device, True, True, True, 128)
     except Exception as error:  # NVRTC missing or refusing the source: the Triton kernel casts instead
         if _SETTING == "1":
             raise RuntimeError(f"LIGHTNING_MOE_CAST_CUDA=1, but the CUDA cast kernel does not compile: {error}. "
@@ -60,12 +64,11 @@ def _available(device: int) -> bool:
     return True
 
 
-def _kernel(device: int, gather: bool, write_row: bool, write_col: bool, record: bool, align: int):
+def _kernel(device: int, gather: bool, write_row: bool, record: bool, align: int):
     from lightning_moe.kernels.cuda_launch import compiled
 
-    macros = (("GATHER", int(gather)), ("WRITE_ROW", int(write_row)), ("WRITE_COL", int(write_col)),
-              ("RECORD", int(record)), ("ALIGN", align), ("MIN_BLOCKS", MIN_BLOCKS),
-              ("WARPS_ACROSS", WARPS_ACROSS))
+    macros = (("GATHER", int(gather)), ("WRITE_ROW", int(write_row)), ("RECORD", int(record)), ("ALIGN", align),
+              ("MIN_BLOCKS", MIN_BLOCKS), ("WARPS_ACROSS", WARPS_ACROSS))
     return compiled("fp8_delayed_cast.cu", "fp8_delayed_cast", _SIGNATURE, macros, device)
 
 
@@ -79,7 +82,7 @@ def launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, s
 
     groups = offsets_G.numel()
     write_row = q_row is not None
-    kernel = _kernel(x_RC.device.index, gather_rows is not None, write_row, True, record_G is not None,
+    kernel = _kernel(x_RC.device.index, gather_rows is not None, write_row, record_G is not None,
                      0 if aligned_ends is None else WGRAD_GROUP_ALIGN)
     grid = (-(-cols // (64 * WARPS_ACROSS)), groups + 1 if write_row else groups, 1)
     kernel.launch(grid, (_THREADS, 1, 1), [

@@ -28,7 +28,7 @@ def _nvcc() -> str | None:
 @pytest.mark.parametrize("gather", [0, 1])
 @pytest.mark.parametrize("write_row,record,align", [(1, 1, 128), (1, 0, 0), (0, 1, 0)])
 def test_cast_source_compiles_for_sm90_without_spills(tmp_path, gather, write_row, record, align):
-    macros = {"GATHER": gather, "WRITE_ROW": write_row, "WRITE_COL": 1, "RECORD": record, "ALIGN": align,
+    macros = {"GATHER": gather, "WRITE_ROW": write_row, "RECORD": record, "ALIGN": align,
               "MIN_BLOCKS": fp8_cast_cuda.MIN_BLOCKS, "WARPS_ACROSS": fp8_cast_cuda.WARPS_ACROSS}
     result = subprocess.run(
         [_nvcc(), "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o", str(tmp_path / "cast.cubin"),

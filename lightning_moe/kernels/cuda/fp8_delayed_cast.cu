@@ -1,6 +1,8 @@
 // The delayed-scaling float8 cast of `fp8_delayed_triton.delayed_cast` for bf16 operands, plain or
-// gathered through a permutation, into the row copy and the per-group transposed copy: the same bytes
-// as the Triton tile kernel (`_delayed_cast_kernel`), in fewer instructions per element.
+// gathered through a permutation, into the per-group transposed copy (q_col at strides stride_qc and
+// stride_qg, shifted into the aligned group layout of aligned_ends with ALIGN) with its scales s_col [G, C],
+// and the row copy: the same bytes as the Triton tile kernel (`_delayed_cast_kernel`), in fewer
+// instructions per element.
 //
 // Why CUDA C (benchmarks/NOTES.md, s29 and s32): the Triton cast issues ~12 thread instructions per
 // element at two 4-warp programs per multiprocessor (255 registers, spills), and reaches ~65% of a copy's
@@ -11,12 +13,12 @@
 // line, each transposed column one 32-byte sector. Gathered rows' token indices come one per lane, loaded
 // a pass ahead, and reach the lanes that read the rows by shuffle.
 //
-// Compiled at run time by NVRTC (`kernels/cuda_launch.py`) with these macros, each 0 or 1 (ALIGN: 0 or the
-// aligned group layout's alignment, `WGRAD_GROUP_ALIGN`):
-//   GATHER     x is [T, C]; operand row r is x[src[r]], zeros where src[r] == T (a padding row)
-//   WRITE_ROW  write the row copy q_row [R, C] and its scales s_row [R]
-//   WRITE_COL  write the transposed copy (q_col, stride_qc, stride_qg, aligned_ends) and s_col [G, C]
-//   RECORD     max-fold each group's amax into record [G]
+// Compiled at run time by NVRTC (`kernels/cuda_launch.py`) with these macros:
+//   GATHER     1: x is [T, C]; operand row r is x[src[r]], zeros where src[r] == T (a padding row)
+//   WRITE_ROW  1: write the row copy q_row [R, C] and its scales s_row [R]
+//   RECORD     1: max-fold each group's amax into record [G]
+//   ALIGN      0, or the aligned group layout's alignment (`WGRAD_GROUP_ALIGN`): shift each group's
+//              transposed rows to aligned_ends[g - 1] and zero the gap after them
 // and the launch's MIN_BLOCKS (register cap, `fp8_cast_cuda.MIN_BLOCKS`) and WARPS_ACROSS.
 //
 // Grid (ceil(C / BLOCK_COLS), groups (+1 with WRITE_ROW: the tail group, rows past the last end, scale 1, row
@@ -141,7 +143,6 @@ __device__ __forceinline__ void cast_chunk(const u16* __restrict__ x, const int 
       *reinterpret_cast<uint2*>(q_row + (r0 + i) * C + col) = make_uint2(q[i][0], q[i][1]);
 #endif
   }
-#if WRITE_COL
   if (!write_col || !(WHOLE || col_ok)) return;
   // 4 x 4 byte blocks transposed: rows 4j..4j+3 x columns 4h..4h+3 -> t[4h + k][j]
   u32 t[8][2];
@@ -169,7 +170,6 @@ __device__ __forceinline__ void cast_chunk(const u16* __restrict__ x, const int 
         if (r0 + i >= start && r0 + i < end) dst[i] = (unsigned char)(t[k][i / 4] >> (8 * (i % 4)));
     }
   }
-#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -195,7 +195,7 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
   unsigned char* q_col_at = q_col + out_base;
   // the transposed copy's 8-row runs on the 8-byte grid (always so for the FP8 path's layouts)
   const bool col_runs_aligned = (reinterpret_cast<size_t>(q_col_at) & 7) == 0 && (stride_qc & 7) == 0;
-  const bool write_col = WRITE_COL && in_group;
+  const bool write_col = in_group;  // the tail group (rows past the last end) has a row copy only
   float amax = 0.0f;
   // passes over the rows from `start` rounded down to the 8-row grid; a warp takes 32 rows a pass, its lane
   // l's chunk rows r0 = base + 8 * (l / 8) onwards (warp-uniform loop: the shuffles need every lane)
@@ -226,7 +226,6 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
   if (blockIdx.x == 0)  // one column block writes the group's row scales
     for (i64 r = start + threadIdx.x; r < end; r += THREADS) s_row[r] = scale_inv;
 #endif
-#if WRITE_COL
   if (in_group) {
     for (int c = blockIdx.x * BLOCK_COLS + threadIdx.x; c < min(C, (blockIdx.x + 1) * BLOCK_COLS); c += THREADS)
       s_col[(i64)g * C + c] = scale_inv;
@@ -248,5 +247,4 @@ fp8_delayed_cast(const u16* __restrict__ x, const i64* __restrict__ src, const i
     }
 #endif
   }
-#endif
 }
