@@ -34,7 +34,10 @@
 # with the switch on),
 # castregs (the casts' register caps: the router-logits GPU tests, fp8_quant_tune.py --delayed-fused --registers
 # at qwen3's operands, then qwen3 graphed in two rounds of bf16, FP8 and FP8 with the launches best_cast_tiles.py
-# picks from that sweep (CASTREGS_ENV overrides them; none picked: no rounds)).
+# picks from that sweep (CASTREGS_ENV overrides them; none picked: no rounds)),
+# cudacast (the CUDA C cast, kernels/cuda/fp8_delayed_cast.cu: its GPU tests against the Triton kernel's bytes,
+# cast_backends.py at the three shapes, then qwen3 graphed in two rounds of bf16, FP8 and FP8 with the Triton
+# casts, LIGHTNING_MOE_CAST_CUDA=0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -185,6 +188,13 @@ if has tmareads; then
   run python3 benchmarks/cast_anatomy.py --model qwen3
   run python3 benchmarks/cast_anatomy.py --model deepseek
   qwen3_rounds tmareads tma "" LIGHTNING_MOE_CAST_TMA_READS=1
+fi
+if has cudacast; then
+  say "CUDA cast GPU tests"
+  python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/gpu/test_fp8_cast_cuda_gpu.py 2>&1 | tail -15 | tee -a "$LOG"
+  say "the CUDA and Triton casts on the block's operands"
+  run python3 benchmarks/cast_backends.py
+  qwen3_rounds cudacast triton "" LIGHTNING_MOE_CAST_CUDA=0
 fi
 if has trainmulti && [ "$num_gpus" -ge 4 ]; then
   layers="${TRAIN_LAYERS:-16}"
