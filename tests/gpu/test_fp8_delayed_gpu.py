@@ -439,7 +439,6 @@ def test_plain_cast_reading_by_tma_gives_the_same_bytes(monkeypatch, dtype, laun
             assert not made
             monkeypatch.setattr(fd, "TMA_READS", True)
             monkeypatch.setattr(fd, "TMA_READ_LAUNCH", launch)
-            monkeypatch.setattr(fp8_cast_cuda, "CUDA_CASTS", False)
             monkeypatch.setattr(descriptors, "TensorDescriptor", Counted)
             by_tma = cast(write_row, *layout)
             monkeypatch.undo()
