@@ -37,10 +37,12 @@ EXPERT_MESH_DIMS = ("pp", "edp", "ep", "etp")
 #: "dp_cp": FSDP of dense parameters and the loss/gradient average of dense layers.
 #: "cp_tp": ranks that split one sequence (token counts for the aux loss, as Megatron's tp-cp group).
 #: "ep_etp": all ranks of one expert-parallel block (Megatron's expert tensor-and-model group).
+#: "edp_etp": ranks that hold the same experts, as shards (ETP) or replicas (EDP): expert FP8 amax reductions.
 _FLATTENED = {
     "dp_cp": ("dense", ("dp", "cp")),
     "cp_tp": ("dense", ("cp", "tp")),
     "ep_etp": ("expert", ("ep", "etp")),
+    "edp_etp": ("expert", ("edp", "etp")),
 }
 
 _SIZE_ARGUMENTS = {
@@ -324,7 +326,7 @@ class ParallelLayout:
     def mesh(self, name: str) -> DeviceMesh:
         """A mesh by name: "world", "dense", "expert", "stage" (all ranks of this pipeline
         stage), a 1-D slice ("pp", "dp", "cp", "tp", "edp", "ep", "etp") or a flattened mesh
-        ("dp_cp", "cp_tp", "ep_etp")."""
+        ("dp_cp", "cp_tp", "ep_etp", "edp_etp")."""
         return self._built(name)
 
     # ------------------------------------------------------------------ reporting

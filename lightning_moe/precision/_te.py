@@ -119,6 +119,44 @@ def autocast(recipe: Any, group: Optional[torch.distributed.ProcessGroup] = None
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
 
 
+def fp8_autocast_active() -> bool:
+    """Whether a TE quantization autocast is active now (``FP8GlobalStateManager``'s flag)."""
+    try:  # TE >= 2.8 moved it to .quantization (keeping .fp8 as an alias for a while)
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    return bool(FP8GlobalStateManager.is_fp8_enabled())
+
+
+_EXPERT_AUTOCAST = "_lightning_moe_expert_autocast"  # module attribute: the open nested autocast
+
+
+def run_under_expert_autocast(module: torch.nn.Module, make_context: Callable[[], Optional[AbstractContextManager]]) -> None:
+    """Run ``module``'s forward inside ``make_context()`` when it returns a context (a nested
+    ``te.autocast`` whose amax reduction group is the experts'). TE files each module's FP8
+    state under the innermost autocast's group and reduces every group's amaxes over its own
+    ranks, forward at the exit of the outermost autocast and backward after the last
+    module's backward, so the experts' histories are reduced only over the ranks holding them.
+    Installed once per module (a second fit keeps the first hooks)."""
+    if getattr(module, "_lightning_moe_expert_autocast_hooks", False):
+        return
+
+    def enter(mod: torch.nn.Module, args: Any) -> None:
+        context = make_context()
+        if context is not None:
+            context.__enter__()
+            mod.__dict__[_EXPERT_AUTOCAST] = context
+
+    def leave(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        context = mod.__dict__.pop(_EXPERT_AUTOCAST, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)  # closes the autocast when forward raises too
+    module._lightning_moe_expert_autocast_hooks = True
+
+
 class HighPrecisionGroupedGemm(torch.nn.Module):
     """``GroupedExperts.quantization`` for "te" experts kept in high precision.
 

@@ -10,6 +10,12 @@ checkpoints so that FP8 on/off does not change the state dict), allocated at its
 - ``fp8_scale [3, G]``: quantization scales used this step; 0 means "no history yet", in
   which case the operand is scaled from its current amax (first step, or after a resume).
 
+A state without scales yet (its first optimizer step, also after a resume: the buffers are not
+checkpointed) scales each operand from its current amax, max-reduced first over the module's
+amax reduction group (``fp8_amax_group``, set by `FP8Precision`) during training: the ranks that
+hold the same tensor then quantize it alike, so the first step does not depend on how tokens
+are spread over data- or expert-parallel ranks.
+
 `update_delayed_scaling` runs once per optimizer step: one MAX all-reduce of every module's
 row 0 over the given process group, then TE's update: ``amax = max(history)`` (or the most
 recent), ``scale = fmt_max / amax / 2**margin`` (old scale kept when amax is 0 or inf), and
@@ -47,9 +53,20 @@ class DelayedState(NamedTuple):
     amax_history: torch.Tensor  # [H, 3, G]
     scale: torch.Tensor  # [3, G]
     fresh: bool = False
+    group: Optional[dist.ProcessGroup] = None  # the module's amax reduction group (None: none)
 
 
 _FRESH = "_fp8_delayed_fresh"  # module attribute: its buffers have had no update yet
+AMAX_GROUP = "fp8_amax_group"  # module attribute: the ranks its amaxes are reduced over
+
+
+def set_amax_group(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Record the ranks ``module``'s amaxes are reduced over (a plain attribute, not state)."""
+    module.__dict__[AMAX_GROUP] = group
+
+
+def _group_of(module: nn.Module) -> Optional[dist.ProcessGroup]:
+    return module.__dict__.get(AMAX_GROUP)
 
 
 def register_delayed_buffers(module: nn.Module) -> None:
@@ -67,13 +84,16 @@ def ensure_delayed_state(module: nn.Module, recipe: FP8Recipe, groups: int, devi
         module.fp8_amax_history = torch.zeros(recipe.amax_history_len, len(ROLES), groups, device=device)
         module.fp8_scale = torch.zeros(len(ROLES), groups, device=device)
         module.__dict__[_FRESH] = True
-    return DelayedState(module.fp8_amax_history, module.fp8_scale, module.__dict__.get(_FRESH, False))
+    return DelayedState(module.fp8_amax_history, module.fp8_scale, module.__dict__.get(_FRESH, False),
+                        _group_of(module))
 
 
 def delayed_state(module: nn.Module) -> Optional[DelayedState]:
     """``module``'s allocated delayed-scaling state, if any."""
     history = getattr(module, "fp8_amax_history", None)
-    return None if history is None else DelayedState(history, module.fp8_scale, module.__dict__.get(_FRESH, False))
+    if history is None:
+        return None
+    return DelayedState(history, module.fp8_scale, module.__dict__.get(_FRESH, False), _group_of(module))
 
 
 _AMAX_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_moe_amax_recording", default=True)
@@ -110,6 +130,26 @@ def history_scales(state: DelayedState, role: str, history_fmt_max: float, fmt_m
     the rescaling is exact (except for scales the update clamped to FLT_MAX, amax < ~1.7e-34)."""
     scale = state.scale[SLOTS[role]]
     return scale if fmt_max == history_fmt_max else scale * (fmt_max / history_fmt_max)
+
+
+def fresh_amax_group(state: Optional[DelayedState]) -> Optional[dist.ProcessGroup]:
+    """The group to max-reduce a fresh state's current amaxes over before casting (see the module
+    doc), or None: the state has scales, no group of several ranks is set, or recording is
+    paused (evaluation may run on some ranks only, and its scales change no state)."""
+    if state is None or not state.fresh or state.group is None or not recording_amax():
+        return None
+    return state.group if dist.get_world_size(state.group) > 1 else None
+
+
+@torch.no_grad()
+def reduce_current_amax(amax: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """``amax`` max-reduced over ``group`` (returned as is for None). Every rank of the group
+    must call this for the same operands in the same order, empty ones included."""
+    if group is None:
+        return amax
+    amax = amax.contiguous().clone()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
 
 
 @torch.no_grad()

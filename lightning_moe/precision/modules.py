@@ -137,14 +137,14 @@ class FP8GroupedGemm(nn.Module):
         # The views are kept while the buffers are the same tensors over the same memory (several
         # calls per forward; each slicing is a dispatcher call): an update writes into them in place.
         identity = (id(state.amax_history), state.amax_history.data_ptr(), id(state.scale), state.scale.data_ptr(),
-                    state.fresh)
+                    state.fresh, state.group)
         views = self.__dict__.setdefault("_delayed_views", {})  # not module state
         kept = views.get((projection, experts))
         if kept is not None and kept[0] == identity:
             return kept[2]
         part = _PROJECTIONS.index(projection) if projection in _PROJECTIONS else 0
         groups = slice(part * experts, (part + 1) * experts)
-        view = DelayedState(state.amax_history[:, :, groups], state.scale[:, groups], state.fresh)
+        view = DelayedState(state.amax_history[:, :, groups], state.scale[:, groups], state.fresh, state.group)
         # The buffers ride along so that their ids cannot be reused while the entry is kept.
         views[(projection, experts)] = (identity, (state.amax_history, state.scale), view)
         return view
@@ -294,7 +294,7 @@ class FP8Summary:
     expert_alignment: Optional[int] = None
 
 
-def _is_grouped_experts(module: nn.Module) -> bool:
+def is_grouped_experts(module: nn.Module) -> bool:
     """Duck-typed ``GroupedExperts``: fused ``fc1_weight`` / ``fc2_weight`` and a ``quantization`` slot."""
     return hasattr(module, "quantization") and hasattr(module, "fc1_weight") and hasattr(module, "fc2_weight")
 
@@ -376,7 +376,7 @@ def configure_fp8(
 
     replacements = []
     for name, module in model.named_modules():
-        if _is_grouped_experts(module):
+        if is_grouped_experts(module):
             on_te = linear_backend == "te" and getattr(module, "backend", None) == "te"
             if not wanted(name, module):
                 summary.kept.append(name)
@@ -439,7 +439,7 @@ def pad_expert_groups(model: nn.Module, alignment: int) -> int:
     in_effect = alignment
     for module in model.modules():
         cfg, experts = getattr(module, "config", None), getattr(module, "experts", None)
-        if isinstance(cfg, MoEConfig) and experts is not None and _is_grouped_experts(experts):
+        if isinstance(cfg, MoEConfig) and experts is not None and is_grouped_experts(experts):
             # lcm of powers of two (the values MoEConfig accepts) is the larger one
             cfg.expert_alignment = max(cfg.expert_alignment, alignment)
             in_effect = max(in_effect, cfg.expert_alignment)

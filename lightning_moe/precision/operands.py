@@ -19,7 +19,13 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.precision.delayed import DelayedState, history_scales, record_amax
+from lightning_moe.precision.delayed import (
+    DelayedState,
+    fresh_amax_group,
+    history_scales,
+    record_amax,
+    reduce_current_amax,
+)
 from lightning_moe.precision.formats import FloatFormat
 from lightning_moe.precision.hadamard import random_hadamard_transform
 from lightning_moe.precision.quantize import (
@@ -75,12 +81,15 @@ def _delayed_scales(
     if full_tensor is not None:
         # A TP-sharded (DTensor) operand: max over its shards, as TE reduces amax over TP.
         amax = full_tensor()
-    groups = state.scale.shape[1]
+    groups, shape = state.scale.shape[1], amax.shape
     record_amax(state, role, amax.reshape(-1)[:groups])
+    group = fresh_amax_group(state)
+    if group is not None:  # no scales yet: the ranks holding this tensor scale it from one amax
+        amax = torch.cat([reduce_current_amax(amax.reshape(-1)[:groups], group), amax.reshape(-1)[groups:]])
     current = scale_from_amax(amax, fmt.max).reshape(-1)
     history = history_scales(state, role, history_fmt.max, fmt.max)
     head = torch.where(history > 0, history, current[:groups])
-    return torch.cat([head, current[groups:]]).view_as(amax)
+    return torch.cat([head, current[groups:]]).view(shape)
 
 
 def quantize_operand(

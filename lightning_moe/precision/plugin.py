@@ -19,8 +19,15 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_moe.precision import _te
-from lightning_moe.precision.delayed import amax_recording_paused, update_delayed_scaling
-from lightning_moe.precision.modules import FP8Summary, ModuleFilter, configure_fp8, fp8_modules
+from lightning_moe.precision.delayed import amax_recording_paused, set_amax_group, update_delayed_scaling
+from lightning_moe.precision.modules import (
+    FP8GroupedGemm,
+    FP8Summary,
+    ModuleFilter,
+    configure_fp8,
+    fp8_modules,
+    is_grouped_experts,
+)
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 from lightning_moe.precision.weight_cache import FP8WeightCache, caching_fp8_weights
 
@@ -49,8 +56,14 @@ class FP8Precision(MixedPrecision):
         module_filter: ``(qualified_name, module) -> bool``; False keeps that linear / experts
             module in high precision (applied after the built-in exclusions: routers, output
             layer; norms and embeddings are never quantized).
-        amax_reduction_group: ranks over which delayed-scaling amaxes are max-reduced once
-            per optimizer step (default: all ranks when ``torch.distributed`` is initialized).
+        amax_reduction_group: ranks over which the delayed-scaling amaxes of dense layers are
+            max-reduced once per optimizer step: the ranks holding replicas or shards of the
+            same layers (default: all ranks when ``torch.distributed`` is initialized).
+            `MegatronMoEStrategy` installs its stage's TP x CP x DP ranks and refuses another group.
+        expert_amax_reduction_group: the same for grouped experts: the ranks holding the same
+            experts (default: ``amax_reduction_group``). Under expert parallelism each rank holds
+            other experts, so their amaxes must not be reduced over the dense group;
+            `MegatronMoEStrategy` installs its ETP x EDP ranks and refuses another group.
         device: autocast device, "cuda" or "cpu" (default: "cuda" when available).
         cache_fp8_weights: keep each weight's FP8 operands from its first quantization in a
             training step until the next optimizer step, so later micro-batches of a
@@ -66,6 +79,7 @@ class FP8Precision(MixedPrecision):
         keep_high_precision_layers: int = 0,
         module_filter: Optional[ModuleFilter] = None,
         amax_reduction_group: Optional[dist.ProcessGroup] = None,
+        expert_amax_reduction_group: Optional[dist.ProcessGroup] = None,
         device: Optional[str] = None,
         cache_fp8_weights: bool = False,
     ) -> None:
@@ -81,8 +95,10 @@ class FP8Precision(MixedPrecision):
         self.keep_high_precision_layers = keep_high_precision_layers
         self.module_filter = module_filter
         self.amax_reduction_group = amax_reduction_group
+        self.expert_amax_reduction_group = expert_amax_reduction_group
         self.summary: Optional[FP8Summary] = None
-        self._delayed_modules: list[nn.Module] = []
+        self._delayed_modules: list[nn.Module] = []  # dense layers' (FP8Linear)
+        self._delayed_experts: list[nn.Module] = []  # grouped experts' (FP8GroupedGemm)
         self._te_recipe = _te.te_recipe(self.recipe) if self.backend == "te" else None
         if cache_fp8_weights and self.backend != "torch":
             raise ValueError(
@@ -104,13 +120,58 @@ class FP8Precision(MixedPrecision):
             module, self.recipe, self.requested_backend, self.keep_high_precision_layers, self.module_filter,
             self.device,
         )
-        self._delayed_modules = fp8_modules(module)
+        delayed = fp8_modules(module)
+        self._delayed_experts = [m for m in delayed if isinstance(m, FP8GroupedGemm)]
+        self._delayed_modules = [m for m in delayed if not isinstance(m, FP8GroupedGemm)]
+        self._assign_amax_groups()
+        if self._te_recipe is not None:
+            for name in self.summary.te_experts:
+                experts = module.get_submodule(name)
+                if is_grouped_experts(experts):  # not a user's own te.GroupedLinear (replicated like a dense layer)
+                    # TE reduces the amaxes of the modules under one autocast over its group: the
+                    # experts' GEMMs run under a nested autocast with the experts' group.
+                    _te.run_under_expert_autocast(experts, self._te_expert_autocast)
         if self.summary.experts and self.summary.experts_backend == "emulated" and self.device == "cuda":
             rank_zero_warn(
                 f"FP8 grouped experts run emulated on this GPU ({self.recipe.name} has no native grouped kernel "
                 "here); build the experts on te.GroupedLinear (MoEConfig(expert_backend='te')) for TE's kernels."
             )
         return module
+
+    def install_amax_reduction_groups(self, dense: dist.ProcessGroup, experts: dist.ProcessGroup) -> None:
+        """Set the groups over which dense layers' and grouped experts' delayed-scaling amaxes are
+        reduced (a strategy calls this with the groups of its layout). A group given at
+        construction must hold the same ranks as the strategy's, else ``ValueError``."""
+        for option, given, wanted in (("amax_reduction_group", self.amax_reduction_group, dense),
+                                      ("expert_amax_reduction_group", self.expert_amax_reduction_group, experts)):
+            if given is not None and _ranks(given) != _ranks(wanted):
+                holders = "replicas and shards of the same dense layers" if option == "amax_reduction_group" \
+                    else "the same experts (expert tensor x expert data parallel ranks)"
+                raise ValueError(
+                    f"FP8Precision({option}=...) holds ranks {_ranks(given)}, but on rank {dist.get_rank()} "
+                    f"{holders} are ranks {_ranks(wanted)}: reducing amaxes over other ranks mixes the scales of "
+                    f"different tensors. Leave {option}=None; the strategy installs the right group."
+                )
+        self.amax_reduction_group, self.expert_amax_reduction_group = dense, experts
+        self._assign_amax_groups()
+
+    def _assign_amax_groups(self) -> None:
+        """Tell each delayed-scaling module its reduction group (the first step's casts reduce
+        their current amaxes over it, see `delayed`)."""
+        dense = self.amax_reduction_group
+        if dense is None and dist.is_available() and dist.is_initialized():
+            dense = dist.group.WORLD
+        experts = self.expert_amax_reduction_group or dense
+        for modules, group in ((self._delayed_modules, dense), (self._delayed_experts, experts)):
+            for module in modules:
+                set_amax_group(module, group)
+
+    def _te_expert_autocast(self) -> Any:
+        """The nested TE autocast of grouped experts (None: the outer autocast's group fits them)."""
+        group = self.expert_amax_reduction_group
+        if group is None or group is self.amax_reduction_group or not _te.fp8_autocast_active():
+            return None
+        return _te.autocast(self._te_recipe, group)
 
     @override
     @contextmanager
@@ -144,8 +205,13 @@ class FP8Precision(MixedPrecision):
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        # Delayed scaling: reduce this step's amaxes (one collective) and refresh the scales.
-        update_delayed_scaling(self._delayed_modules, self.recipe, self.amax_reduction_group)
+        # Delayed scaling: reduce this step's amaxes (one collective per group) and refresh the scales.
+        experts_group = self.expert_amax_reduction_group
+        if experts_group is None or experts_group is self.amax_reduction_group:
+            update_delayed_scaling(self._delayed_modules + self._delayed_experts, self.recipe, self.amax_reduction_group)
+        else:
+            update_delayed_scaling(self._delayed_modules, self.recipe, self.amax_reduction_group)
+            update_delayed_scaling(self._delayed_experts, self.recipe, experts_group)
         if self.weight_cache is not None:
             self.weight_cache.clear()  # the weights just changed
         return output
@@ -167,3 +233,7 @@ class FP8Precision(MixedPrecision):
         if self.summary.te_experts:
             text += f"; experts: te.GroupedLinear [{len(self.summary.te_experts)}]"
         return text
+
+
+def _ranks(group: dist.ProcessGroup) -> list[int]:
+    return dist.get_process_group_ranks(group)

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe.kernels import WGRAD_GROUP_ALIGN, widened
-from lightning_moe.precision.delayed import DelayedState
+from lightning_moe.precision.delayed import DelayedState, fresh_amax_group
 from lightning_moe.precision.formats import E4M3, E5M2
 from lightning_moe.precision.gemm import compute_dtype, no_autocast
 from lightning_moe.precision.operands import Layout, quantize_operand
@@ -484,7 +484,8 @@ class _FusedGroupedOperands:
         q_RC, s_R, s_GC = delayed_cast(t_RC, offsets_G, *self._delayed(role), out_col=q_CR,
                                        stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu,
                                        gather_rows=gather_rows, aligned_ends=aligned_ends if transposed else None,
-                                       row_probs=row_probs, amax_prepass=self.state.fresh)
+                                       row_probs=row_probs, amax_prepass=self.state.fresh,
+                                  amax_group=fresh_amax_group(self.state))
         return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
 
     def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -496,7 +497,8 @@ class _FusedGroupedOperands:
         rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w_EKN)
         _, _, s_EN = delayed_cast(rows, ends, *self._delayed("weight"), write_row=False, out_col=q_ENK,
                                   stride_out_col=stride_col, stride_out_group=stride_group,
-                                  amax_prepass=self.state.fresh)
+                                  amax_prepass=self.state.fresh,
+                                  amax_group=fresh_amax_group(self.state))
         return q_ENK, s_EN
 
     def weight_dgrad(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -509,7 +511,8 @@ class _FusedGroupedOperands:
             return rowwise_quantize(rows)
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
-        q, s_EK, _ = delayed_cast(rows, _expert_row_ends(w_EKN), self._delayed("weight")[0], None)
+        q, s_EK, _ = delayed_cast(rows, _expert_row_ends(w_EKN), self._delayed("weight")[0], None,
+                                  amax_group=fresh_amax_group(self.state))
         return q, s_EK
 
     def weight_both(self, w_EKN: Tensor, launch_stream: Optional[torch.cuda.Stream] = None
@@ -525,7 +528,8 @@ class _FusedGroupedOperands:
         scale, record = self._delayed("weight")
         q_dgrad, s_dgrad, s_EN = delayed_cast(rows, ends, scale, record, out_col=q_ENK, stride_out_col=stride_col,
                                               stride_out_group=stride_group, launch_stream=launch_stream,
-                                              amax_prepass=self.state.fresh)
+                                              amax_prepass=self.state.fresh,
+                                  amax_group=fresh_amax_group(self.state))
         return q_ENK, s_EN, q_dgrad, s_dgrad
 
 
@@ -950,7 +954,9 @@ class _ScaledGroupedMM(torch.autograd.Function):
         # fc1 (a fused delayed cast in training): its output gradient may come through ``handoff``
         # (armed here), with no gradient from autograd; fc2: hands its input's gradient over.
         ctx.handoff = None
-        if handoff is not None and fused and state is not None and needs_backward:
+        # (not for a fresh state reduced over a group: the handoff's fused cast finds missing
+        # scales by itself, rank-locally; the plain gradient cast reduces them first)
+        if handoff is not None and fused and state is not None and needs_backward and fresh_amax_group(state) is None:
             if not input_swiglu:
                 handoff.arm(quantizer, wgrad_aligned_ends is not None)
                 ctx.set_materialize_grads(False)

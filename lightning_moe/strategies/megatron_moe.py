@@ -190,6 +190,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             self._parallelize(self.model, trainer)
             self._parallelized = True
         self._check_fp8_options()
+        self._install_amax_reduction_groups()
         from lightning.fabric.utilities.init import _materialize_distributed_module
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
@@ -394,6 +395,19 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             )
         if self._experts_fsdp and isinstance(recipe, FP8Recipe) and recipe.quantize_weights_once is None:
             plugin.recipe = dataclasses.replace(recipe, quantize_weights_once=False)
+
+    def _install_amax_reduction_groups(self) -> None:
+        """Delayed FP8 scaling reduces amaxes over the ranks holding the same tensor: dense layers
+        over the stage (TP x CP x DP), experts over the ranks holding the same experts (ETP x
+        EDP); without expert parallelism those are the same ranks (one collective). A group the
+        user gave the plugin must match (the plugin raises otherwise)."""
+        install = getattr(self.precision_plugin, "install_amax_reduction_groups", None)
+        if not callable(install):
+            return
+        layout = self.layout
+        dense = layout.mesh("stage").get_group()
+        experts = dense if layout.expert_parallel_size == 1 else layout.mesh("edp_etp").get_group()
+        install(dense, experts)
 
     def _install_global_norm_clipping(self) -> None:
         """Route Lightning's norm clipping to one norm over both meshes.

@@ -12,7 +12,7 @@ state dict (rank 0).
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -76,8 +76,12 @@ def train(
     lr: float = 0.5,
     precision: str = "32-true",
     accelerator: str = "cpu",
+    plugins: Optional[Callable[[], list]] = None,
+    collect: Optional[Callable[[Any, Any], Any]] = None,
 ) -> Optional[dict]:
-    """Run in every process (forked by ``run_distributed``)."""
+    """Run in every process (forked by ``run_distributed``). ``plugins``: builds the Trainer's
+    plugins (``precision`` is then left to them); ``collect(strategy, model)``: called on every
+    rank after training (it may run collectives), rank 0's value is returned as "collected"."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -102,7 +106,8 @@ def train(
 
     trainer = L.Trainer(
         accelerator=accelerator, devices=world_size, strategy=strategy, max_steps=steps,
-        accumulate_grad_batches=ref_accumulate, gradient_clip_val=clip, precision=precision,
+        accumulate_grad_batches=ref_accumulate, gradient_clip_val=clip,
+        precision=None if plugins else precision, plugins=plugins() if plugins else None,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[Record()], num_sanity_val_steps=0,
     )
@@ -117,6 +122,7 @@ def train(
     torch.distributed.all_gather(gathered, per_step)
     state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     norm = None if strategy.last_grad_norm is None else float(strategy.last_grad_norm)
+    collected = collect(strategy, model) if collect else None
     if rank != 0:
         return None
     # numpy, not tensors: tensors sent through a multiprocessing pipe travel as shared-memory
@@ -125,6 +131,7 @@ def train(
         "rank_losses": torch.stack(gathered).cpu().numpy(),
         "state": {k: v.detach().float().cpu().numpy().copy() for k, v in state.items() if torch.is_tensor(v)},
         "grad_norm": norm,
+        "collected": collected,
     }
 
 

@@ -18,6 +18,7 @@ MESH_AXES = {
     "dp_cp": "dp-cp",
     "cp_tp": "tp-cp",
     "ep_etp": "etp-ep",
+    "edp_etp": "etp-edp",
     "stage": "tp-cp-dp",
     "world": "tp-cp-dp-pp",
 }
