@@ -115,7 +115,7 @@ class MoEMonitor(Callback):
         log_tokens_per_expert: also log every expert's count (``L x E`` scalars per window).
         heatmap_every_n_steps: write a layers x experts load heatmap (PNG) at logging steps that are
             multiples of this; None: never. Must be a multiple of the logging interval. Needs
-            matplotlib (the ``plot`` extra); without it training warns once and skips the heatmaps.
+            matplotlib (the ``plot`` extra): without it the constructor raises ``ValueError``.
         heatmap_dir: where the PNGs go; None: ``<logger log_dir>/moe_heatmaps`` (else
             ``<Trainer default_root_dir>/moe_heatmaps``).
         prefix: metric name prefix.
@@ -139,6 +139,12 @@ class MoEMonitor(Callback):
     ) -> None:
         check_positive_int_or_none("log_every_n_steps", log_every_n_steps)
         check_positive_int_or_none("heatmap_every_n_steps", heatmap_every_n_steps)
+        if heatmap_every_n_steps is not None and not _MATPLOTLIB_AVAILABLE:
+            # Asked for and impossible: fail before training rather than train without them.
+            raise ValueError(
+                f"MoEMonitor(heatmap_every_n_steps={heatmap_every_n_steps}) draws PNG heatmaps, but "
+                f"{_MATPLOTLIB_HINT}; install it, or set heatmap_every_n_steps=None."
+            )
         self.log_every_n_steps = log_every_n_steps
         self.log_tokens_per_expert = log_tokens_per_expert
         self.heatmap_every_n_steps = heatmap_every_n_steps
@@ -167,10 +173,6 @@ class MoEMonitor(Callback):
                 f"logging interval {self._every}: heatmaps are drawn from the logged windows."
             )
         self._heatmap_every = self.heatmap_every_n_steps
-        if self._heatmap_every is not None and not _MATPLOTLIB_AVAILABLE:
-            # Heatmaps are optional (matplotlib is the "plot" extra): train and log without them.
-            rank_zero_warn(f"MoEMonitor: no expert-load heatmaps, {_MATPLOTLIB_HINT}.")
-            self._heatmap_every = None
         self._layers = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoELayer)]
         self._window = None
         self._last_step = trainer.global_step

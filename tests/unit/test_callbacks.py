@@ -196,15 +196,14 @@ def test_moe_monitor_writes_heatmaps_atomically_into_the_log_dir(tmp_path):
     assert "moe/model.layers.0.mlp/load_cv" in header and "moe/model.layers.1.mlp/z_loss" in header
 
 
-def test_moe_monitor_without_matplotlib_warns_and_trains(tmp_path, monkeypatch):
+def test_moe_monitor_asked_for_heatmaps_without_matplotlib_refuses(monkeypatch):
     from lightning_moe.callbacks import moe_monitor
 
     monkeypatch.setattr(moe_monitor, "_MATPLOTLIB_AVAILABLE", False)
-    monitor = MoEMonitor(log_every_n_steps=1, heatmap_every_n_steps=1, heatmap_dir=tmp_path / "maps")
-    loader = DataLoader(RandomTokens(4), batch_size=MICRO)
-    with pytest.warns(UserWarning, match="no expert-load heatmaps, matplotlib is not installed"):
-        trainer(2, [monitor]).fit(tiny_model(), loader)
-    assert monitor.metrics and monitor.last_heatmap is None and not (tmp_path / "maps").exists()
+    with pytest.raises(ValueError, match=r"heatmap_every_n_steps=1\) draws PNG heatmaps, but matplotlib is not "
+                       r"installed \(pip install 'lightning-moe\[plot\]'\); install it, or set heatmap_every_n_steps=None"):
+        MoEMonitor(log_every_n_steps=1, heatmap_every_n_steps=1)
+    assert MoEMonitor(log_every_n_steps=1).heatmap_every_n_steps is None  # no heatmaps asked: fine
 
 
 def test_moe_monitor_validates_intervals():
