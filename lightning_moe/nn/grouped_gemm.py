@@ -11,9 +11,10 @@ runs:
   buffer of the all-gather dispatcher is about half padding); "loop" lets them join the last
   group.
 
-Backends: "grouped_mm" (``torch._grouped_mm``; one kernel on CUDA and on CPU, no host sync),
-"loop" (one matmul per expert; the readable reference) and "te" (Transformer Engine's
-grouped GEMM, imported lazily).
+Backends: "grouped_mm" (``torch._grouped_mm``; one kernel on CUDA and on CPU, no host sync; K
+and N of any size, through zero-padded copies where the rows are not 16 bytes wide), "loop"
+(one matmul per expert; the readable reference) and "te" (Transformer Engine's grouped GEMM,
+imported lazily).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe.kernels import use_triton, widened
@@ -95,10 +97,9 @@ def grouped_mm(
     `_GroupedMMCoveredRows`). A caller whose next operation never reads those rows may skip
     zeroing them in the output (``zero_output=False``) or in the input gradient
     (``zero_grad_input=False``): they then hold whatever the allocator handed out.
-    ``torch._grouped_mm`` takes fp32/bf16/fp16; float64 (numerical checks) runs the loop.
+    ``torch._grouped_mm`` takes fp32/bf16/fp16 with 16-byte rows; other sizes run on padded
+    copies (see `grouped_mm_covered`), float64 (numerical checks) one matmul per group.
     """
-    if x_RK.dtype == torch.float64:
-        return loop_mm(x_RK, w_EKN, group_sizes_E)
     offsets_E = covered_offsets(group_sizes_E, x_RK.shape[0])
     return grouped_mm_covered(x_RK, w_EKN, offsets_E, zero_output, zero_grad_input)
 
@@ -114,9 +115,40 @@ def grouped_mm_covered(
     x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, zero_output: bool = True, zero_grad_input: bool = True
 ) -> Tensor:
     """`grouped_mm` from offsets already made by `covered_offsets` (callers running several
-    GEMMs over the same groups make them once)."""
-    return _GroupedMMCoveredRows.apply(x_RK, compute_weight(w_EKN, x_RK.dtype), offsets_E, zero_output,
-                                       zero_grad_input)
+    GEMMs over the same groups make them once).
+
+    ``torch._grouped_mm`` needs the rows of both operands 16 bytes wide (K and N multiples of 8
+    in bf16 / fp16, of 4 in fp32), which `MoEConfig` does not ask of D and F (nor expert tensor
+    parallelism of its shards of F). Other sizes run on copies zero-padded to the next multiple:
+    zero columns of ``x`` meet zero rows of ``w`` (the contraction is unchanged) and the zero
+    columns of ``w`` give output columns that are sliced off; autograd slices the gradients back.
+    Aligned operands reach the kernel as they are. float64, which the kernel does not take,
+    runs `loop_covered_rows` (same rows, same zeros after them; it syncs).
+    """
+    w_EKN = compute_weight(w_EKN, x_RK.dtype)
+    if x_RK.dtype == torch.float64:
+        return loop_covered_rows(x_RK, w_EKN, offsets_E)
+    k, n = w_EKN.shape[-2:]
+    multiple = 16 // x_RK.element_size()
+    pad_k, pad_n = -k % multiple, -n % multiple
+    if pad_k == 0 and pad_n == 0:
+        return _GroupedMMCoveredRows.apply(x_RK, w_EKN, offsets_E, zero_output, zero_grad_input)
+    if pad_k:
+        x_RK = F.pad(x_RK, (0, pad_k))
+    w_EKN = F.pad(w_EKN, (0, pad_n, 0, pad_k))
+    y_RN = _GroupedMMCoveredRows.apply(x_RK, w_EKN, offsets_E, zero_output, zero_grad_input)
+    return y_RN[:, :n] if pad_n else y_RN
+
+
+def loop_covered_rows(x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+    """`grouped_mm_covered` as one matmul per group (any dtype; the float64 path): the rows after
+    the last end are left out, zero in the output and in the input gradient. Host sync (the
+    ends are read on the host), as `loop_mm`."""
+    ends = offsets_E.tolist()
+    starts = [0] + ends[:-1]
+    outs = [x_RK[start:end] @ w_EKN[e].to(x_RK.dtype) for e, (start, end) in enumerate(zip(starts, ends))]
+    y_UN = torch.cat(outs)
+    return F.pad(y_UN, (0, 0, 0, x_RK.shape[0] - y_UN.shape[0]))
 
 
 class _MasterWeightCast(torch.autograd.Function):
