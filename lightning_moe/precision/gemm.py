@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe.precision.delayed import DelayedState
@@ -53,12 +54,26 @@ def _hadamard(recipe: FP8Recipe) -> bool:
 
 
 def _grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
-    """``torch._grouped_mm`` on dequantized fp32 operands (fp32 result)."""
+    """``torch._grouped_mm`` on dequantized fp32 operands (fp32 result): ``a [M, K] @ b [E, K, N]``
+    with groups of rows, or ``a [K, T] @ b [T, N]`` with groups of the contraction (``[E, K, N]``).
+    Any K and N: where rows are not 16 bytes wide, zeros pad them and the output is sliced."""
     if b.dim() == 2 and a.shape[1] == 0:  # weight gradient of a rank that received no tokens
         return a.new_zeros(offsets.numel(), a.shape[0], b.shape[1])
     if a.is_cuda:  # the CUDA kernel takes bf16 operands (and returns bf16)
-        return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offsets).float()
-    return torch._grouped_mm(a.contiguous(), b, offs=offsets)
+        a, b = a.bfloat16(), b.bfloat16()
+    else:
+        a = a.contiguous()
+    multiple = 16 // a.element_size()
+    n = b.shape[-1]
+    pad_n = -n % multiple
+    if b.dim() == 3:
+        pad_k = -a.shape[1] % multiple
+        if pad_k:  # zero columns of a meet zero rows of b: nothing added
+            a, b = F.pad(a, (0, pad_k)), F.pad(b, (0, 0, 0, pad_k))
+    if pad_n:
+        b = F.pad(b, (0, pad_n))
+    y = torch._grouped_mm(a, b, offs=offsets)
+    return (y[..., :n] if pad_n else y).float()
 
 
 class _EmulatedLinear(torch.autograd.Function):
