@@ -33,7 +33,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_moe.data.corpus import VOCAB_SIZE, load_corpus
-from lightning_moe.data.indexed_dataset import IndexedDataset, MappedTokens
+from lightning_moe.data.indexed_dataset import IndexedDataset, IndexedDatasetNotFoundError, MappedTokens
 
 
 class TokenWindowDataset(Dataset):
@@ -165,7 +165,12 @@ class LMDataModule(LightningDataModule):
 
     def _indexed_dataset(self) -> IndexedDataset:
         if self._indexed is None:
-            self._indexed = IndexedDataset(self.data_path)
+            try:
+                self._indexed = IndexedDataset(self.data_path)
+            except IndexedDatasetNotFoundError as err:
+                raise IndexedDatasetNotFoundError(
+                    f"data_path: {err} Or leave data_path unset to train on the embedded corpus."
+                ) from None
         return self._indexed
 
     def prepare_data(self) -> None:

@@ -33,6 +33,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from lightning_moe.errors import InputError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 34
@@ -58,6 +60,31 @@ def idx_path(path_prefix: Union[str, Path]) -> str:
 def bin_path(path_prefix: Union[str, Path]) -> str:
     """``<prefix>.bin``."""
     return f"{path_prefix}.bin"
+
+
+class IndexedDatasetNotFoundError(InputError, FileNotFoundError):
+    """``<prefix>.bin`` or ``<prefix>.idx`` does not exist; the message says how to make them."""
+
+
+class IndexedDatasetDamagedError(InputError, ValueError):
+    """``<prefix>.bin`` / ``<prefix>.idx`` are truncated, corrupted or of an unsupported variant."""
+
+
+def _not_found_message(path_prefix: str, missing: list[str]) -> str:
+    """What is missing, the prefix meant when a file name was given, and how to write a dataset."""
+    stem, suffix = os.path.splitext(path_prefix)
+    if suffix in (".bin", ".idx") and os.path.isfile(idx_path(stem)) and os.path.isfile(bin_path(stem)):
+        return (
+            f"{path_prefix} is a file of the indexed dataset {stem}: give the prefix without "
+            f"'{suffix}' ({stem})."
+        )
+    what = " and ".join(missing) + (" does" if len(missing) == 1 else " do") + " not exist"
+    return (
+        f"no Megatron indexed dataset at {path_prefix}: {what}. A dataset is the pair "
+        "<prefix>.bin + <prefix>.idx, named by its prefix; write one with "
+        "lightning_moe.data.IndexedDatasetWriter(prefix).add_document(tokens) or Megatron-LM's "
+        "tools/preprocess_data.py."
+    )
 
 
 @dataclass(frozen=True)
@@ -89,8 +116,9 @@ class IndexedDataset:
     ``dataset[i]`` is sequence ``i`` as a read-only array of the file's dtype.
 
     Raises:
-        FileNotFoundError: ``.idx`` or ``.bin`` is missing.
-        ValueError: the files are truncated, corrupted, or use an unsupported variant.
+        IndexedDatasetNotFoundError: ``.idx`` or ``.bin`` is missing (a ``FileNotFoundError``).
+        IndexedDatasetDamagedError: the files are truncated, corrupted, or use an unsupported
+            variant (a ``ValueError``).
     """
 
     def __init__(self, path_prefix: Union[str, Path]) -> None:
@@ -99,13 +127,13 @@ class IndexedDataset:
 
     def _open(self) -> None:
         idx, bin_ = idx_path(self.path_prefix), bin_path(self.path_prefix)
-        for path in (idx, bin_):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"indexed dataset file {path} does not exist")
+        missing = [path for path in (bin_, idx) if not os.path.isfile(path)]
+        if missing:
+            raise IndexedDatasetNotFoundError(_not_found_message(self.path_prefix, missing))
         idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_)
 
         def bad(path: str, what: str) -> ValueError:
-            return ValueError(f"invalid indexed dataset file {path}: {what}")
+            return IndexedDatasetDamagedError(f"invalid indexed dataset file {path}: {what}")
 
         with open(idx, "rb") as f:
             header = f.read(HEADER_BYTES)
@@ -387,6 +415,8 @@ class IndexedDatasetWriter:
 __all__ = [
     "DTYPE_CODES",
     "IndexedDataset",
+    "IndexedDatasetDamagedError",
+    "IndexedDatasetNotFoundError",
     "IndexedDatasetWriter",
     "MappedTokens",
     "bin_path",

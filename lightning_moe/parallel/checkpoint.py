@@ -8,6 +8,11 @@ leaves the previous checkpoint and pointer untouched.
 
 Because every sharded tensor is a DTensor with its global shape, loading into a different
 layout (EP2 x EDP2 -> EP4, DP4, one process, ...) reshards automatically.
+
+Loading a path that is no checkpoint raises :class:`CheckpointNotFoundError`; a checkpoint whose
+files are missing, truncated (checked against DCP's metadata before reading, so every rank
+raises alike) or unreadable raises :class:`CheckpointDamagedError` naming the file. Both are
+:class:`~lightning_moe.errors.InputError`: `lightning-moe` prints the message as one line.
 """
 
 from __future__ import annotations
@@ -21,9 +26,20 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_moe.errors import InputError
+
 META_FILE = "meta.pt"
 LATEST_FILE = "latest"
+DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shard files
 _TMP_PREFIX = ".tmp-"
+
+
+class CheckpointNotFoundError(InputError, FileNotFoundError):
+    """A path given to load is no checkpoint (nor a directory whose ``latest`` names one)."""
+
+
+class CheckpointDamagedError(InputError, RuntimeError):
+    """A checkpoint's files are missing, truncated or unreadable; the message names the file."""
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -103,9 +119,7 @@ def _check_loadable(meta: dict[str, Any]) -> None:
 
 def saved_prefixes(path: Path) -> set[str]:
     """Top-level keys ("state_dict", "optimizer_0", ...) present in a checkpoint's DCP shards."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(resolve_checkpoint(Path(path)))).read_metadata()
+    metadata = _read_metadata(resolve_checkpoint(Path(path)))
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
@@ -153,19 +167,144 @@ def resolve_checkpoint(path: Path) -> Path:
     pointer = path / LATEST_FILE
     if pointer.is_file():
         return resolve_checkpoint(path / pointer.read_text().strip())
-    raise FileNotFoundError(
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check ckpt_path.")
+    raise CheckpointNotFoundError(
         f"{path} is not a lightning_moe checkpoint (no {META_FILE}) nor a directory with a valid "
         f"'{LATEST_FILE}' pointer."
     )
 
 
 def load_distributed(sharded_state: dict[str, Any], path: Path, weights_only: bool = True) -> dict[str, Any]:
-    """Load DCP shards into ``sharded_state`` in place (resharding as needed); returns meta."""
+    """Load DCP shards into ``sharded_state`` in place (resharding as needed); returns meta.
+
+    Raises :class:`CheckpointDamagedError`, naming the file, when a shard is missing or shorter
+    than the DCP metadata says (checked before reading, on every rank alike) or a file cannot be
+    read.
+    """
     from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = resolve_checkpoint(Path(path))
-    load(sharded_state, storage_reader=FileSystemReader(str(path)))
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+    _check_shard_sizes(path, _read_metadata(path))
+    try:
+        load(sharded_state, storage_reader=_shard_naming_reader(FileSystemReader)(str(path)))
+    except CheckpointException as err:
+        raise CheckpointDamagedError(_damaged(path, f"reading its shards failed ({_failures(err)})")) from err
+    try:
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+    except (EOFError, RuntimeError) as err:  # a truncated or corrupted torch.save zip
+        raise CheckpointDamagedError(_damaged(path, f"{path / META_FILE} cannot be read ({_brief(err)})")) from err
+
+
+class _ShardReadError(RuntimeError):
+    """A shard file could not be read; the message names it (travels between ranks pickled)."""
+
+
+def _shard_naming_reader(reader_class: type) -> type:
+    """``reader_class`` (DCP's ``FileSystemReader``) whose ``read_data`` errors name the shard
+    file being read: DCP's own (an ``EOFError``, an ``UnpicklingError``) name none."""
+
+    class ShardNamingReader(reader_class):  # type: ignore[misc, valid-type]
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            fs = getattr(self, "fs", None)
+            create_stream = getattr(fs, "create_stream", None)
+            if create_stream is None:
+                return super().read_data(plan, planner)
+            opened: list[str] = []
+
+            def recording(path: Any, mode: str) -> Any:
+                opened.append(str(path))
+                return create_stream(path, mode)
+
+            fs.create_stream = recording
+            try:
+                return super().read_data(plan, planner)
+            except Exception as err:
+                if not opened:
+                    raise
+                raise _ShardReadError(f"{opened[-1]}: {_brief(err)}") from err
+            finally:
+                del fs.create_stream
+
+    return ShardNamingReader
+
+
+def _read_metadata(path: Path) -> Any:
+    """DCP's metadata of the checkpoint at ``path``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - missing, truncated or not a pickle
+        what = f"{path / DCP_METADATA_FILE} cannot be read ({_brief(err)})"
+        raise CheckpointDamagedError(_damaged(path, what)) from err
+
+
+def _check_shard_sizes(path: Path, metadata: Any) -> None:
+    """Every shard file the metadata refers to exists and reaches the end of its last item."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if isinstance(relative, str):
+            needed[relative] = max(needed.get(relative, 0), end)
+    for relative in sorted(needed):
+        shard = path / relative
+        if not shard.is_file():
+            raise CheckpointDamagedError(_damaged(path, f"its shard {shard} is missing"))
+        size = shard.stat().st_size
+        if size < needed[relative]:
+            what = f"its shard {shard} is truncated ({size} bytes; {DCP_METADATA_FILE} needs {needed[relative]})"
+            raise CheckpointDamagedError(_damaged(path, what))
+
+
+def _damaged(path: Path, what: str) -> str:
+    """The message of a :class:`CheckpointDamagedError`: the file at fault, the cause, the fix."""
+    others = [p.name for p in _other_checkpoints(path)]
+    fix = "Resume from another checkpoint (ckpt_path)."
+    if others:
+        listed = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        fix = f"Resume from another checkpoint (ckpt_path); {path.parent} also holds: {listed}"
+    return (
+        f"checkpoint {path} cannot be loaded: {what}. It was not written completely or was damaged "
+        f"(an interrupted save or copy, a full disk). {fix}"
+    )
+
+
+def _other_checkpoints(path: Path) -> list[Path]:
+    """The checkpoints beside ``path`` (links to it excluded), newest first."""
+    try:
+        this = path.resolve()
+        found = [p for p in path.parent.iterdir() if not p.name.startswith(_TMP_PREFIX) and is_checkpoint_dir(p)]
+        found = [p for p in found if p.resolve() != this]
+        return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return []
+
+
+def _brief(err: BaseException) -> str:
+    """``Type: first line of the message`` (the type alone when there is no message)."""
+    if isinstance(err, _ShardReadError):
+        return str(err)
+    lines = str(err).strip().splitlines()
+    if not lines:
+        return type(err).__name__
+    first = lines[0] if len(lines[0]) <= 100 else lines[0].split(". ")[0]  # e.g. torch.load's weights_only advice
+    return f"{type(err).__name__}: {first}"
+
+
+def _failures(err: Any) -> str:
+    """The distinct errors of a DCP ``CheckpointException`` and the ranks that raised them."""
+    by_error: dict[str, list[int]] = {}
+    for rank, failure in sorted(getattr(err, "failures", {}).items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        by_error.setdefault(_brief(cause) if isinstance(cause, BaseException) else str(cause), []).append(rank)
+    if not by_error:
+        return _brief(err)
+    return "; ".join(
+        f"{cause} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        for cause, ranks in by_error.items()
+    )
 
 
 def save_consolidated(state_dict: dict[str, Any], path: Path) -> None:

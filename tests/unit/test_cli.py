@@ -103,15 +103,110 @@ def test_defaults_links_and_strategy_selection(tmp_path):
     )  # fmt: skip
     assert cli.model.model_config.vocab_size == 50304
 
-    with pytest.raises(ValueError, match="max_seq_length=16 is shorter than data.seq_length=64"):
-        MoECLI(
-            args=["--data.seq_length=64", "--data.micro_batch_size=2", "--model.overrides={max_seq_length: 16}"],
-            run=False,
-        )
-    with pytest.raises(ValueError, match="vocab_size >= 256"):
-        MoECLI(
-            args=["--data.seq_length=8", "--data.micro_batch_size=2", "--model.overrides={vocab_size: 128}"], run=False
-        )
+
+def test_link_errors_are_short(capsys):
+    for override, message in (
+        ("{max_seq_length: 16}", "max_seq_length=16 is shorter than data.seq_length=64"),
+        ("{vocab_size: 128}", "vocab_size >= 256"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            MoECLI(
+                args=["--data.seq_length=64", "--data.micro_batch_size=2", f"--model.overrides={override}"], run=False
+            )
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # jsonargparse tries the plugin against the five types of `trainer.plugins` and used to
+        # print all five failures (97 lines) around the plugin's own message.
+        (
+            ["--trainer.plugins=lightning_moe.precision.FP8Precision", "--trainer.plugins.backend=torch",
+             "--trainer.precision=null"],
+            "error: FP8Precision: backend='torch' runs on CUDA only; this plugin targets the CPU. "
+            "Use backend='emulated' or backend='te'.",
+        ),
+        (["--model.learning_rate=-1"], "error: MoELanguageModel: learning_rate must be positive, got -1.0."),
+        (["--data.val_fraction=2"], "error: LMDataModule: val_fraction must be in [0, 1), got 2.0"),
+        (["--trainer.accelerator=gpu"], "error: Trainer: "),
+    ],
+    ids=["plugin", "model", "data", "trainer"],
+)  # fmt: skip
+def test_rejected_values_end_with_one_line(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        MoECLI(args=["fit", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}", *args])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), captured.err
+    assert "Traceback" not in captured.out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parse_errors_print_one_usage_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        MoECLI(args=["fit", "--config", TINY, "--trainer.max_stepz=3"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "usage: lightning-moe fit [-h] [-c CONFIG] [options]",
+        "tip: For details of accepted options run: lightning-moe fit --help",
+        "error: unrecognized arguments: --trainer.max_stepz=3",
+    ]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(root.rglob("*"))}
+
+
+def test_a_failed_start_leaves_no_run_directory(tmp_path, capsys, monkeypatch):
+    """A missing dataset ends with one `error:` line; a failure before the first step removes the
+    `version_N` it created (and the name / save directories it created), nothing older; a
+    failure after the first step keeps its run directory."""
+    from lightning_moe.models.lightning_module import MoELanguageModel
+
+    logs = tmp_path / "logs"
+    kept = logs / "tiny_cpu" / "version_0"
+    kept.mkdir(parents=True)
+    (kept / "metrics.csv").write_text("step,train/loss\n0,5.5\n")
+    before = _tree(logs)
+    short = ["fit", "--config", TINY, *QUIET, "--trainer.max_steps=2", "--data.seq_length=32",
+             "--data.micro_batch_size=2"]  # fmt: skip
+
+    missing = tmp_path / "data" / "corpus"
+    with pytest.raises(SystemExit) as exit_info:
+        MoECLI(args=[*short, f"--trainer.logger.init_args.save_dir={logs}", f"--data.data_path={missing}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"error: data_path: no Megatron indexed dataset at {missing}: "), err
+    assert "IndexedDatasetWriter" in err[-1] and sum(line.startswith("error:") for line in err) == 1
+    assert _tree(logs) == before
+
+    # Any error before the first step (here after config.yaml was written), traceback kept.
+    def fail(self):
+        raise RuntimeError("no optimizer today")
+
+    configure_optimizers = MoELanguageModel.configure_optimizers
+    monkeypatch.setattr(MoELanguageModel, "configure_optimizers", fail)
+    with pytest.raises(RuntimeError, match="no optimizer today"):
+        MoECLI(args=[*short, f"--trainer.logger.init_args.save_dir={logs}"])
+    assert _tree(logs) == before
+    fresh = tmp_path / "fresh" / "logs"
+    with pytest.raises(RuntimeError, match="no optimizer today"):
+        MoECLI(args=[*short, f"--trainer.logger.init_args.save_dir={fresh}"])
+    assert not (tmp_path / "fresh").exists()
+    monkeypatch.setattr(MoELanguageModel, "configure_optimizers", configure_optimizers)
+
+    def fail_step(self, batch, batch_idx):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(MoELanguageModel, "training_step", fail_step)
+    with pytest.raises(RuntimeError, match="step failed"):
+        MoECLI(args=[*short, f"--trainer.logger.init_args.save_dir={logs}"])
+    assert (logs / "tiny_cpu" / "version_1" / "config.yaml").is_file()  # a run that started keeps its directory
+    assert {k: v for k, v in _tree(logs).items() if "version_1" not in k} == before
 
 
 def _column(rows: list[dict], key: str) -> list[tuple[int, float]]:

@@ -227,6 +227,31 @@ def test_indexed_dataset_rejects_damaged_files(tmp_path, suffix, edit, message):
     assert str(path) in str(err.value)
 
 
+def test_missing_indexed_dataset_says_what_a_prefix_is(tmp_path):
+    from lightning_moe.data.datamodule import LMDataModule
+    from lightning_moe.data.indexed_dataset import IndexedDatasetNotFoundError
+    from lightning_moe.errors import InputError
+
+    prefix = tmp_path / "corpus"
+    with pytest.raises(IndexedDatasetNotFoundError) as err:
+        LMDataModule(seq_length=8, micro_batch_size=2, data_path=str(prefix)).setup("fit")
+    text = str(err.value)
+    assert isinstance(err.value, FileNotFoundError) and isinstance(err.value, InputError)
+    assert text.startswith(
+        f"data_path: no Megatron indexed dataset at {prefix}: {prefix}.bin and {prefix}.idx do not exist."
+    )
+    assert "<prefix>.bin + <prefix>.idx" in text and "IndexedDatasetWriter" in text and "preprocess_data.py" in text
+    assert text.endswith("Or leave data_path unset to train on the embedded corpus.") and "\n" not in text
+
+    _write(prefix, np.int32)
+    for suffix in (".bin", ".idx"):  # the name of one of its files instead of the prefix
+        with pytest.raises(FileNotFoundError, match=f"give the prefix without '{suffix}' \\({prefix}\\)"):
+            IndexedDataset(f"{prefix}{suffix}")
+    os.unlink(f"{prefix}.idx")
+    with pytest.raises(FileNotFoundError, match=f"{prefix}.idx does not exist"):
+        IndexedDataset(prefix)
+
+
 def test_megatron_interop(tmp_path):
     megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset")
     rng = np.random.default_rng(0)
