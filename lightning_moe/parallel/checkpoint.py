@@ -264,7 +264,8 @@ def _damaged(path: Path, what: str) -> str:
     fix = "Resume from another checkpoint (ckpt_path)."
     if others:
         listed = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-        fix = f"Resume from another checkpoint (ckpt_path); {path.parent} also holds: {listed}"
+        where = "the current directory" if str(path.parent) == os.curdir else path.parent
+        fix = f"Resume from another checkpoint (ckpt_path); {where} also holds: {listed}"
     return (
         f"checkpoint {path} cannot be loaded: {what}. It was not written completely or was damaged "
         f"(an interrupted save or copy, a full disk). {fix}"
