@@ -235,7 +235,7 @@ def _train_delayed_layer(experts: int, dtype: torch.dtype) -> list:
         seen += [p.grad.clone() for p in layer.parameters()]
         optimizer.step()
         optimizer.zero_grad()
-        update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
+        plugin.update_delayed_scaling()
     with torch.no_grad(), plugin._eval_context():
         seen.append(layer(data[6]))
     seen += [b.clone() for name, b in layer.named_buffers() if "fp8" in name]
@@ -342,7 +342,7 @@ def test_amax_prepass_only_while_the_state_is_fresh(monkeypatch):
         return sum(k is fd._missing_amax_kernel for k in kernels)
 
     fresh = prepasses_of_a_step()
-    update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
+    plugin.update_delayed_scaling()
     later = prepasses_of_a_step()
     assert fresh >= 4 and later < fresh  # the tile casts' pre-passes are gone
     assert later == sum(k is fd._delayed_row_kernel for k in kernels)  # those left belong to row casts

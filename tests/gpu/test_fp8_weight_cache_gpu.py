@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_moe.nn import MoEConfig, MoELayer
-from lightning_moe.precision import FP8Precision, update_delayed_scaling
+from lightning_moe.precision import FP8Precision
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,7 @@ def _train(recipe, cache: bool, steps: int = 3, accumulate: int = 2):
             losses.append(loss.detach())
         optimizer.step()
         optimizer.zero_grad()
-        update_delayed_scaling(plugin._delayed_modules, plugin.recipe)  # what optimizer_step does; no-op unless delayed
+        plugin.update_delayed_scaling()  # what optimizer_step does; no-op unless delayed
         if plugin.weight_cache is not None:
             plugin.weight_cache.clear()  # what FP8Precision.optimizer_step does after the step
     return torch.stack(losses), [p.detach().clone() for p in layer.parameters()], plugin.weight_cache

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_moe.nn import MoEConfig, MoELayer
-from lightning_moe.precision import FP8Precision, FP8Recipe, update_delayed_scaling
+from lightning_moe.precision import FP8Precision, FP8Recipe
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +36,7 @@ def _end_of_step(layer, plugin, optimizer) -> list:
     optimizer.step()
     optimizer.zero_grad()
     if plugin.recipe.name == "delayed":
-        update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
+        plugin.update_delayed_scaling()
     return grads
 
 

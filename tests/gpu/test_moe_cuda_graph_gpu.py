@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_moe.nn import MoEConfig, MoELayer, capture_moe_layer
-from lightning_moe.precision import FP8Precision, FP8Recipe, update_delayed_scaling
+from lightning_moe.precision import FP8Precision, FP8Recipe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -40,7 +40,7 @@ def _layer(precision: str, dtype: torch.dtype):
         with plugin.forward_context(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             yield
 
-    return layer, context, lambda: update_delayed_scaling(plugin._delayed_modules, recipe)
+    return layer, context, plugin.update_delayed_scaling
 
 
 def _train(precision: str, dtype: torch.dtype, captured: bool, steps: int = 4) -> list:

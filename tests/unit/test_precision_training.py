@@ -15,7 +15,6 @@ from lightning_moe.precision import (
     FP8Linear,
     FP8Precision,
     configure_fp8,
-    update_delayed_scaling,
 )
 
 VOCAB, EMBED, CONTEXT = 64, 32, 4
@@ -115,7 +114,7 @@ def train(recipe=None, steps=300, optimizer=torch.optim.AdamW, autocast=True) ->
         opt.step()
         opt.zero_grad()
         if plugin:
-            update_delayed_scaling(plugin._delayed_modules, plugin.recipe)
+            plugin.update_delayed_scaling()
         losses.append(loss.item())
     return losses
 
