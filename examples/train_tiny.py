@@ -14,11 +14,11 @@ import argparse
 
 import torch
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_moe import MegatronMoEStrategy
-from lightning_moe.callbacks import MoEMonitor, MoEThroughput
+from lightning_moe.callbacks import MoEMonitor, MoEProgressBar, MoEThroughput
 from lightning_moe.data import LMDataModule, load_corpus, unigram_entropy_nats
 from lightning_moe.models import MoELanguageModel
 
@@ -53,7 +53,7 @@ def main() -> None:
         gradient_clip_val=1.0,
         logger=CSVLogger(args.out, name="train_tiny"),
         callbacks=[
-            RichProgressBar(),
+            MoEProgressBar(),
             MoEMonitor(heatmap_every_n_steps=100),
             MoEThroughput(),
             ModelCheckpoint(save_last="link"),

@@ -24,8 +24,9 @@ registered name, default sizes) or, with sizes, in YAML::
 
 Defaults that differ from Lightning's: ``precision`` is "bf16-mixed" when a CUDA GPU with bf16
 is present, else "32-true"; ``log_every_n_steps`` 10; ``seed_everything`` 1234; callbacks
-``RichProgressBar``, :class:`MoEMonitor`, :class:`MoEThroughput`, ``ModelCheckpoint(save_last="link")``
-(a ``trainer.callbacks`` list in a config replaces the whole list). A default callback that a
+:class:`MoEProgressBar` (Rich; steps out of ``max_steps`` for a step-limited run),
+:class:`MoEMonitor`, :class:`MoEThroughput`, ``ModelCheckpoint(save_last="link")`` (a
+``trainer.callbacks`` list in a config replaces the whole list). A default callback that a
 Trainer flag turns off (``enable_progress_bar=false``, ``enable_checkpointing=false``) is dropped
 instead of failing.
 
@@ -80,7 +81,7 @@ from lightning_moe.errors import InputError
 from lightning_moe.models.lightning_module import MoELanguageModel, resolve_model_config
 
 DEFAULT_CALLBACKS: list[dict[str, Any]] = [
-    {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+    {"class_path": "lightning_moe.callbacks.MoEProgressBar"},
     {"class_path": "lightning_moe.callbacks.MoEMonitor"},
     {"class_path": "lightning_moe.callbacks.MoEThroughput"},
     {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": "link"}},

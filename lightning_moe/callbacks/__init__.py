@@ -1,6 +1,7 @@
-"""Lightning callbacks: MoE routing statistics and throughput / MFU."""
+"""Lightning callbacks: MoE routing statistics, throughput / MFU and the progress bar."""
 
 from lightning_moe.callbacks.moe_monitor import MoEMonitor
+from lightning_moe.callbacks.progress import MoEProgressBar
 from lightning_moe.callbacks.throughput import PEAK_FLOPS, MoEThroughput
 
-__all__ = ["PEAK_FLOPS", "MoEMonitor", "MoEThroughput"]
+__all__ = ["PEAK_FLOPS", "MoEMonitor", "MoEProgressBar", "MoEThroughput"]

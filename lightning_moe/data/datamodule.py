@@ -21,11 +21,17 @@ built here is kept whatever ``use_distributed_sampler`` says, and the fit loop c
 One exception: ``Trainer(overfit_batches=...)`` swaps in a ``SequentialSampler`` on every
 rank (Lightning's ``_resolve_overfit_batches``), so all data-parallel ranks then read the
 same windows.
+
+Resuming. The training loader is a :class:`ResumableDataLoader`, stateful in Lightning's
+sense: a checkpoint holds its position (epoch, windows trained), and a fit resumed from it,
+mid-epoch included, reads exactly the batches an uninterrupted run would have read.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import warnings
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -84,19 +90,82 @@ def _file_range(tokens: np.ndarray) -> Union[np.ndarray, MappedTokens]:
 
 
 class _ResumableSampler(DistributedSampler):
-    """A DistributedSampler whose next epoch can start after its first ``n`` indices (resume)."""
+    """A DistributedSampler whose pass over epoch ``e`` can start after its first ``n`` indices (resume)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._skip = 0
+        self._skip_epoch: Optional[int] = None
 
-    def skip_once(self, num_indices: int) -> None:
-        self._skip = num_indices
+    def skip_once(self, num_indices: int, epoch: Optional[int] = None) -> None:
+        """Start the next pass after ``num_indices`` indices, if it is over ``epoch`` (None: any)."""
+        self._skip, self._skip_epoch = num_indices, epoch
 
     def __iter__(self):
         indices = list(super().__iter__())
         skip, self._skip = self._skip, 0
+        if self._skip_epoch is not None and self._skip_epoch != self.epoch:
+            skip = 0  # the loop went on to another epoch than the one the position was saved in
         return iter(indices[skip:])
+
+
+class ResumableDataLoader(DataLoader):
+    """The training DataLoader, stateful in Lightning's sense (``state_dict`` / ``load_state_dict``).
+
+    ``state_dict()`` is where the next batch comes from: ``{"epoch": e, "samples": n}``, ``n``
+    the windows of epoch ``e`` already trained over all data-parallel ranks (so a resume may
+    change the data-parallel size while keeping the global batch), ``{"epoch": e + 1,
+    "samples": 0}`` once epoch ``e``'s data ran out. Lightning's fit loop saves it in a
+    checkpoint (``loops.fit_loop.state_dict.combined_loader``) and, when a fit resumes, hands it
+    to ``load_state_dict`` before it iterates: the sampler takes the epoch and skips those
+    windows, so the resumed run reads the batches an uninterrupted one would have read.
+
+    Args (besides DataLoader's):
+        position: ``() -> (batches of the current epoch trained, whether its data ran out)``;
+            :class:`LMDataModule` passes the fit loop's count. Lightning fetches a batch ahead
+            of the one it trains, so the batches this loader handed out overcount by one; they
+            are the position only without ``position`` (a plain loop that saves after
+            training each batch it drew).
+    """
+
+    def __init__(
+        self, *args: Any, position: Optional[Callable[[], tuple[int, bool]]] = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = position
+        self._handed_out = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self._handed_out = 0
+        for batch in super().__iter__():
+            self._handed_out += 1
+            yield batch
+
+    def _replicas(self) -> int:
+        return int(getattr(self.sampler, "num_replicas", 1))
+
+    def state_dict(self) -> dict[str, int]:
+        epoch = int(getattr(self.sampler, "epoch", 0))
+        done, ran_out = self._position() if self._position is not None else (self._handed_out, False)
+        if ran_out or done >= len(self):
+            return {"epoch": epoch + 1, "samples": 0}
+        return {"epoch": epoch, "samples": done * int(self.batch_size or 1) * self._replicas()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, samples = int(state["epoch"]), int(state["samples"])
+        if hasattr(self.sampler, "set_epoch"):
+            # Before Lightning's own set_epoch: a loader with workers draws its first indices
+            # when the iterator is created, which Lightning does before it sets the epoch.
+            self.sampler.set_epoch(epoch)
+        per_rank, rest = divmod(samples, self._replicas())
+        if rest:
+            warnings.warn(
+                f"the checkpoint's data position ({samples} windows of epoch {epoch}) does not split evenly "
+                f"over {self._replicas()} data-parallel ranks: resuming after {per_rank} windows per rank.",
+                stacklevel=2,
+            )
+        if isinstance(self.sampler, _ResumableSampler):  # replaces a position guessed at creation
+            self.sampler.skip_once(per_rank if per_rank < len(self.sampler) else 0, epoch)
 
 
 class LMDataModule(LightningDataModule):
@@ -215,12 +284,21 @@ class LMDataModule(LightningDataModule):
             )
         return {"num_replicas": num_replicas, "rank": rank}
 
+    def _fit_position(self) -> tuple[int, bool]:
+        """(micro-batches of the current epoch trained, whether its data ran out), from the fit
+        loop: the training loader's ``state_dict`` (see :class:`ResumableDataLoader`)."""
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress
+        # "processed": a checkpoint written in on_train_batch_end already counts its batch here
+        # ("completed" is incremented only after that hook).
+        return int(progress.current.processed), bool(progress.is_last_batch)
+
     def _batches_done_this_epoch(self) -> int:
-        """Micro-batches of the current epoch already trained when a fit resumes mid-epoch.
+        """Micro-batches of the current epoch already trained when a fit resumes mid-epoch, for a
+        checkpoint without the loader's state (written before the loader was stateful).
 
         Lightning restores its loop counters before it asks for the training loader; the
-        sampler then starts after the windows those batches used, so a resumed run reads the
-        same data as an uninterrupted one (the sampler is deterministic from seed and epoch).
+        sampler then starts after the windows those batches used. A checkpoint with the
+        loader's state replaces this guess through ``ResumableDataLoader.load_state_dict``.
         """
         loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
         if loop is None or loop.batch_progress.is_last_batch:
@@ -236,11 +314,14 @@ class LMDataModule(LightningDataModule):
         sampler = _ResumableSampler(
             dataset, shuffle=train, seed=self.seed, drop_last=True, **self._data_parallel_kwargs()
         )
+        kwargs: dict[str, Any] = {}
         if train:
             done = self._batches_done_this_epoch()
             if 0 < done < len(sampler) // self.micro_batch_size:
                 sampler.skip_once(done * self.micro_batch_size)
-        return DataLoader(
+            if self.trainer is not None:
+                kwargs["position"] = self._fit_position
+        return (ResumableDataLoader if train else DataLoader)(
             dataset,
             batch_size=self.micro_batch_size,
             sampler=sampler,
@@ -248,6 +329,7 @@ class LMDataModule(LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
+            **kwargs,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -271,4 +353,4 @@ class LMDataModule(LightningDataModule):
         return self.val_dataloader()
 
 
-__all__ = ["LMDataModule", "TokenWindowDataset"]
+__all__ = ["LMDataModule", "ResumableDataLoader", "TokenWindowDataset"]

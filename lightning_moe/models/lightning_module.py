@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
@@ -21,6 +22,7 @@ from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.decoder import IGNORE_INDEX, MoEDecoder
 from lightning_moe.models.presets import apply_overrides, get_preset
 from lightning_moe.nn.moe_layer import MoELayer
+from lightning_moe.resume import record_mid_epoch_stop
 
 
 def resolve_model_config(
@@ -59,6 +61,10 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     No decay for vectors (norm weights, biases), router parameters (the gate ``[E, D]``; decaying
     it pulls the logits together and flattens routing) and shared-expert gates. Embeddings are
     decayed, as Megatron-Core does by default.
+
+    The two groups are the same in every parallel layout (a checkpoint resumes in another one);
+    where a group mixes DTensor and plain parameters, :class:`~lightning_moe.MegatronMoEStrategy`
+    steps it kind by kind so that torch's ``foreach`` kernels still run.
     """
     no_decay_ids: set[int] = set()
     for module in model.modules():
@@ -99,10 +105,12 @@ class MoELanguageModel(LightningModule):
         weight_decay: AdamW decoupled weight decay of the ``decay`` group (see :func:`parameter_groups`).
         betas / eps: AdamW.
 
-    Logged: ``train/loss`` (progress bar), ``train/ppl`` and the routers' losses ``train/<name>``
-    (mean over MoE blocks of ``router.latest_losses``, without coefficients) on every step from
-    this rank; ``train/lr`` every ``Trainer(log_every_n_steps)`` optimizer steps; ``val/loss`` and
-    ``val/ppl`` once per validation run, token-weighted over the batches of all ranks.
+    Logged: ``train/loss`` (progress bar), ``train/ppl`` and ``train/lr`` on the steps whose
+    metrics Lightning writes (every ``Trainer(log_every_n_steps)`` optimizer steps) and on the
+    fit's last step, the loss as the mean over all ranks (one scalar all-reduce then); the
+    routers' losses ``train/<name>`` (mean over MoE blocks of ``router.latest_losses``, without
+    coefficients) on every step from this rank; ``val/loss`` and ``val/ppl`` once per validation
+    run, token-weighted over the batches of all ranks.
     ``training_step`` returns only the language-model loss: the aux and z losses reach the
     routers' gradients by themselves.
     """
@@ -168,6 +176,11 @@ class MoELanguageModel(LightningModule):
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         return self.model(input_ids, position_ids)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint saved after max_steps stopped the fit mid-epoch records that epoch as
+        # running, not finished, so a resumed run goes on in it (see lightning_moe.resume).
+        record_mid_epoch_stop(self.trainer, checkpoint)
+
     def on_train_start(self) -> None:
         # Lightning divides the loss by accumulate_grad_batches; the routers' aux/z-loss gradients
         # are injected separately and must be scaled the same way (Megatron's auto-scaler).
@@ -190,17 +203,38 @@ class MoELanguageModel(LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.model.loss(batch["input_ids"], batch["labels"])
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
-        self.log("train/ppl", torch.exp(loss.detach()), on_step=True, on_epoch=False)
-        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+        if self._writes_metrics_this_step():
             # Only on the steps whose metrics Lightning writes (it flushes when the count of
-            # optimizer steps taken, this one included, is a multiple of log_every_n_steps), so
-            # the written lr is this step's: `self.log` turns a Python float into a device tensor,
-            # a synchronous host-to-device copy on GPU.
+            # optimizer steps taken, this one included, is a multiple of log_every_n_steps) and
+            # on the last one. The loss is the mean over all ranks: one all-reduce of a scalar
+            # (data-parallel replicas read distinct batches of equal size; their TP/EP peers hold
+            # the same loss, so the mean over the world is the mean over the replicas). The
+            # backward uses the local loss. The lr is this step's: `self.log` turns a Python
+            # float into a device tensor, a synchronous host-to-device copy on GPU.
+            mean_loss = self._mean_over_ranks(loss.detach())
+            self.log("train/loss", mean_loss, on_step=True, on_epoch=False, prog_bar=True)
+            self.log("train/ppl", torch.exp(mean_loss), on_step=True, on_epoch=False)
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         for name, value in self._router_losses().items():
             self.log(f"train/{name}", value, on_step=True, on_epoch=False)
         return loss
+
+    def _mean_over_ranks(self, value: Tensor) -> Tensor:
+        """The mean of a scalar over all ranks: one all-reduce of a copy (``strategy.reduce``
+        reduces in place, after a barrier)."""
+        world_size = self.trainer.world_size
+        if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return value
+        total = value.float().clone()
+        dist.all_reduce(total)
+        return total / world_size
+
+    def _writes_metrics_this_step(self) -> bool:
+        """The steps whose metrics Lightning writes, and the fit's last step (whose loss the
+        progress bar and ``trainer.callback_metrics`` then show)."""
+        trainer = self.trainer
+        every, step = trainer.log_every_n_steps, self.global_step + 1
+        return (every > 0 and step % every == 0) or (trainer.max_steps > 0 and step >= trainer.max_steps)
 
     def _router_losses(self) -> dict[str, Tensor]:
         """Mean over MoE blocks of each router loss of the last forward (device tensors, no sync)."""

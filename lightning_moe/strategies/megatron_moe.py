@@ -14,7 +14,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -35,8 +35,19 @@ from lightning_moe.parallel.gradients import (
     scale_grads,
 )
 from lightning_moe.parallel.tensor_parallel import apply_dense_tensor_parallel, apply_moe_token_split
+from lightning_moe.resume import record_mid_epoch_stop
 
 ShardingMode = Literal["fsdp", "ddp"]
+
+
+def precision_description(plugin: Any) -> str:
+    """The precision in use, for the layout table: the plugin's own ``backend_description()``
+    (FP8: recipe and backends) or its Lightning precision string ("32-true", "bf16-mixed", ...)."""
+    describe = getattr(plugin, "backend_description", None)
+    if callable(describe):
+        return describe()
+    precision = getattr(plugin, "precision", None)
+    return str(precision) if precision is not None else type(plugin).__name__
 
 
 class MegatronMoEStrategy(ModelParallelStrategy):
@@ -288,8 +299,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             f"{self.expert_sharding} over EDP" if self.layout.expert_data_parallel_size > 1 else "local (EDP=1)"
         )
         out["process group"] = str(self._process_group_backend)
-        describe = getattr(self.precision_plugin, "backend_description", None)
-        out["precision"] = describe() if callable(describe) else type(self.precision_plugin).__name__
+        out["precision"] = precision_description(self.precision_plugin)
         return out
 
     # ------------------------------------------------------------------ gradients
@@ -354,23 +364,44 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             layer.router.reset_step_state()
 
     def _avoid_mixed_foreach(self) -> None:
-        """Turn off ``foreach`` in param groups that mix DTensors and plain tensors.
+        """Let foreach kernels step param groups that mix DTensors and plain tensors.
 
         torch's foreach optimizer kernels refuse a list holding both (expert DTensors next to the
-        replicated router, say); on CUDA optimizers default to foreach. Such groups step
-        parameter by parameter instead; groups of one kind keep their implementation.
+        replicated router, say). Optimizers use them when ``foreach=True`` or, by default, when
+        every parameter is on a device with foreach kernels (CUDA; not the CPU). A torch
+        optimizer with such a group steps it kind by kind
+        (:func:`~lightning_moe.parallel.param_groups.step_by_tensor_kind`: same update, groups,
+        schedulers and checkpoints unchanged). Another optimizer's mixed group has ``foreach``
+        turned off, with a warning that says how to keep it.
         """
-        from torch.distributed.tensor import DTensor
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        from lightning_moe.parallel.param_groups import mixes_tensor_kinds, step_by_tensor_kind
+
+        def uses_foreach(group: dict[str, Any]) -> bool:
+            if group.get("foreach") is None and not group.get("fused"):
+                differentiable = bool(group.get("differentiable", False))
+                return _default_to_fused_or_foreach(list(group["params"]), differentiable)[1]
+            return bool(group.get("foreach"))
 
         for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                kinds = {isinstance(p, DTensor) for p in group["params"]}
-                if len(kinds) > 1 and "foreach" in group and group["foreach"] is not False:
-                    group["foreach"] = False
-                    rank_zero_info(
-                        "MegatronMoEStrategy: a param group mixes DTensor and plain parameters; "
-                        "its optimizer runs without foreach kernels."
-                    )
+            mixed = [(i, g) for i, g in enumerate(optimizer.param_groups) if "foreach" in g and mixes_tensor_kinds(g)]
+            if not any(uses_foreach(group) for _, group in mixed):
+                continue  # no group would run foreach kernels on both kinds (e.g. the CPU default)
+            if isinstance(optimizer, Optimizer):
+                step_by_tensor_kind(optimizer)
+                continue
+            for index, group in mixed:
+                group["foreach"] = False
+                name = f" ({group['name']!r})" if "name" in group else ""
+                rank_zero_warn(
+                    f"MegatronMoEStrategy: param group {index}{name} of {type(optimizer).__name__} mixes DTensor "
+                    "(sharded) and plain parameters, which torch's foreach kernels cannot step together, so it "
+                    "steps parameter by parameter (foreach=False). To keep foreach, give the optimizer the two kinds "
+                    "in separate groups with the same hyperparameters "
+                    "(`lightning_moe.parallel.param_groups.split_by_tensor_kind(groups)` in configure_optimizers), "
+                    "or pass foreach=False yourself."
+                )
 
     def _check_fp8_options(self) -> None:
         """FP8 weight caching keeps an unsharded FP8 copy of every weight until the optimizer
@@ -436,6 +467,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("MegatronMoEStrategy.save_checkpoint does not take storage_options.")
         path = Path(self.broadcast(str(filepath)))
+        if self.lightning_module is not None:  # any module's checkpoint (see lightning_moe.resume)
+            record_mid_epoch_stop(self.lightning_module.trainer, checkpoint)
         sharded = {"state_dict": checkpoint.pop("state_dict")}
         for idx, state in enumerate(checkpoint.pop("optimizer_states", [])):
             sharded[f"optimizer_{idx}"] = state

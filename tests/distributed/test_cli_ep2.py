@@ -5,9 +5,9 @@ loss curve exactly.
 Lightning launches the second process itself (it re-runs ``sys.argv``), so the CLI runs as a
 subprocess here, not in the test process.
 
-The checkpoint resumed from ends an epoch (``limit_train_batches`` = 3 steps per epoch): the
-DataModule's loader does not save its position, and Lightning 2.6 restarts a non-resumable loader
-from the start of the epoch, so a mid-epoch checkpoint would replay that epoch's first batches.
+The checkpoint resumed from ends an epoch (``limit_train_batches`` = 3 steps per epoch); a
+checkpoint from the middle of an epoch resumes exactly too (the training loader saves its
+position): tests/distributed/test_ep2_run_output.py.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def test_print_config_resolves_the_example_config(capsys):
     assert printed["trainer"]["max_steps"] == 7
     classes = [c["class_path"] for c in printed["trainer"]["callbacks"]]
     assert classes == [
-        "lightning.pytorch.callbacks.RichProgressBar",
+        "lightning_moe.callbacks.MoEProgressBar",
         "lightning_moe.callbacks.MoEMonitor",
         "lightning_moe.callbacks.MoEThroughput",
         "lightning.pytorch.callbacks.ModelCheckpoint",
