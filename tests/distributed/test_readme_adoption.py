@@ -23,7 +23,7 @@ def test_readme_adoption_snippet_runs_verbatim(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert "`Trainer.fit` stopped: `max_steps=" in run.stderr + run.stdout
     checkpoints = list((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*step=20.ckpt"))
