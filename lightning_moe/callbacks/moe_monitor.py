@@ -224,6 +224,8 @@ class MoEMonitor(Callback):
         # Collective over all ranks (torchmetrics all-gathers each state), then one
         # device-to-host copy of the small reduced tensors: this is the logging step's sync.
         sums = {k: v.detach().cpu() for k, v in window.compute().items()}
+        # torchmetrics squeezes one-element results to 0-dim (one MoE layer, one loss): restore the shapes
+        sums = {k: v.reshape(getattr(window, k).shape) for k, v in sums.items()}
         window.reset()
         names = [name for name, _ in self._layers]
         self.tokens_per_expert = {

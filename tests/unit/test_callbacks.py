@@ -296,3 +296,14 @@ def test_peak_flops_table():
     assert precision_peak_dtype(fake("32-true")) is None
     assert precision_peak_dtype(fake("bf16-mixed", SimpleNamespace(name="blockwise"))) == "fp8"
     assert precision_peak_dtype(fake("bf16-mixed", SimpleNamespace(name="nvfp4"))) == "fp4"
+
+
+def test_moe_monitor_with_one_moe_layer():
+    """One layer's states are one-element tensors, which torchmetrics' compute squeezes to 0-dim."""
+    model = MoELanguageModel("tiny", overrides={"num_layers": 1, "hidden_size": 32, "ffn_hidden_size": 64,
+                                                "num_attention_heads": 2, "moe": {"ffn_hidden_size": 32}},
+                             learning_rate=1e-2, warmup_steps=1)
+    monitor = MoEMonitor(log_every_n_steps=1)
+    trainer(2, [monitor]).fit(model, DataLoader(RandomTokens(4), batch_size=MICRO))
+    (layer,) = monitor.tokens_per_expert
+    assert monitor.metrics[f"moe/{layer}/tokens"] > 0 and f"moe/{layer}/load_cv" in monitor.metrics
