@@ -497,7 +497,7 @@ def delayed_cast(
     aligned_ends: Optional[Tensor] = None,
     row_probs: Optional[Tensor] = None,
     amax_prepass: bool = False,
-    amax_group: Optional[torch.distributed.ProcessGroup] = None,
+    reduce_amax: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Cast ``x [R, C]`` (rows in token groups, cumulative int32 ends ``offsets [G]``) to E4M3
     (or E5M2) with per-group delayed scales ``scale_G [G]`` (0: none yet, the current amax
@@ -537,9 +537,10 @@ def delayed_cast(
             pre-pass (as the row kernel always does and evaluation does) instead of finding it
             itself, which reads such a group once per column block: for a state that has no
             scales yet (`DelayedState.fresh`). The same values either way.
-        amax_group: max-reduce the pre-pass's current amaxes over these ranks before the cast
-            (a fresh state's, `delayed.fresh_amax_group`); implies ``amax_prepass``. Every rank
-            of the group calls this for the same operand, an empty one included.
+        reduce_amax: applied to the pre-pass's per-group current amaxes ``[G]`` before the cast
+            (a fresh state's max-reduction over the ranks holding the tensor,
+            `delayed.reduce_current_amax`); implies ``amax_prepass``. Called for an empty operand
+            too (with zeros), so that a collective inside it runs on every rank.
     Returns:
         (row copy, row ``scale_inv [R]``, group-column ``scale_inv [G, C]``), None for a copy
         not asked for.
@@ -571,8 +572,8 @@ def delayed_cast(
     s_row = torch.empty(rows, dtype=torch.float32, device=device) if write_row else None
     s_col = torch.empty(groups, cols, dtype=torch.float32, device=device) if out_col is not None else None
     if not (rows and cols):  # nothing to cast; no amax to record
-        if amax_group is not None:  # the group's other ranks reduce theirs: take part with zeros
-            _max_over_group(torch.zeros(groups, dtype=torch.float32, device=device), amax_group)
+        if reduce_amax is not None:  # the group's other ranks reduce theirs: take part with zeros
+            reduce_amax(torch.zeros(groups, dtype=torch.float32, device=device))
         # The generic path's scales: the history's where there is one, else 1 (an empty
         # group's amax is 0); the tail group has no history.
         inv_G = torch.where(scale_G > 0, 1.0 / scale_G, torch.ones_like(scale_G)).to(torch.float32)
@@ -589,17 +590,8 @@ def delayed_cast(
                           gather_rows, aligned_ends, row_probs):
         _launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
                              stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends, row_probs,
-                             amax_prepass or amax_group is not None, amax_group)
+                             amax_prepass or reduce_amax is not None, reduce_amax)
     return q_row, s_row, s_col
-
-
-def _max_over_group(amax: Tensor, group: Optional[torch.distributed.ProcessGroup]) -> Tensor:
-    """``amax`` max-reduced over ``group`` (as is for None)."""
-    if group is None:
-        return amax
-    amax = amax.contiguous().clone()
-    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-    return amax
 
 
 def _current_amaxes(x_RC: Tensor, offsets_G: Tensor, scale_G: Tensor, rows: int, cols: int, amax_groups: int,
@@ -618,7 +610,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
                          out_col: Optional[Tensor], s_col: Optional[Tensor], stride_out_col: int,
                          stride_out_group: int, e5m2: bool, swiglu: bool, gather_rows: Optional[Tensor],
                          aligned_ends: Optional[Tensor], row_probs: Optional[Tensor], amax_prepass: bool,
-                         amax_group: Optional[torch.distributed.ProcessGroup]) -> None:
+                         reduce_amax: Optional[Callable[[Tensor], Tensor]]) -> None:
     # The kernels of `delayed_cast` (the operand is ``rows x cols`` after the SwiGLU or the
     # gather, if any).
     groups = offsets_G.numel()
@@ -631,8 +623,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         # so the current amax of groups without history (and of the tail) comes from a pre-pass.
         src, num_src = (gather_rows, x_RC.shape[0]) if gather else (scale_G, 0)
         cur_amax = _current_amaxes(x_RC, offsets_G, scale_G, rows, cols, groups + 1, src, num_src, None, swiglu, gather)
-        if amax_group is not None:  # the tail's amax (its own, no history) stays local
-            cur_amax = torch.cat([_max_over_group(cur_amax[:groups], amax_group), cur_amax[groups:]])
+        if reduce_amax is not None:  # the tail's amax (its own, no history) stays local
+            cur_amax = torch.cat([reduce_amax(cur_amax[:groups]), cur_amax[groups:]])
         block = min(next_power_of_2(cols), 2048)
         launch(
             _delayed_row_kernel, (rows,),
@@ -655,9 +647,10 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         # has no scale at all: there the kernel's own amax would read each group once per column
         # block. Here the amax pre-pass runs instead and the missing scales are filled in before
         # the cast, so the kernel never takes that branch; the same scales, so the same bits.
-        cur_amax = _max_over_group(
-            _current_amaxes(x_RC, offsets_G, scale_G, rows, cols, groups, src, num_src, row_probs, swiglu, gather),
-            amax_group)
+        cur_amax = _current_amaxes(x_RC, offsets_G, scale_G, rows, cols, groups, src, num_src, row_probs, swiglu,
+                                   gather)
+        if reduce_amax is not None:
+            cur_amax = reduce_amax(cur_amax)
         filled = torch.empty_like(scale_G)
         launch(_fill_missing_scales_kernel, (cdiv(groups, 1024),), scale_G, cur_amax, filled, groups, BLOCK=1024,
                num_warps=4)

@@ -128,16 +128,25 @@ def grouped_mm_covered(
     w_EKN = compute_weight(w_EKN, x_RK.dtype)
     if x_RK.dtype == torch.float64:
         return loop_covered_rows(x_RK, w_EKN, offsets_E)
-    k, n = w_EKN.shape[-2:]
-    multiple = 16 // x_RK.element_size()
-    pad_k, pad_n = -k % multiple, -n % multiple
-    if pad_k == 0 and pad_n == 0:
-        return _GroupedMMCoveredRows.apply(x_RK, w_EKN, offsets_E, zero_output, zero_grad_input)
-    if pad_k:
-        x_RK = F.pad(x_RK, (0, pad_k))
-    w_EKN = F.pad(w_EKN, (0, pad_n, 0, pad_k))
+    n = w_EKN.shape[-1]
+    x_RK, w_EKN = padded_to_16_byte_rows(x_RK, w_EKN)
     y_RN = _GroupedMMCoveredRows.apply(x_RK, w_EKN, offsets_E, zero_output, zero_grad_input)
-    return y_RN[:, :n] if pad_n else y_RN
+    return y_RN[:, :n] if y_RN.shape[1] != n else y_RN
+
+
+def padded_to_16_byte_rows(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Operands of ``torch._grouped_mm`` with rows 16 bytes wide: ``a [M, K] @ b [E, K, N]`` gets K
+    and N zero-padded, ``a [K, T] @ b [T, N]`` (groups along the contraction) N. Zero columns of
+    ``a`` meet zero rows of ``b``; the output's extra columns are zeros to slice off. Operands that
+    need nothing are returned as they are (no copy)."""
+    multiple = 16 // a.element_size()
+    pad_n = -b.shape[-1] % multiple
+    pad_k = -a.shape[1] % multiple if b.dim() == 3 else 0
+    if pad_k:
+        a = F.pad(a, (0, pad_k))
+    if pad_k or pad_n:
+        b = F.pad(b, (0, pad_n, 0, pad_k) if b.dim() == 3 else (0, pad_n))
+    return a, b
 
 
 def loop_covered_rows(x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:

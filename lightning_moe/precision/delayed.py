@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple, Optional
 
 import torch
@@ -130,6 +131,12 @@ def history_scales(state: DelayedState, role: str, history_fmt_max: float, fmt_m
     the rescaling is exact (except for scales the update clamped to FLT_MAX, amax < ~1.7e-34)."""
     scale = state.scale[SLOTS[role]]
     return scale if fmt_max == history_fmt_max else scale * (fmt_max / history_fmt_max)
+
+
+def fresh_amax_reduction(state: Optional[DelayedState]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """`reduce_current_amax` over the state's `fresh_amax_group`, or None where there is none."""
+    group = fresh_amax_group(state)
+    return None if group is None else functools.partial(reduce_current_amax, group=group)
 
 
 def fresh_amax_group(state: Optional[DelayedState]) -> Optional[dist.ProcessGroup]:

@@ -25,9 +25,9 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe.nn.grouped_gemm import padded_to_16_byte_rows
 from lightning_moe.precision.delayed import DelayedState
 from lightning_moe.precision.operands import Layout, dequantized_operand, pad_contraction, symmetric_tiles
 from lightning_moe.precision.quantize import NVFP4_BLOCK
@@ -63,17 +63,9 @@ def _grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
         a, b = a.bfloat16(), b.bfloat16()
     else:
         a = a.contiguous()
-    multiple = 16 // a.element_size()
     n = b.shape[-1]
-    pad_n = -n % multiple
-    if b.dim() == 3:
-        pad_k = -a.shape[1] % multiple
-        if pad_k:  # zero columns of a meet zero rows of b: nothing added
-            a, b = F.pad(a, (0, pad_k)), F.pad(b, (0, 0, 0, pad_k))
-    if pad_n:
-        b = F.pad(b, (0, pad_n))
-    y = torch._grouped_mm(a, b, offs=offsets)
-    return (y[..., :n] if pad_n else y).float()
+    y = torch._grouped_mm(*padded_to_16_byte_rows(a, b), offs=offsets)
+    return (y[..., :n] if y.shape[-1] != n else y).float()
 
 
 class _EmulatedLinear(torch.autograd.Function):

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe.kernels import WGRAD_GROUP_ALIGN, widened
-from lightning_moe.precision.delayed import DelayedState, fresh_amax_group
+from lightning_moe.precision.delayed import DelayedState, fresh_amax_group, fresh_amax_reduction
 from lightning_moe.precision.formats import E4M3, E5M2
 from lightning_moe.precision.gemm import compute_dtype, no_autocast
 from lightning_moe.precision.operands import Layout, quantize_operand
@@ -485,7 +485,7 @@ class _FusedGroupedOperands:
                                        stride_out_col=0 if q_CR is None else q_CR.shape[1], swiglu=swiglu,
                                        gather_rows=gather_rows, aligned_ends=aligned_ends if transposed else None,
                                        row_probs=row_probs, amax_prepass=self.state.fresh,
-                                  amax_group=fresh_amax_group(self.state))
+                                  reduce_amax=fresh_amax_reduction(self.state))
         return q_RC, s_R, q_CR, None if s_GC is None else s_GC.reshape(-1)
 
     def weight_fprop(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -498,7 +498,7 @@ class _FusedGroupedOperands:
         _, _, s_EN = delayed_cast(rows, ends, *self._delayed("weight"), write_row=False, out_col=q_ENK,
                                   stride_out_col=stride_col, stride_out_group=stride_group,
                                   amax_prepass=self.state.fresh,
-                                  amax_group=fresh_amax_group(self.state))
+                                  reduce_amax=fresh_amax_reduction(self.state))
         return q_ENK, s_EN
 
     def weight_dgrad(self, w_EKN: Tensor) -> tuple[Tensor, Tensor]:
@@ -512,7 +512,7 @@ class _FusedGroupedOperands:
         from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
 
         q, s_EK, _ = delayed_cast(rows, _expert_row_ends(w_EKN), self._delayed("weight")[0], None,
-                                  amax_group=fresh_amax_group(self.state))
+                                  reduce_amax=fresh_amax_reduction(self.state))
         return q, s_EK
 
     def weight_both(self, w_EKN: Tensor, launch_stream: Optional[torch.cuda.Stream] = None
@@ -529,7 +529,7 @@ class _FusedGroupedOperands:
         q_dgrad, s_dgrad, s_EN = delayed_cast(rows, ends, scale, record, out_col=q_ENK, stride_out_col=stride_col,
                                               stride_out_group=stride_group, launch_stream=launch_stream,
                                               amax_prepass=self.state.fresh,
-                                  amax_group=fresh_amax_group(self.state))
+                                  reduce_amax=fresh_amax_reduction(self.state))
         return q_ENK, s_EN, q_dgrad, s_dgrad
 
 
