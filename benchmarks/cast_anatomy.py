@@ -9,11 +9,6 @@ pipelining, ``num_stages`` on the body's loop, leaves these pointer loads as the
 
     python benchmarks/cast_anatomy.py [--model qwen3]
 
-Beside them, the library's cast reading the body's tiles by TMA into shared memory
-(`fp8_delayed_triton.TMA_READS`, ``STAGES - 1`` tiles in flight ahead of the one being cast, where the
-pointer kernel prefetches one into registers) at several launch shapes, its bytes checked against the
-pointer kernel's.
-
 Writes ``benchmarks/results/cast_anatomy_<model>.json``: per variant ms, bytes moved and TB/s. With
 ``--once`` every variant is launched once, untimed, in the order printed, for Nsight Compute's warp
 stall reasons (a reference launch of the library's cast comes first)::
@@ -25,7 +20,6 @@ stall reasons (a reference launch of the library's cast comes first)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
@@ -52,16 +46,6 @@ def tile_cast(x, offsets, scale, record, q_row, s_row, q_col, s_col, write_row: 
            WRITE_ROW=write_row, WRITE_COL=write_col, RECORD=True, SWIGLU=False, BR=block_r, BC=block_c, GROUP_AXIS=1,
            GATHER=False, ALIGN=align, ROW_PROBS=False, AMAX_ROWS=fd.amax_rows("plain", block_r),
            num_warps=warps, **fd.register_cap("plain"))
-
-
-def library_cast(x, offsets, scale, record, q_col, tma_launch=None) -> list:
-    """`fp8_delayed_triton.delayed_cast` as the block calls it on a plain operand (both copies, the
-    aligned layout); with ``tma_launch`` (rows, columns, warps, stages) reading its tiles by TMA
-    (`TMA_READS`). Returns (row copy, row scales, transposed copy, column scales)."""
-    with fd.reading_by_tma(tma_launch) if tma_launch is not None else contextlib.nullcontext():
-        q_row, s_row, s_col = fd.delayed_cast(x, offsets, scale, record, out_col=q_col, stride_out_col=q_col.shape[1],
-                                              aligned_ends=offsets)
-    return [q_row, s_row, q_col, s_col]
 
 
 def main() -> None:
@@ -98,21 +82,6 @@ def main() -> None:
         "torch bf16 copy": (lambda: copy_bf16.copy_(x), 4 * n),
         "torch float8 copy": (lambda: copy_fp8.copy_(x), 3 * n),
     }
-    # The body's tiles read by TMA, several in flight (`fp8_delayed_triton.TMA_READS`; launch shapes that
-    # compile spill-free offline, plus the library's): outputs checked against the pointer kernel's.
-    tma_shapes = [(64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 4), (128, 64, 4, 2), (128, 64, 4, 3), (64, 64, 4, 3),
-                  (64, 64, 4, 4), (128, 128, 8, 3)]
-    reference = [t.clone() for t in library_cast(x, offsets, scale, record, q_col)]
-    equal = {}
-    for launch_shape in tma_shapes:
-        name = "TMA reads {} x {} x {}, {} stages".format(*launch_shape)
-
-        def run(launch_shape=launch_shape):
-            return library_cast(x, offsets, scale, record, q_col, launch_shape)
-
-        q_col.view(torch.uint8).zero_()
-        equal[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(run(), reference))
-        variants[name] = (run, 4 * n)
     if args.once:
         for name, (fn, _) in variants.items():
             print("launching", name, flush=True)
@@ -125,14 +94,12 @@ def main() -> None:
     for rounds in range(2):  # twice, interleaved: the better of two is kept
         for name, (fn, nbytes) in variants.items():
             # each launch queued behind a GPU spin: the library path's host work (allocating the
-            # outputs, making a TMA descriptor) stays out of the kernel's time, as in a CUDA graph
+            # outputs) stays out of the kernel's time, as in a CUDA graph
             ms, _ = cuda_time_ms(fn, warmup=3, iters=args.iters, lead_cycles=QUEUED_LEAD_CYCLES)
             best = min(ms, results.get(name, {}).get("ms", ms))
             results[name] = {"ms": best, "bytes": nbytes, "tb_s": nbytes / best / 1e9}
-            if name in equal:
-                results[name]["bytes_equal"] = equal[name]
     for name, r in results.items():
-        print(f"{args.model:8s} {name:36s} {r['ms']:.3f} ms {r['tb_s']:.2f} TB/s", r.get("bytes_equal", ""), flush=True)
+        print(f"{args.model:8s} {name:36s} {r['ms']:.3f} ms {r['tb_s']:.2f} TB/s", flush=True)
     write_results(f"cast_anatomy_{args.model}", {"shape": shape, "launch": fd.TILE_SHAPES["plain"],
                                                   "amax_rows": fd.amax_rows("plain", fd.TILE_SHAPES["plain"][0]),
                                                   "results": results})

@@ -33,10 +33,8 @@ The tile case of bf16 operands, plain or gathered (not the SwiGLU kinds), runs t
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -58,114 +56,27 @@ from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launc
 
 # The tile kernel's launch shape (rows, columns, warps) per operand kind: "plain" (weights, data
 # gradients), "gather" (fc1's input read through the permutation), "swiglu" (fc2's input computed from
-# fc1's output), from `benchmarks/fp8_quant_tune.py --delayed-fused` on H200
-# (fp8_quant_tune_delayed_fused.json, every shape's bytes equal): plain 128 x 64 x 4 warps is the
-# fastest of 12 shapes (2.40 TB/s); gathering it is within 1.5% of the fastest; with the SwiGLU,
-# 64 x 32 x 4 moves 2.19 TB/s against 1.37 for 128 x 64 x 4 (0.28 against 0.44 ms on qwen3's fc2
-# input). Compiled offline for sm90 (`benchmarks/cast_registers.py`), 128 x 64 x 4 spills 1.3 KB per
-# thread plain, 0.4 KB gathering and 2.2 KB with the SwiGLU; 64 x 32 x 4 spills nothing. The spills
-# cost the SwiGLU cast its bandwidth, not the others. Since s28, plain and gather run 64 x 128 x 4 with
-# the amax accumulator folded onto 16 rows (`AMAX_FOLD_ROWS`, 1.2x at qwen3's operands).
-# "swiglu_grad" (`swiglu_grad_cast_triton`: fc1's output gradient computed from fc1's output and fc2's
-# data gradient, three tiles read per tile cast; fp8_quant_tune_delayed_fused_swiglu_grad.json, every
-# shape's bytes equal): 32 x 64 x 4 takes the least time summed over the three benchmark shapes (2.34
-# against 2.41 ms for 64 x 32 x 4: 10% faster at mixtral, 2% / 5% slower at qwen3 / deepseek).
-# Since s29 both SwiGLU kinds run 64 x 32 x 8 warps with a register cap (`MAX_REGISTERS`): see there.
+# fc1's output) and "swiglu_grad" (`swiglu_grad_cast_triton`: fc1's output gradient computed from fc1's
+# output and fc2's data gradient). Chosen by sweeping shapes at the benchmark models' operands with
+# every shape's bytes checked equal (`benchmarks/fp8_quant_tune.py --delayed-fused`,
+# `benchmarks/best_cast_tiles.py`). The SwiGLU kinds read two or three tiles per tile cast: larger
+# tiles spill registers there, and the spills, not the bytes, bound them. Benchmarks comparing launch
+# shapes patch these dicts.
 TILE_SHAPES: dict[str, tuple[int, int, int]] = {"plain": (64, 128, 4), "gather": (64, 128, 4), "swiglu": (64, 32, 8),
                                                 "swiglu_grad": (64, 32, 8)}
 
-
-def _per_kind(value: str, variable: str, parse: Callable[[str], Optional[Any]], form: str,
-              example: str) -> dict[str, Any]:
-    """``value`` = ``"KIND=SETTING,..."`` (from the environment variable ``variable``) as ``{kind:
-    parse(SETTING)}``; raises, naming ``form`` and ``example``, for an unknown kind or a setting
-    ``parse`` refuses (returns None for)."""
-    settings = {}
-    for item in filter(None, (part.strip() for part in value.split(","))):
-        kind, _, setting = item.partition("=")
-        parsed = parse(setting) if kind in TILE_SHAPES else None
-        if parsed is None:
-            raise ValueError(f"{variable}: {item!r} is not KIND={form} with KIND one of {', '.join(TILE_SHAPES)} "
-                             f"(e.g. {example})")
-        settings[kind] = parsed
-    return settings
-
-
-def _shape(setting: str) -> Optional[tuple[int, ...]]:
-    parts = setting.split("x")
-    return tuple(int(p) for p in parts) if len(parts) == 3 and all(p.isdigit() for p in parts) else None
-
-
-def _tile_shapes_from_env(value: str) -> dict[str, tuple[int, int, int]]:
-    """``LIGHTNING_MOE_CAST_TILES="swiglu=64x32x4,gather=128x64x8"``: launch shapes for an A/B
-    measurement of the whole block without editing `TILE_SHAPES` (benchmarks only)."""
-    return _per_kind(value, "LIGHTNING_MOE_CAST_TILES", _shape, "ROWSxCOLSxWARPS", "swiglu=64x32x4")
-
-
-TILE_SHAPES.update(_tile_shapes_from_env(os.environ.get("LIGHTNING_MOE_CAST_TILES", "")))
-
 # The per-element amax accumulator of the tile kernels (this one and `swiglu_grad_cast_triton`) folded
 # onto fewer rows, per operand kind: each tile's rows r, r + 16, ... are max-folded onto an [AMAX_ROWS, BC]
-# accumulator before it is kept (0 or absent: the tile's own rows). Nsight Compute on the H200 found the
-# casts at 255 registers per thread with spills, two programs (8 warps) per multiprocessor, neither DRAM
-# nor L2 saturated. `fp8_quant_tune.py --delayed-fused --registers` (fp8_quant_tune_registers.json, s28,
-# every variant's bytes equal): 64 x 128 x 4 warps folded onto 16 rows moves 2.63 / 2.59 TB/s on qwen3's
-# plain / gathered operands against 2.10 / 2.17 for 128 x 64 x 4 unfolded; the fold costs the other
-# shapes (a layout conversion per tile: 128 x 64 folded runs at half speed), and capping registers
-# (maxnreg 128 / 168 on that folded 128 x 64 x 4, itself 2x slower) lost further.
+# accumulator before it is kept (0 or absent: the tile's own rows). The casts are issue-bound with every
+# register taken; the fold frees registers for 64 x 128 tiles, where it measured about 1.2x the
+# bandwidth of unfolded 128 x 64 tiles. It costs other shapes a layout conversion per tile.
 AMAX_FOLD_ROWS: dict[str, int] = {"plain": 16, "gather": 16}
 
-
-def _per_kind_from_env(variable: str, example: str) -> dict[str, int]:
-    """``variable="KIND=N,..."`` (e.g. ``LIGHTNING_MOE_CAST_AMAX_ROWS="plain=16,gather=0"``): a per-kind
-    setting for an A/B measurement (benchmarks only; 0 turns it off)."""
-    return _per_kind(os.environ.get(variable, ""), variable, lambda n: int(n) if n.isdigit() else None, "N", example)
-
-
-AMAX_FOLD_ROWS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_AMAX_ROWS", "plain=16"))
-
 # A cap on the tile kernels' registers per thread, per kind (Triton's ``maxnreg``; absent or 0: the
-# compiler's choice, which takes up to 255 wherever it may and so holds a 4-warp cast to two programs per
-# multiprocessor). Capping 128 x 64 x 4 folded (itself 2x slower) lost (fp8_quant_tune_registers.json).
-# The s29 sweep at qwen3's operands (fp8_quant_tune_registers_qwen3.json, `fp8_quant_tune.py
-# --delayed-fused --registers --models qwen3`, every launch's bytes equal) found the SwiGLU cast at 64 x 32
-# x 8 capped to 64 registers (40 bytes spilled offline, 32 warps per multiprocessor) 0.310 ms and the
-# SwiGLU-backward cast at 64 x 32 x 8 capped to 128 (12 bytes, 16 warps) 0.559 ms; the qwen3 block with
-# both, CUDA-graphed, two interleaved rounds (moe_block_castregs_*.json): FP8 7.41 / 7.42 ms against 7.45 /
-# 7.45. `LIGHTNING_MOE_CAST_MAX_REGISTERS` overrides per kind (0: no cap).
+# compiler's choice, which takes up to 255 wherever it may and so holds a cast to few programs per
+# multiprocessor). The SwiGLU casts at 64 x 32 x 8 warps ran fastest capped (a few spilled bytes, more
+# warps resident); capping the plain and gathered casts lost.
 MAX_REGISTERS: dict[str, int] = {"swiglu": 64, "swiglu_grad": 128}
-MAX_REGISTERS.update(_per_kind_from_env("LIGHTNING_MOE_CAST_MAX_REGISTERS", "swiglu_grad=128"))
-
-
-# The plain cast (the expert weights' and dense operands') reading its body's tiles by TMA into shared
-# memory, TMA_STAGES - 1 of them in flight, instead of one prefetched into registers: rows, columns,
-# warps, stages. `benchmarks/cast_anatomy.py` (the same bytes): 0.310 against the pointer kernel's 0.363 ms
-# at qwen3's operand (cast_anatomy_qwen3_s30c3.json), 0.568 against 0.602 at deepseek's (s29). Off by
-# default: no gain in the graphed qwen3 block (s30, moe_block_tmareads_*.json), where the plain casts (the
-# expert weights') run on a side stream beside the router. ``LIGHTNING_MOE_CAST_TMA_READS=1`` turns it on
-# (where the operand can back a descriptor: 16-byte aligned rows); the CUDA cast (`fp8_cast_cuda`) takes
-# bf16 operands first.
-TMA_READS: bool = os.environ.get("LIGHTNING_MOE_CAST_TMA_READS", "0") == "1"
-TMA_READ_LAUNCH: tuple[int, int, int, int] = (64, 64, 4, 4)
-
-
-@contextlib.contextmanager
-def reading_by_tma(launch_shape: Optional[tuple[int, int, int, int]] = None) -> Iterator[None]:
-    """`TMA_READS` on inside the block, at ``launch_shape`` (rows, columns, warps, stages; default
-    `TMA_READ_LAUNCH`), for benchmarks and tests; both settings are restored after it."""
-    saved = TMA_READS, TMA_READ_LAUNCH
-    globals().update(TMA_READS=True, TMA_READ_LAUNCH=launch_shape or TMA_READ_LAUNCH)
-    try:
-        yield
-    finally:
-        globals().update(TMA_READS=saved[0], TMA_READ_LAUNCH=saved[1])
-
-
-def _tma_readable(x: Tensor) -> bool:
-    """Whether ``x`` ``[R, C]`` can back a TMA descriptor: unit column stride, a 16-byte aligned base and
-    row stride (the stride, not the width: torch calls a one-row tensor of any row stride contiguous)."""
-    return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.stride(1) == 1
-            and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0 and x.shape[0] < 2**31)
 
 
 def register_cap(kind: str) -> dict:
@@ -187,12 +98,10 @@ def amax_rows(kind: str, block_r: int) -> int:
 # The tile casts' amax accumulation: ``acc`` ``[AMAX_ROWS, BC]`` max-folded with ``|x|`` ``[BR, BC]``
 # (rows r, r + AMAX_ROWS, ... onto row r), NaN ignored. The compiler lowers a NaN-ignoring maximum (the
 # ``where(x == x, ...)`` guard, or ``tl.maximum``'s maxNum) to a NaN test, a select and a max per
-# element; PTX's ``max.f32`` ignores a NaN operand by itself (IEEE maxNum), so with it the plain cast's
-# loop body takes 702 instructions per iteration instead of 798 (64 x 128 x 4, offline sm90 PTX). The
-# casts are issue-bound at two programs per multiprocessor (Nsight Compute, ncu_s29_cast_anatomy.json:
-# 4.6 cycles per instruction per warp, two warps per scheduler). Triton's interpreter runs no PTX: it
-# takes the guarded form, as does ``LIGHTNING_MOE_CAST_ASM_MAX=0`` (an A/B switch for benchmarks).
-if os.environ.get("TRITON_INTERPRET", "0") == "1" or os.environ.get("LIGHTNING_MOE_CAST_ASM_MAX", "1") == "0":
+# element; PTX's ``max.f32`` ignores a NaN operand by itself (IEEE maxNum), about 12% fewer
+# instructions in the plain cast's loop, which is issue-bound. Triton's interpreter runs no PTX: it
+# takes the guarded form.
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
     @triton.jit
     def _fold_abs_max(acc, x, AMAX_ROWS: tl.constexpr):
         a = _abs_ignoring_nan(x)
@@ -329,7 +238,7 @@ def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_bas
         # wrong bytes on the H200 (GPU test with fp32 input; bf16 was right).
         col_scale = tl.zeros_like(cols).to(tl.float32) + scale
         # Explicitly transposed tiles (the fp32 values, or the float8 bytes) measured no faster
-        # than letting the compiler reshuffle this one (fp8_quant_tune_delayed_variants_transpose_stages.json).
+        # than letting the compiler reshuffle this one (measured).
         tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
                  (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
     if AMAX_ROWS > 0:
@@ -351,11 +260,9 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
                          GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False,
-                         AMAX_ROWS: tl.constexpr = 0, x_desc=None, TMA_STAGES: tl.constexpr = 0):
+                         AMAX_ROWS: tl.constexpr = 0):
     # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
     # axis, so the programs resident together read neighbouring columns of the same rows.
-    # TMA_STAGES > 0 (plain operands only; ``x_desc``: ``x``'s descriptor of [BR, BC] blocks): the
-    # body's tiles come by TMA into shared memory, TMA_STAGES - 1 of them in flight (`TMA_READS`).
     group = tl.program_id(GROUP_AXIS)
     cols = tl.program_id(1 - GROUP_AXIS) * BC + tl.arange(0, BC)
     cmask = cols < C
@@ -382,37 +289,25 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                               GATHER, 16, prob_ptr, ROW_PROBS)
     # The body [lo, hi), whose bounds are multiples of 16: the next tile's load is issued before
     # this tile is cast, so two tiles are in flight per program, the next one held in ``x``'s
-    # dtype (1.17x the bandwidth of one at a time at qwen3's operands, fp8_cast_tma_tune_s20f.json;
-    # the compiler's software pipelining, 3 stages, measured no faster:
-    # fp8_quant_tune_delayed_variants_transpose_stages.json). The amax is kept per element.
+    # dtype (about 1.17x the bandwidth of one tile at a time; the compiler's software pipelining
+    # measured no faster). The amax is kept per element.
     # AMAX_ROWS 0 (the launch default): the tile's own rows, no fold
     BODY_AMAX_ROWS: tl.constexpr = AMAX_ROWS if AMAX_ROWS > 0 else BR
     body_amax = tl.zeros([BODY_AMAX_ROWS, BC], dtype=tl.float32)
-    if TMA_STAGES > 0:
-        tl.static_assert(not SWIGLU and not GATHER, "TMA reads take plain operands only")
-        c0 = tl.program_id(1 - GROUP_AXIS) * BC
-        for r0 in tl.range(lo, hi, BR, num_stages=TMA_STAGES):
-            tile_rows = r0 + tl.arange(0, BR)
-            m = (tile_rows < hi)[:, None] & cmask[None, :]
-            # a tile's rows past the body are the next group's (or past R: zeros): out of the amax
-            x = tl.where(m, x_desc.load([tl.cast(r0, tl.int32), c0]).to(tl.float32), 0.0)
-            body_amax = _cast_store(x, tile_rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C,
-                                    stride_qc, body_amax, WRITE_ROW, WRITE_COL, BODY_AMAX_ROWS)
-    else:
-        tile_rows = lo + tl.arange(0, BR)
-        ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols,
-                                     (tile_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER)
-        ahead_p = _load_probs(prob_ptr, tile_rows, tile_rows < hi, ROW_PROBS)  # in flight with the tile
-        for r0 in tl.range(lo, hi, BR, num_stages=1):
-            tile_rows = r0 + tl.arange(0, BR)
-            x = _operand_from_raw(ahead_a, ahead_b, SWIGLU, ahead_p, ROW_PROBS)
-            next_rows = tile_rows + BR
-            ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols,
-                                         (next_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER)
-            ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
-            body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr,
-                                    cols, scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL,
-                                    BODY_AMAX_ROWS)
+    tile_rows = lo + tl.arange(0, BR)
+    ahead_a, ahead_b = _load_raw(x_ptr, tile_rows, tile_rows < hi, cols,
+                                 (tile_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER)
+    ahead_p = _load_probs(prob_ptr, tile_rows, tile_rows < hi, ROW_PROBS)  # in flight with the tile
+    for r0 in tl.range(lo, hi, BR, num_stages=1):
+        tile_rows = r0 + tl.arange(0, BR)
+        x = _operand_from_raw(ahead_a, ahead_b, SWIGLU, ahead_p, ROW_PROBS)
+        next_rows = tile_rows + BR
+        ahead_a, ahead_b = _load_raw(x_ptr, next_rows, next_rows < hi, cols,
+                                     (next_rows < hi)[:, None] & cmask[None, :], C, SWIGLU, src_ptr, T, GATHER)
+        ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
+        body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr,
+                                cols, scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL,
+                                BODY_AMAX_ROWS)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,
@@ -619,7 +514,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     weighted = row_probs is not None
     if out_col is None:
         # The row copy alone: one program per whole row, as the rowwise quantizer (its launch
-        # shape: fp8_quant_tune.json), instead of per-group column tiles. A program sees one row,
+        # shape), instead of per-group column tiles. A program sees one row,
         # so the current amax of groups without history (and of the tail) comes from a pre-pass.
         src, num_src = (gather_rows, x_RC.shape[0]) if gather else (scale_G, 0)
         cur_amax = _current_amaxes(x_RC, offsets_G, scale_G, rows, cols, groups + 1, src, num_src, None, swiglu, gather)
@@ -660,20 +555,12 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
                                           stride_out_col, stride_out_group, gather_rows, aligned_ends)
         return
     align, aligned_ends_ptr = _column_layout(aligned_ends, dummy)
-    # Launch shape from fp8_quant_tune_delayed_variants_*.json and fp8_cast_tma_tune_s20f.json (H200,
-    # both copies of the FP8 block's operands): amax kept per element until the loop ends, column
-    # blocks on the grid's fast axis (2.5-3.0 TB/s against 2.1-2.6 for an amax reduced per tile),
-    # then tiles with the next one's load in flight (2.9-3.3 TB/s at 128 x 64 on plain operands; a
-    # bf16 copy of the same tensors: 4.0-4.25 TB/s); the tile shape per operand kind: `TILE_SHAPES`.
+    # Launch: amax kept per element until the loop ends and column blocks on the grid's fast axis
+    # (each measured faster than an amax reduced per tile or groups on the fast axis), tiles with
+    # the next one's load in flight; the tile shape per operand kind: `TILE_SHAPES`.
     kind = "swiglu" if swiglu else "gather" if gather else "plain"
     block_r, block_c, warps = TILE_SHAPES[kind]
     options = register_cap(kind)
-    if kind == "plain" and TMA_READS and _tma_readable(x_RC):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        block_r, block_c, warps, stages = TMA_READ_LAUNCH
-        options = dict(options, x_desc=TensorDescriptor(x_RC, list(x_RC.shape), [x_RC.stride(0), 1],
-                                                         [block_r, block_c]), TMA_STAGES=stages)
     launch(
         _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),
         x_RC, offsets_G, scale_G,

@@ -10,8 +10,7 @@ interpreter's float8 conversion rounds ties away from zero and some small values
 Triton 3.6, so here bytes are compared between launches of the same interpreter only):
 - plain: every output against the reference launch; scales, amax record and the transposed
   copy's layout (equal to the row copy transposed, nothing written past the last group) against
-  the generic delayed quantizer; plain_tma: the same with the body's tiles read by TMA
-  (`fp8_delayed_triton.TMA_READS`; shapes are rows,columns,warps,stages);
+  the generic delayed quantizer;
 - gather: the cast reading rows through the permutation against the plain cast of the gathered
   rows (zeros for the padding sentinel);
 - swiglu: the cast computing the SwiGLU against the plain cast of the Triton SwiGLU's output, and
@@ -131,25 +130,6 @@ def check(kind: str, shape: tuple[int, int, int]) -> list[str]:
         x = _operand(0, COLS)
         out = _cast_with(kind, shape, x)
         return _check_equal(out, _cast_with(kind, REFERENCE_LAUNCH, x)) + _check_plain_against_generic(out, x)
-    if kind == "plain_tma":  # shape: the TMA launch (rows, columns, warps, stages)
-        import triton.tools.tensor_descriptor as descriptors
-
-        x = _operand(0, COLS)
-        made = []
-
-        class Counted(descriptors.TensorDescriptor):  # proves the TMA path ran (else: the pointer kernel)
-            def __post_init__(self):
-                made.append(self)
-                super().__post_init__()
-
-        real, descriptors.TensorDescriptor = descriptors.TensorDescriptor, Counted
-        try:
-            with fd.reading_by_tma(shape):
-                out = _cast(x)
-        finally:
-            descriptors.TensorDescriptor = real
-        return ([] if made else ["no TMA descriptor made"]) + _check_equal(
-            out, _cast_with("plain", REFERENCE_LAUNCH, x)) + _check_plain_against_generic(out, x)
     if kind == "gather":
         tokens = _operand(1, COLS, rows=97)
         gather_rows = torch.randint(0, 98, (ROWS,), generator=torch.Generator().manual_seed(2))  # 97: padding
@@ -187,7 +167,7 @@ def check(kind: str, shape: tuple[int, int, int]) -> list[str]:
 
 def main() -> None:
     kind, given = sys.argv[1], [tuple(int(v) for v in s.split(",")) for s in sys.argv[2:]]
-    library = fd.TMA_READ_LAUNCH if kind == "plain_tma" else fd.TILE_SHAPES[kind]
+    library = fd.TILE_SHAPES[kind]
     for shape in [library] + [shape for shape in given if shape != library]:
         failures = check(kind, shape)
         print(kind, shape, "(library launch)" if shape == library else "", failures or "equal", flush=True)
