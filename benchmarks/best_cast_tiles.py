@@ -1,15 +1,20 @@
-"""The fastest launch per delayed-cast kind in a ``fp8_quant_tune.py --delayed-fused`` JSON, as the
-environment of an A/B run of the whole block.
+"""The fastest launch per delayed-cast kind in a ``fp8_quant_tune.py --delayed-fused`` JSON, as Python
+statements that set the library's launch constants to it.
 
 A launch is (rows, columns, warps) and, in the ``--registers`` sweeps, the amax accumulator's rows
 and the register cap. A kind is listed only where a launch with the same outputs beats the library
 launch, in time summed over the tune's benchmark shapes, by more than ``--margin`` (default 3%);
-otherwise the kind keeps its default. Prints (empty when nothing wins) on stdout a
-``LIGHTNING_MOE_CAST_TILES`` value, or with ``--env`` the assignments of all three switches
-(``LIGHTNING_MOE_CAST_TILES``, ``LIGHTNING_MOE_CAST_AMAX_ROWS``, ``LIGHTNING_MOE_CAST_MAX_REGISTERS``).
+otherwise the kind keeps its default. Prints on stdout (nothing when nothing wins) one statement per
+dict of `lightning_moe.kernels.fp8_delayed_triton`, to paste below the dicts there or to run in that
+module's namespace for an A/B run of the whole block (``run_gpu_suite.sh``'s casttune part does)::
 
-    LIGHTNING_MOE_CAST_TILES=$(python3 benchmarks/best_cast_tiles.py) python3 benchmarks/moe_block.py ...
-    env $(python3 benchmarks/best_cast_tiles.py --env --results R.json) python3 benchmarks/moe_block.py ...
+    TILE_SHAPES.update({'swiglu_grad': (16, 16, 1)})
+    AMAX_FOLD_ROWS.update({'swiglu_grad': 0})
+    MAX_REGISTERS.update({'swiglu_grad': 96})
+
+(a fold of 0: the tile's own rows; a cap of 0: none).
+
+    python3 benchmarks/best_cast_tiles.py [--results R.json] [--margin 0.03]
 """
 from __future__ import annotations
 
@@ -69,15 +74,16 @@ def best_tiles(results: dict, margin: float) -> dict[str, Launch]:
     return chosen
 
 
-def as_environment(chosen: dict[str, Launch]) -> str:
-    """The three switches' assignments that make the library launch ``chosen`` (empty: nothing)."""
+def as_python(chosen: dict[str, Launch]) -> str:
+    """Statements updating `TILE_SHAPES`, `AMAX_FOLD_ROWS` and `MAX_REGISTERS` to the launches ``chosen``
+    (Python literals, one line per dict; empty: nothing chosen)."""
     if not chosen:
         return ""
-    tiles = ",".join(f"{kind}={r}x{c}x{w}" for kind, (r, c, w, _, _) in chosen.items())
-    folds = ",".join(f"{kind}={fold}" for kind, (_, _, _, fold, _) in chosen.items())
-    caps = ",".join(f"{kind}={cap}" for kind, (_, _, _, _, cap) in chosen.items())
-    return (f"LIGHTNING_MOE_CAST_TILES={tiles} LIGHTNING_MOE_CAST_AMAX_ROWS={folds} "
-            f"LIGHTNING_MOE_CAST_MAX_REGISTERS={caps}")
+    tiles = {kind: (r, c, w) for kind, (r, c, w, _, _) in chosen.items()}
+    folds = {kind: fold for kind, (_, _, _, fold, _) in chosen.items()}
+    caps = {kind: cap for kind, (_, _, _, _, cap) in chosen.items()}
+    return (f"TILE_SHAPES.update({tiles!r})\nAMAX_FOLD_ROWS.update({folds!r})\n"
+            f"MAX_REGISTERS.update({caps!r})")
 
 
 def main() -> None:
@@ -85,13 +91,10 @@ def main() -> None:
     default = Path(__file__).parent / "results" / "fp8_quant_tune_delayed_fused.json"
     parser.add_argument("--results", default=str(default))
     parser.add_argument("--margin", type=float, default=0.03)
-    parser.add_argument("--env", action="store_true", help="print the three switches' assignments")
     args = parser.parse_args()
     chosen = best_tiles(json.loads(Path(args.results).read_text())["results"], args.margin)
-    if args.env:
-        print(as_environment(chosen))
-    else:
-        print(",".join(f"{kind}={r}x{c}x{w}" for kind, (r, c, w, _, _) in chosen.items()))
+    if chosen:
+        print(as_python(chosen))
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def registers(kind: str, block_r: int, block_c: int, warps: int) -> dict:
     else:
         fn, types = fd._delayed_cast_kernel, ARG_TYPES
         const = dict(KINDS[kind], WRITE_ROW=True, WRITE_COL=True, RECORD=True, BR=block_r, BC=block_c, GROUP_AXIS=1,
-                     AMAX_ROWS=amax_rows, x_desc=None, TMA_STAGES=0)
+                     AMAX_ROWS=amax_rows)
     signature = {name: "constexpr" if name in const else types[name] for name in fn.arg_names}
     # the launches' specialization: pointers 16-byte aligned, sizes and strides divisible by 16
     hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name not in const}

@@ -20,24 +20,19 @@
 # (default "bf16 fp32") the modes),
 # casttune (the delayed cast's launch shapes for its plain, gathered and SwiGLU operands at the three
 # benchmark shapes: registers and spills per shape, then GB/s per shape with the outputs checked equal;
-# where best_cast_tiles.py finds a faster launch, qwen3 FP8 with and without it (its shape, fold and
-# register cap through the three cast switches), interleaved twice),
+# where best_cast_tiles.py finds a faster launch, qwen3 FP8 with and without it, interleaved twice: its
+# shape, fold and register cap set in fp8_delayed_triton's TILE_SHAPES / AMAX_FOLD_ROWS / MAX_REGISTERS
+# by the statements best_cast_tiles.py prints, run in that module before moe_block.py),
 # cudagraph (the whole block captured in CUDA graphs, capture_moe_layer: its GPU tests, then qwen3 in
 # rounds of bf16 eager, bf16 graphed and FP8 graphed per parameter mode (CUDAGRAPH_VARIANTS), then
 # mixtral and deepseek in bf16 and FP8 (CUDAGRAPH_OTHERS; empty: skipped)),
-# wgradtma (the FP8 weight gradient's TMA-stored tiles, LIGHTNING_MOE_WGRAD_TMA_STORE: the grouped-GEMM
-# and combine GPU tests, then qwen3 graphed in two rounds of bf16, FP8, FP8 with the switch on),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only),
-# tmareads (the plain cast reading its tiles by TMA, LIGHTNING_MOE_CAST_TMA_READS: its GPU tests and the fused
-# scale update's, cast_anatomy.py at qwen3 and deepseek, then qwen3 graphed in two rounds of bf16, FP8 and FP8
-# with the switch on),
-# castregs (the casts' register caps: the router-logits GPU tests, fp8_quant_tune.py --delayed-fused --registers
-# at qwen3's operands, then qwen3 graphed in two rounds of bf16, FP8 and FP8 with the launches best_cast_tiles.py
-# picks from that sweep (CASTREGS_ENV overrides them; none picked: no rounds)),
 # cudacast (the CUDA C cast, kernels/cuda/fp8_delayed_cast.cu: its GPU tests against the Triton kernel's bytes,
 # cast_backends.py at the three shapes, then qwen3 graphed in two rounds of bf16, FP8 and FP8 with the Triton
-# casts, LIGHTNING_MOE_CAST_CUDA=0).
+# casts, LIGHTNING_MOE_CAST_CUDA=0, the escape hatch docs/reference.md lists).
+# The parts that A/B-timed the retired environment switches (wgradtma, tmareads, castregs) are gone; their
+# results and history are in benchmarks/NOTES.md. Kernel choices are module constants now (docs/benchmarking.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -53,18 +48,33 @@ run() { "$@" 2>&1 | grep -v -i "warn" | tee -a "$LOG"; }
 num_gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 
 # qwen3 CUDA-graphed in two interleaved rounds of bf16, FP8 and FP8 as VARIANT (50 steps each):
-# qwen3_rounds TAG VARIANT "BASE_ENV" "VARIANT_ENV"; every run takes BASE_ENV, the variant VARIANT_ENV
-# after it (tags TAG_bf16_N, TAG_fp8_N, TAG_fp8_VARIANT_N).
+# qwen3_rounds TAG VARIANT "VARIANT_ENV"; the variant's run takes VARIANT_ENV (tags TAG_bf16_N, TAG_fp8_N,
+# TAG_fp8_VARIANT_N).
 qwen3_rounds() {
-  local tag="$1" name="$2" base="$3" extra="$4" pair variant
+  local tag="$1" name="$2" extra="$3" pair variant
   for pair in 1 2; do
     for variant in bf16 fp8 "fp8_$name"; do
       say "moe_block qwen3 $variant, CUDA-graphed, round $pair"
-      # shellcheck disable=SC2086  # the environments are lists of assignments
-      run env $base $([ "$variant" = "fp8_$name" ] && echo "$extra") python3 benchmarks/moe_block.py \
+      # shellcheck disable=SC2086  # the environment is a list of assignments
+      run env $([ "$variant" = "fp8_$name" ] && echo "$extra") python3 benchmarks/moe_block.py \
         --cases qwen3_30b_a3b --precision "${variant%_"$name"}" --cuda-graph --iters 50 --tag "${tag}_${variant}_$pair"
     done
   done
+}
+
+# moe_block_with_launches FILE ARGS...: moe_block.py ARGS after running the statements in FILE (what
+# best_cast_tiles.py prints: TILE_SHAPES.update(...) and the like) in lightning_moe.kernels.fp8_delayed_triton;
+# the JSON's meta.command shows them ahead of the script.
+moe_block_with_launches() {
+  local launches="$1"; shift
+  python3 -c 'import sys
+sys.path.insert(0, ".")
+import lightning_moe.kernels.fp8_delayed_triton as fd
+from benchmarks.moe_block import main
+statements = open(sys.argv[1]).read().strip()
+exec(statements, vars(fd))
+sys.argv = ["-c " + repr("; ".join(statements.splitlines())) + " benchmarks/moe_block.py"] + sys.argv[2:]
+main(sys.argv[1:])' "$launches" "$@"
 }
 
 if has tests; then
@@ -119,21 +129,21 @@ fi
 if has casttune; then
   say "delayed-cast launch shapes: registers and spills (offline compile), then the fused operands timed"
   run python3 benchmarks/cast_registers.py
-  # the library's launches are the baseline: no override from the caller's environment
-  unset LIGHTNING_MOE_CAST_TILES LIGHTNING_MOE_CAST_AMAX_ROWS LIGHTNING_MOE_CAST_MAX_REGISTERS
   rm -f benchmarks/results/fp8_quant_tune_delayed_fused.json  # never choose from an earlier tune
   run python3 benchmarks/fp8_quant_tune.py --delayed-fused
   # the whole launch (shape, fold, cap) as the tune ran it, not the shape alone
-  tiles=$(python3 benchmarks/best_cast_tiles.py --env 2>>"$LOG") || say "best_cast_tiles.py failed (see the log)"
-  [ -z "$tiles" ] && say "no launch beats the library's by the margin: no A/B"
-  if [ -n "$tiles" ]; then
+  launches=/tmp/casttune_launches.py
+  python3 benchmarks/best_cast_tiles.py >"$launches" 2>>"$LOG" || { say "best_cast_tiles.py failed (see the log)"; : >"$launches"; }
+  if [ ! -s "$launches" ]; then
+    say "no launch beats the library's by the margin: no A/B"
+  else
+    say "launches to A/B: $(tr '\n' ' ' <"$launches")"
     for pair in 1 2; do
       say "moe_block qwen3 fp8, library launches, round $pair"
       run python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision fp8 --iters 50 --tag "casttune_library_$pair"
-      say "moe_block qwen3 fp8, $tiles, round $pair"
-      # shellcheck disable=SC2086  # a list of assignments
-      run env $tiles python3 benchmarks/moe_block.py --cases qwen3_30b_a3b --precision fp8 \
-        --iters 50 --tag "casttune_tuned_$pair"
+      say "moe_block qwen3 fp8, tuned launches, round $pair"
+      run moe_block_with_launches "$launches" --cases qwen3_30b_a3b --precision fp8 --iters 50 \
+        --tag "casttune_tuned_$pair"
     done
   fi
 fi
@@ -155,46 +165,12 @@ if has cudagraph; then
       --master-weights fp32 --cuda-graph --iters 20 --tag "ratio_${precision}_cudagraph_fp32master"
   done
 fi
-if has wgradtma; then
-  say "FP8 grouped GEMM and combine tests"
-  run python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_grouped_triton_gpu.py tests/gpu/test_fp8_combine_gpu.py
-  qwen3_rounds wgradtma tma LIGHTNING_MOE_WGRAD_TMA_STORE=0 LIGHTNING_MOE_WGRAD_TMA_STORE=1
-fi
-if has castregs; then
-  say "router logits GPU tests"
-  python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/gpu/test_router_logits_gpu.py 2>&1 | tail -15 | tee -a "$LOG"
-  say "cast launches with register caps at qwen3's operands (fp8_quant_tune.py REGISTER_CONFIGS)"
-  tuned=benchmarks/results/fp8_quant_tune_registers_qwen3.json
-  rm -f "$tuned"  # never choose from an earlier tune
-  run timeout 300 python3 benchmarks/fp8_quant_tune.py --delayed-fused --registers --models qwen3
-  candidate="${CASTREGS_ENV:-}"
-  if [ -z "$candidate" ] && [ ! -f "$tuned" ]; then
-    say "the sweep wrote no $tuned (killed by its time limit?): no block A/B"
-  elif [ -z "$candidate" ]; then
-    candidate="$(python3 benchmarks/best_cast_tiles.py --env --results "$tuned" 2>>"$LOG")"
-  fi
-  if [ -z "$candidate" ]; then
-    say "no capped launch beats the library's by the margin: no block A/B"
-  else
-    say "block A/B candidate: $candidate"
-    qwen3_rounds castregs candidate "" "$candidate"
-  fi
-fi
-if has tmareads; then
-  say "TMA-read cast and fused scale update GPU tests"
-  python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/gpu/test_fp8_delayed_gpu.py -k "tma or update" 2>&1 \
-    | tail -15 | tee -a "$LOG"
-  say "cast anatomy at qwen3 and deepseek"
-  run python3 benchmarks/cast_anatomy.py --model qwen3
-  run python3 benchmarks/cast_anatomy.py --model deepseek
-  qwen3_rounds tmareads tma "" LIGHTNING_MOE_CAST_TMA_READS=1
-fi
 if has cudacast; then
   say "CUDA cast GPU tests"
   python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/gpu/test_fp8_cast_cuda_gpu.py 2>&1 | tail -15 | tee -a "$LOG"
   say "the CUDA and Triton casts on the block's operands"
   run python3 benchmarks/cast_backends.py
-  qwen3_rounds cudacast triton "" LIGHTNING_MOE_CAST_CUDA=0
+  qwen3_rounds cudacast triton LIGHTNING_MOE_CAST_CUDA=0
 fi
 if has trainmulti && [ "$num_gpus" -ge 4 ]; then
   layers="${TRAIN_LAYERS:-16}"

@@ -54,9 +54,9 @@ def test_idle_gaps_name_the_launch_behind_each_gap():
     assert idle_gaps([]) == (0.0, [])
 
 
-def test_best_cast_launch_needs_equal_bytes_everywhere_and_the_margin():
+def test_best_cast_launch_needs_equal_bytes_everywhere_and_the_margin(monkeypatch):
     pytest.importorskip("triton")  # benchmarks.best_cast_tiles imports the Triton kernels
-    from benchmarks.best_cast_tiles import as_environment, best_tiles, library_launch
+    from benchmarks.best_cast_tiles import as_python, best_tiles, library_launch
 
     lib = library_launch("swiglu_grad")
     row = dict(zip(("BR", "BC", "warps", "amax_rows", "max_registers"), lib))
@@ -74,9 +74,22 @@ def test_best_cast_launch_needs_equal_bytes_everywhere_and_the_margin():
     # summed: 2.75 against 3.0 (8%); the faster launch with other bytes is never chosen; swiglu's 1% is no win
     assert chosen == {"swiglu_grad": (16, 16, 1, 0, 96)}
     assert best_tiles(results, margin=0.1) == {}
-    assert as_environment(chosen) == ("LIGHTNING_MOE_CAST_TILES=swiglu_grad=16x16x1 LIGHTNING_MOE_CAST_AMAX_ROWS="
-                                      "swiglu_grad=0 LIGHTNING_MOE_CAST_MAX_REGISTERS=swiglu_grad=96")
-    assert as_environment({}) == ""
+    printed = as_python(chosen)
+    assert printed.splitlines() == ["TILE_SHAPES.update({'swiglu_grad': (16, 16, 1)})",
+                                    "AMAX_FOLD_ROWS.update({'swiglu_grad': 0})",
+                                    "MAX_REGISTERS.update({'swiglu_grad': 96})"]
+    # run in the kernel module (as run_gpu_suite.sh's casttune part does), they make it take the chosen launch
+    from lightning_moe.kernels import fp8_delayed_triton as fd
+
+    plain = library_launch("plain")
+    for table in (fd.TILE_SHAPES, fd.AMAX_FOLD_ROWS, fd.MAX_REGISTERS):
+        # the library's entries (or their absence) come back after the test
+        monkeypatch.setitem(table, "swiglu_grad", table.get("swiglu_grad", 0))
+    exec(printed, vars(fd))
+    assert library_launch("swiglu_grad") == chosen["swiglu_grad"]
+    assert fd.register_cap("swiglu_grad") == {"maxnreg": 96} and fd.amax_rows("swiglu_grad", 16) == 16
+    assert library_launch("plain") == plain  # other kinds untouched
+    assert as_python({}) == ""
 
 
 def test_best_cast_launch_reads_rows_without_register_options_as_unfolded_and_uncapped():
