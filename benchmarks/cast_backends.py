@@ -34,7 +34,7 @@ from benchmarks._common import QUEUED_LEAD_CYCLES, cuda_time_ms, write_results  
 from benchmarks.fp8_quant_tune import FUSED_SHAPES  # noqa: E402
 from lightning_moe.kernels import fp8_cast_cuda  # noqa: E402
 from lightning_moe.kernels import fp8_delayed_triton as fd  # noqa: E402
-from lightning_moe.precision.scaled_mm import _transposed_width, _weight_as_groups, _wgrad_aligned_ends  # noqa: E402
+from lightning_moe.precision.native_casts import transposed_width, weight_as_groups, wgrad_aligned_ends  # noqa: E402
 
 TOP_K = {"qwen3": 8, "mixtral": 2, "deepseek": 8}
 
@@ -56,8 +56,8 @@ def routed_rows(tokens: int, groups: int, top_k: int, gen: torch.Generator) -> t
 
 
 def activation_cast(x, src, ends, scale, record):
-    aligned = _wgrad_aligned_ends(ends)
-    width = _transposed_width(x.shape[0] if src is None else src.numel(), ends.numel())
+    aligned = wgrad_aligned_ends(ends)
+    width = transposed_width(x.shape[0] if src is None else src.numel(), ends.numel())
     q_col = torch.empty(x.shape[1], width, device="cuda", dtype=torch.float8_e4m3fn)
 
     def cast():
@@ -69,7 +69,7 @@ def activation_cast(x, src, ends, scale, record):
 
 def weight_cast(w, scale, record):
     def cast():
-        rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w)
+        rows, ends, q_ENK, stride_col, stride_group = weight_as_groups(w)
         q, s_row, s_col = fd.delayed_cast(rows, ends, scale, record, out_col=q_ENK, stride_out_col=stride_col,
                                           stride_out_group=stride_group)
         return [q, s_row, s_col, q_ENK]

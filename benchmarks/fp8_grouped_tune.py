@@ -134,12 +134,13 @@ def _launch_options(extras: tuple) -> dict:
 
 def wgrad_case(name: str, iters: int, overlap: bool) -> dict:
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
-    from lightning_moe.precision.scaled_mm import _group_weight_gradient, _wgrad_aligned_ends
+    from lightning_moe.precision.native_gemms import group_weight_gradient
+    from lightning_moe.precision.native_casts import wgrad_aligned_ends
 
     experts, rows, m, n = WGRAD_CASES[name]
     ends = _groups(experts, rows).cuda()
     total = int(ends[-1])
-    aligned_ends = _wgrad_aligned_ends(ends)
+    aligned_ends = wgrad_aligned_ends(ends)
     torch.manual_seed(0)
     a = torch.randn(m, round_up(total, 16), device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, round_up(total, 16), device="cuda").to(torch.float8_e4m3fn)
@@ -149,7 +150,7 @@ def wgrad_case(name: str, iters: int, overlap: bool) -> dict:
     flops = 2.0 * total * m * n
 
     def torch_mm() -> torch.Tensor:
-        return _group_weight_gradient(a, sa, b, sb, ends, None, fast=True)
+        return group_weight_gradient(a, sa, b, sb, ends, None, fast=True)
 
     ref = torch_mm()
     ms = cuda_time_pipelined_ms(torch_mm, iters=iters)
@@ -178,7 +179,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
-    from lightning_moe.precision.scaled_mm import _torch_group_gemm
+    from lightning_moe.precision.native_gemms import torch_group_gemm
 
     results = {}
     for name in args.cases:
@@ -197,10 +198,10 @@ def main() -> None:
         host_ends = ends.tolist()
 
         def torch_mm() -> torch.Tensor:
-            return _torch_group_gemm(a, sa, b, sb, ends, None, fast=True)
+            return torch_group_gemm(a, sa, b, sb, ends, None, fast=True)
 
         def per_expert_mm() -> torch.Tensor:  # what the native backend runs for <= 32 experts without ours
-            return _torch_group_gemm(a, sa, b, sb, ends, host_ends, fast=True)
+            return torch_group_gemm(a, sa, b, sb, ends, host_ends, fast=True)
 
         ref = torch_mm()
         ms = cuda_time_pipelined_ms(torch_mm, iters=args.iters)

@@ -146,24 +146,26 @@ def _wrap_phases(timer: _PhaseTimer, layer) -> None:
     timer.wrap(launch_module._CompiledLaunch, "__call__", "triton launch, kept kernel")
     if layer.experts.quantization is not None:
         import lightning_moe.precision.modules as fp8_modules_module
+        import lightning_moe.precision.native_casts as native_casts
         import lightning_moe.precision.scaled_mm as scaled_mm
+        import lightning_moe.precision.weight_prefetch as weight_prefetch
 
         quantization = layer.experts.quantization
         timer.wrap(quantization, "grouped_mm", "fp8.grouped_mm")
         timer.wrap(quantization, "grouped_mm_swiglu", "fp8.grouped_mm_swiglu")
         timer.wrap(fp8_modules_module, "resolve_backend", "prefetch: resolve_backend")
-        timer.wrap(scaled_mm, "can_prefetch_weight_layouts", "prefetch: can_prefetch")
-        timer.wrap(scaled_mm, "prefetch_weight_layouts", "prefetch: prefetch_weight_layouts")
+        timer.wrap(weight_prefetch, "can_prefetch_weight_layouts", "prefetch: can_prefetch")
+        timer.wrap(weight_prefetch, "prefetch_weight_layouts", "prefetch: prefetch_weight_layouts")
         timer.wrap(quantization, "_delayed_state_fits", "prefetch: _delayed_state_fits")
         timer.wrap(quantization, "_state_and_key", "_state_and_key")
-        timer.wrap(scaled_mm._FusedGroupedOperands, "weight_both", "weight_both")
-        timer.wrap(scaled_mm._FusedGroupedOperands, "activation", "activation cast")
+        timer.wrap(native_casts.FusedGroupedOperands, "weight_both", "weight_both")
+        timer.wrap(native_casts.FusedGroupedOperands, "activation", "activation cast")
         timer.wrap(delayed, "_launch_delayed_cast", "_launch_delayed_cast")
-        timer.wrap(scaled_mm, "_group_gemm", "_group_gemm")
-        timer.wrap(scaled_mm, "_host_group_ends", "_host_group_ends")
-        timer.wrap(scaled_mm, "_wgrad_aligned_ends", "_wgrad_aligned_ends")
-        timer.wrap(scaled_mm, "_assert_groups_aligned", "_assert_groups_aligned")
-        timer.wrap(scaled_mm, "_transposed_out", "_transposed_out")
+        timer.wrap(scaled_mm, "group_gemm", "group_gemm")
+        timer.wrap(scaled_mm, "host_group_ends", "host_group_ends")
+        timer.wrap(scaled_mm, "wgrad_aligned_ends", "wgrad_aligned_ends")
+        timer.wrap(scaled_mm, "assert_groups_aligned", "assert_groups_aligned")
+        timer.wrap(scaled_mm, "transposed_out", "transposed_out")
         timer.wrap(quantization, "grouped_mm_gathered", "fp8.grouped_mm_gathered")
 
 

@@ -27,7 +27,7 @@ autocast, as ``Trainer(precision="bf16-mixed")`` (or FP8Precision) trains them: 
 casts its weights to bf16 in the step and the FP8 block casts fp32 to FP8, and the weight
 gradients arrive in fp32. The default (bf16 parameters) times the block on weights cast before it.
 With ``--cuda-graph`` the block's forward and backward are captured once each in CUDA graphs
-(`lightning_moe.nn.capture_moe_layer`, after warm-up steps) and every timed step replays them: the
+(`lightning_moe.cuda_graphs.capture_moe_layer`, after warm-up steps) and every timed step replays them: the
 GPU's time for the block without the host's launch cost, for bf16 and FP8 alike. Before timing, a
 replay on new data is compared with an eager step on the same data and scales (``graph_rel_diff``).
 FLOPs (fwd+bwd = 3 x fwd), T = B*S: ``3 * (2*T*D*E + 3 * 2*T*k*D*F)``.
@@ -91,7 +91,9 @@ def bf16_mixed_context():
 # ``--precision fp8``: the FP8 configuration that runs the block fastest on Hopper without
 # Transformer Engine (NOTES.md, fifth pass): native delayed scaling (one read per operand) with
 # Hopper's fast accumulation in all three GEMMs (the GPU tests bound fast accumulation's
-# gradients within 1% of split accumulation; its 300-step curve is within 2% of bf16).
+# gradients within 1% of split accumulation; its 300-step curve is within 2% of bf16), and fc1's
+# output gradient cast inside fc2's backward (``FP8Recipe.fuse_swiglu_backward``, opt-in: that
+# gradient then bypasses autograd; ``--fuse-swiglu-backward off`` times the library default).
 FP8_DEFAULT = ("delayed", ["fprop", "dgrad", "wgrad"])
 
 
@@ -105,7 +107,8 @@ def expert_alignment(precision: str) -> int:
 
 
 def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False,
-                    fast_accumulation: Optional[list[str]] = None, graph_weight_casts: bool = False):
+                    fast_accumulation: Optional[list[str]] = None, graph_weight_casts: bool = False,
+                    fuse_swiglu_backward: bool = False):
     """bf16: nothing to do. Otherwise ``precision`` is an FP8 recipe name ("tensorwise",
     "rowwise", "blockwise", "delayed", ...): convert the experts with the FP8 plugin. Returns the
     plugin's forward context (a factory: each ``with`` needs a fresh one), its FP8 weight cache
@@ -117,7 +120,7 @@ def apply_precision(layer: MoELayer, precision: str, cache_weights: bool = False
     from lightning_moe.precision.modules import fp8_modules
 
     recipe = FP8Recipe(precision, fast_accumulation=None if fast_accumulation is None else tuple(fast_accumulation),
-                       graph_weight_casts=graph_weight_casts)
+                       graph_weight_casts=graph_weight_casts, fuse_swiglu_backward=fuse_swiglu_backward)
     plugin = FP8Precision(recipe=recipe, backend="auto", cache_fp8_weights=cache_weights)
     plugin.convert_module(layer)
     if recipe.name != "delayed":
@@ -189,7 +192,7 @@ def capture_and_check(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor, optimi
     gradient is returned, and a graph that replays stale data (a difference of order 1) stops the
     run. ``context``: the timed forward context (autocast with its cache off), entered for each
     forward and for the capture."""
-    from lightning_moe.nn import capture_moe_layer
+    from lightning_moe.cuda_graphs import capture_moe_layer
 
     for _ in range(2):
         _eager_step(layer, x, dy, context)
@@ -240,7 +243,8 @@ def run_case(name: str, c: dict, args) -> dict:
                         expert_alignment(args.precision), args.router_logits)
     reference = fp32_reference(layer)
     context, weight_cache, optimizer_step_work = apply_precision(layer, args.precision, args.cache_weights,
-                                                                 args.fast_accumulation, args.graph_weight_casts)
+                                                                 args.fast_accumulation, args.graph_weight_casts,
+                                                                 args.fuse_swiglu_backward == "on")
     if master_fp32 and args.precision == "bf16":
         context = bf16_mixed_context  # FP8Precision's context is bf16 autocast already
     tokens = min(4096, c["B"] * c["S"])
@@ -306,6 +310,7 @@ def run_case(name: str, c: dict, args) -> dict:
         "fast_accumulation": args.fast_accumulation,
         "cache_weights": args.cache_weights,
         "graph_weight_casts": args.graph_weight_casts,
+        "fuse_swiglu_backward": args.fuse_swiglu_backward == "on",
         "cuda_graph": args.cuda_graph,
         **graph_check,
         "master_weights": args.master_weights,
@@ -349,6 +354,9 @@ def main(argv=None) -> None:
     parser.add_argument("--graph-weight-casts", action="store_true",
                         help="FP8Recipe(graph_weight_casts=True): each forward replays a CUDA graph of the expert "
                              "weights' casts instead of launching them (rowwise and delayed recipes)")
+    parser.add_argument("--fuse-swiglu-backward", choices=["on", "off"], default=None,
+                        help="FP8Recipe(fuse_swiglu_backward=...) (delayed recipe): default on with --precision fp8, "
+                             "off otherwise (the library's default)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="capture the whole block (forward and backward) in CUDA graphs and time their replays "
                              "(capture_moe_layer): the block's GPU time without the host's launch cost")
@@ -374,6 +382,10 @@ def main(argv=None) -> None:
                            + (["fp32master"] if args.master_weights == "fp32" else [])
                            + (["bf16x3router"] if args.router_logits == "bf16x3" else [])
                            + ([f"x{args.accumulate}"] if args.accumulate > 1 else []))
+    if args.fuse_swiglu_backward is None:
+        args.fuse_swiglu_backward = "on" if args.precision == "fp8" else "off"
+    elif args.fuse_swiglu_backward == "off" and args.precision == "fp8":
+        default_tag += "_unfused-swiglu-backward"
     if args.precision == "fp8":
         args.precision = FP8_DEFAULT[0]
         if args.fast_accumulation is None:

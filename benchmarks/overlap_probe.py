@@ -38,12 +38,12 @@ def main() -> None:
 
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
     from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
-    from lightning_moe.precision.scaled_mm import _transposed_out, _wgrad_aligned_ends
+    from lightning_moe.precision.native_casts import transposed_out, wgrad_aligned_ends
 
     experts, rows, ffn, hidden = 128, 131072, 768, 2048
     ends = _groups(experts, rows).cuda()
     total = int(ends[-1])
-    aligned = _wgrad_aligned_ends(ends)
+    aligned = wgrad_aligned_ends(ends)
     width = int(aligned[-1])
     torch.manual_seed(0)
     # fc2's weight gradient: a [F, width] (the SwiGLU output, transposed) and dy [D, width].
@@ -56,7 +56,7 @@ def main() -> None:
     probs = torch.rand(total, device="cuda")
     scale = torch.full((experts,), 64.0, device="cuda")
     record = torch.zeros(experts, device="cuda")
-    out_col = _transposed_out(h, rows=total, aligned_groups=experts)
+    out_col = transposed_out(h, rows=total, aligned_groups=experts)
 
     def gemm(programs: int) -> torch.Tensor:
         # tiles stored from registers, as the library did when this probe first ran (s28)

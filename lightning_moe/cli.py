@@ -74,7 +74,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-import lightning_moe  # noqa: F401  registers the "megatron_moe" strategy name
+import lightning_moe.strategies  # noqa: F401  registers the "megatron_moe" strategy name
 from lightning_moe.data.corpus import VOCAB_SIZE
 from lightning_moe.data.datamodule import LMDataModule
 from lightning_moe.errors import InputError

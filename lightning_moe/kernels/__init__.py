@@ -13,8 +13,8 @@ import torch
 # The FP8 weight-gradient kernel's token groups start at multiples of this many columns of its
 # operands, the gaps zero (``fp8_grouped_gemm_triton.grouped_mm_wgrad``): a tile's contraction
 # then never reads the next group's tokens, so every block comes in by TMA and goes to the tensor
-# cores untouched (masking the next group's tokens in registers cost 0.43-0.88x torch's kernel:
-# fp8_grouped_tune_s19f_wgrad.json). Here, without Triton, for the layout's host-side helpers.
+# cores untouched (masking the next group's tokens in registers ran at 0.43-0.88x torch's kernel).
+# Here, without Triton, for the layout's host-side helpers.
 WGRAD_GROUP_ALIGN = 128
 
 

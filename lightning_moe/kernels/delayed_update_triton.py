@@ -4,7 +4,7 @@ history rolled by one step, for a ``[H, 3, G]`` block of histories (`precision.d
 The torch formulation (`precision.delayed.update_delayed_scaling` on CPU) takes about twenty small
 kernels per block (the format maxima, the reduction over the history, the division, clamp, masks,
 the roll and zeroing); on the H200 they ran 0.05 ms of GPU time plus a launch gap each after every
-FP8 step (``moe_block_s29_fp8cand_graphed_profile.json``). Here one program per block of columns
+FP8 step. Here one program per block of columns
 reads its columns' whole history (in chunks of rows), computes their scales with the same IEEE
 operations, and writes the history rolled into a new tensor (the caller copies it back in place:
 the casts write into row 0 by address, so the buffers must stay where they are). The same bits as

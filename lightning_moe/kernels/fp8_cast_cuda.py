@@ -16,8 +16,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# On by default where NVRTC compiles the kernel (``LIGHTNING_MOE_CAST_CUDA=0``: the Triton kernel, an A/B
-# switch for benchmarks; ``=1``: fail instead of falling back where the kernel cannot be compiled).
+# On by default where NVRTC compiles the kernel: it runs the bf16 plain and gathered casts faster than the
+# Triton kernel, which casts every other operand kind (the SwiGLU's, fp32 and fp16 operands) and takes these
+# where NVRTC or torch's private loader of it is unavailable. Escape hatch: ``LIGHTNING_MOE_CAST_CUDA=0``
+# casts with the Triton kernel everywhere; ``=1`` fails instead of falling back where the kernel cannot be
+# compiled. Benchmarks comparing the two set `CUDA_CASTS`.
 _SETTING = os.environ.get("LIGHTNING_MOE_CAST_CUDA", "auto")
 if _SETTING not in ("0", "1", "auto"):
     raise ValueError(f"LIGHTNING_MOE_CAST_CUDA={_SETTING!r}: use 0 (Triton casts), 1 (the CUDA cast, failing where it "
@@ -29,8 +32,7 @@ _THREADS = 128
 WARPS_ACROSS = 1
 # Blocks per multiprocessor the kernel's registers are capped for (``__launch_bounds__``): 4 -> 128 registers
 # per thread, 6 -> 80, both without spills (offline sm90). 4 was the fastest in every case of
-# `benchmarks/cast_backends.py` (cast_backends_s32c2.json: 0.472 / 0.500 / 0.518 ms at 4 / 5 / 6 on qwen3's
-# gathered operand, 0.314 / 0.320 / 0.328 on the plain one).
+# `benchmarks/cast_backends.py` (about 6% ahead of 6 on qwen3's gathered operand, 4% on the plain one).
 MIN_BLOCKS = 4
 _SIGNATURE = "ppppppppppqiiiqq"
 

@@ -423,7 +423,7 @@ def delayed_cast(
             `grouped_mm_wgrad` (``r`` above becomes ``aligned_ends[g-1] + r - start_g``, zeros
             after the group's rows up to ``aligned_ends[g]``). Needs every group end on a multiple of
             16 rows and ``aligned_ends`` at least the cumulated sizes so rounded (as the FP8 path pads
-            and `scaled_mm._assert_groups_aligned` checks on the device: this function reads no
+            and `native_casts.assert_groups_aligned` checks on the device: this function reads no
             device value); otherwise two groups' programs write the same bytes.
         row_probs: fp32 ``[R]`` with ``swiglu``: the operand is ``prob[r] * silu(gate) * up``
             (Megatron-Core's weighted SwiGLU: the routing probabilities applied before the

@@ -11,8 +11,8 @@ gradient on an aligned group layout (`grouped_mm_wgrad`, see there).
 - ``scale_a`` fp32 ``[R]``, ``scale_b`` fp32 ``[E, O]``; output bf16 ``[R, O]``.
 
 This is what ``torch._scaled_grouped_mm`` computes for the 2-D x 3-D case. torch's kernel runs
-the qwen3 shapes (128 experts of ~1,024 rows, K 768-2,048) at 770-940 TFLOP/s
-(``fp8_gemm_ceiling.json``). Here one persistent program per multiprocessor walks the tiles of
+the qwen3 shapes (128 experts of ~1,024 rows, K 768-2,048) at 770-940 TFLOP/s on an H200.
+Here one persistent program per multiprocessor walks the tiles of
 every group in turn; operands come in by TMA descriptors (rows of the next group in a tile's
 last rows are read and never stored, rows past ``R`` read as zeros); the epilogue applies both
 scales and stores the group's rows only.
@@ -46,7 +46,7 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
     row block fastest (the tiles running together share ``b``'s block). One loop over all tiles,
     a tile's group found from the groups' tile counts held in registers, which the compiler
     flattens with the K loop: the next tile's loads are issued during this tile's epilogue
-    (1.04-1.27x a loop over groups with a tile loop inside, fp8_grouped_tune_s19d.json).
+    (1.04-1.27x a loop over groups with a tile loop inside).
 
     Group ends are clamped to ``R`` and a group ending before it starts has no rows: offsets that
     a caller got wrong cannot make the kernel write outside ``out``."""
@@ -127,7 +127,7 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     b_desc = TensorDescriptor(b_rows, [experts * o, k], [b_rows.stride(0), 1], [block_n, block_k])
     programs = programs or _multiprocessors(a_RK.device.index or 0)
     if num_stages is None:
-        # Deeper pipelines paid off at short contractions only (fp8_grouped_tune_s19d.json).
+        # Deeper pipelines paid off at short contractions only (measured at the benchmark shapes).
         num_stages = 4 if k < 2048 else 3
     launch(_grouped_fprop_kernel, (programs,),
            a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, rows, o, out.stride(0),

@@ -231,7 +231,7 @@ def rowwise_quantize(x_PL: Tensor) -> tuple[Tensor, Tensor]:
     q = torch.empty(rows, length, dtype=torch.float8_e4m3fn, device=x_PL.device)
     scale_inv = torch.empty(rows, dtype=torch.float32, device=x_PL.device)
     if rows and length:
-        # fp8_quant_tune.json (H200): short rows want few warps, long rows many
+        # measured on H200: short rows want few warps, long rows many
         block = min(next_power_of_2(length), 2048)
         launch(_rowwise_kernel, (rows,), x_PL, q, scale_inv, length, BL=block, num_warps=2 if length <= 4096 else 16)
     elif rows:
@@ -252,7 +252,7 @@ def group_column_quantize(
     groups, cols = offsets_G.numel(), x_RC.shape[1]
     scale_inv = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
     if groups and cols:
-        block_c = 64  # with 128-row tiles: 1.4x the bandwidth of 64 x 64 (fp8_quant_tune.json, H200)
+        block_c = 64  # with 128-row tiles: 1.4x the bandwidth of 64 x 64 (H200)
         launch(
             _group_column_kernel, (groups, cdiv(cols, block_c)),
             x_RC, offsets_G.contiguous(), out, scale_inv, cols, stride_out_col, stride_out_group,
@@ -288,7 +288,7 @@ def dual_quantize(
             row_amax = torch.zeros(rows, dtype=torch.float32, device=x_RC.device)  # atomic-max target
             col_amax = torch.empty(groups, cols, dtype=torch.float32, device=x_RC.device)
             grid = (groups + 1, cdiv(cols, 64))
-            # fp8_quant_tune_dual_vec.json (H200): 128-row tiles for the amax, 64-row for the cast
+            # fastest on H200: 128-row tiles for the amax, 64-row for the cast
             launch(_dual_amax_kernel, grid, x_RC, offsets_G, row_amax, col_amax, rows, cols, groups, BR=128, BC=64,
                    num_warps=4)
             launch(_dual_cast_kernel, grid, x_RC, offsets_G, row_amax, col_amax, q_row, s_row, out_col, s_col, rows,

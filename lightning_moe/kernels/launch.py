@@ -25,9 +25,12 @@ launch it directly with the arguments in signature order, as ``JITFunction.run``
 lookup. The launch honours Triton's launch hooks (profilers). Triton's check that the globals a
 kernel reads have not changed since it was compiled is not repeated: ours read constants only.
 
-Every call takes the plain ``kernel[grid](...)`` path under Triton's interpreter
-(``TRITON_INTERPRET=1``), with ``LIGHTNING_MOE_FAST_TRITON_LAUNCH=0``, while ``torch.compile``
-traces, for a grid given as a callable, for a kernel with pre-run hooks, for an argument of
+The direct launch relies on how Triton's compiled kernels take their arguments, which is not a
+public API: it runs only on the Triton versions it was tested with (`TESTED_TRITON_VERSIONS`; the GPU
+tests compare layer steps with and without it bit for bit). Every call takes the plain
+``kernel[grid](...)`` path on other Triton versions, under Triton's interpreter
+(``TRITON_INTERPRET=1``), with ``LIGHTNING_MOE_FAST_TRITON_LAUNCH=0`` (the escape hatch should a
+tested Triton still misbehave), while ``torch.compile`` traces, for a grid given as a callable, for a kernel with pre-run hooks, for an argument of
 another kind (a tuple, a tensor wrapper), or when the compiled kernel lacks the launcher this
 relies on (another Triton version).
 """
@@ -50,10 +53,23 @@ _cache: dict[tuple, Optional["_CompiledLaunch"]] = {}
 _signatures: dict[int, tuple[Any, Optional[list[tuple[str, Any, bool]]], tuple[bool, ...]]] = {}
 
 
+# Triton releases (major.minor) whose compiled-kernel launcher `launch` was checked against.
+TESTED_TRITON_VERSIONS: tuple[str, ...] = ("3.5", "3.6")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_version_tested() -> bool:
+    """Whether the installed Triton is one of `TESTED_TRITON_VERSIONS` (checked once)."""
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2]) in TESTED_TRITON_VERSIONS
+
+
 def fast_launch_enabled() -> bool:
     """Whether `launch` may skip the JIT's binding (read at every call, so tests can flip it)."""
-    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and \
-        os.environ.get("LIGHTNING_MOE_FAST_TRITON_LAUNCH", "1") != "0"
+    return (os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and os.environ.get("LIGHTNING_MOE_FAST_TRITON_LAUNCH", "1") != "0"
+            and triton_version_tested())
 
 
 def _device_and_stream() -> tuple[int, int]:

@@ -4,8 +4,7 @@ Under bf16 autocast with fp32 master weights the expert GEMMs run on a bf16 copy
 weight, and the weight gradient comes back in bf16; autograd widens it to the master's fp32.
 torch's copy kernel converts bf16 to fp32 with its per-element casting loop, not its vectorized
 copy: about 2.1 TB/s on an H200 for a qwen3_30b_a3b layer's expert gradients (1.7 ms of a bf16
-block step; ``benchmarks/NOTES.md``, thirteenth pass). This kernel loads and stores whole blocks:
-0.93 ms for the same gradients (``moe_block_s22e_bf16_fp32master_profile.json``).
+block step). This kernel loads and stores whole blocks: 0.93 ms for the same gradients.
 """
 
 from __future__ import annotations

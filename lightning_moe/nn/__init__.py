@@ -1,7 +1,6 @@
 """Plain-PyTorch MoE building blocks: router, permutation, dispatchers, experts, `MoELayer`."""
 
 from lightning_moe.nn.config import MoEConfig
-from lightning_moe.nn.cuda_graph import capture_moe_layer
 from lightning_moe.nn.dispatcher import LocalDispatcher, TokenDispatcher
 from lightning_moe.nn.experts import GroupedExperts, SharedExperts
 from lightning_moe.nn.moe_layer import MoELayer, RoutingStats
@@ -17,6 +16,5 @@ __all__ = [
     "SharedExperts",
     "TokenDispatcher",
     "TopKRouter",
-    "capture_moe_layer",
     "route",
 ]

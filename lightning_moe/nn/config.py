@@ -65,8 +65,8 @@ class MoEConfig:
         dispatch_chunks: all-to-all dispatcher only: split each micro-batch's tokens into this
             many chunks whose all-to-alls overlap the other chunks' expert GEMMs (one CUDA
             stream per chunk, forward and backward); 1 = no pipelining. Measured slower than 1
-            on 2 x H200 with ``torch._grouped_mm`` experts, whose kernels hold every SM (see
-            ``benchmarks/NOTES.md``), hence off by default.
+            on 2 x H200 with ``torch._grouped_mm`` experts, whose kernels hold every SM, hence
+            off by default.
         dispatch_transport: how the all-gather dispatcher moves rows: "nccl" (the process
             group's all-gather / reduce-scatter) or "copy_engine" (peer copies through
             symmetric memory, ``torch.ops.symm_mem``'s low-contention collectives: no NCCL

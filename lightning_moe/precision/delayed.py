@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple, Optional
@@ -186,6 +185,11 @@ def _updated(history_H3G: torch.Tensor, scale_3G: torch.Tensor, recipe: FP8Recip
     return torch.where(usable, new, scale_3G), rolled
 
 
+# The scale update as one Triton kernel on GPUs (the same bits as the torch formulation, about twenty
+# launches fewer per step). Benchmarks comparing the two set this False.
+FUSED_SCALE_UPDATE = True
+
+
 @torch.no_grad()
 def update_delayed_scaling(
     modules: Iterable[nn.Module], recipe: FP8Recipe, group: Optional[dist.ProcessGroup] = None
@@ -203,8 +207,8 @@ def update_delayed_scaling(
     # All modules' states as one [H, 3, sum G] block per (device, history length), so that the
     # update is a few batched kernels instead of about ten per module (a model has hundreds of
     # FP8 modules, and the next forward waits for these launches): on a GPU with Triton, the
-    # concatenations, one update kernel and two copies back (``LIGHTNING_MOE_FUSED_SCALE_UPDATE=0``: the
-    # torch formulation there too, for A/B timings).
+    # concatenations, one update kernel and two copies back (`FUSED_SCALE_UPDATE` False: the torch
+    # formulation there too, for benchmarks).
     blocks: dict[tuple, list[DelayedState]] = {}
     for state in states:
         blocks.setdefault((state.amax_history.device, state.amax_history.shape[0]), []).append(state)
@@ -218,8 +222,7 @@ def update_delayed_scaling(
         for (_, history, _), reduced in zip(merged, current.split([h[0].numel() for _, h, _ in merged])):
             history[0].copy_(reduced.view_as(history[0]))
     for members, history, scale in merged:
-        if (use_triton(history) and history.dtype == scale.dtype == torch.float32
-                and os.environ.get("LIGHTNING_MOE_FUSED_SCALE_UPDATE", "1") != "0"):
+        if FUSED_SCALE_UPDATE and use_triton(history) and history.dtype == scale.dtype == torch.float32:
             # one kernel, the same bits (kernels.delayed_update_triton): about twenty fewer launches
             from lightning_moe.kernels.delayed_update_triton import delayed_update
 

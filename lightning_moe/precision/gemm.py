@@ -21,32 +21,23 @@ tokens).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import Tensor
 
 from lightning_moe.nn.grouped_gemm import padded_to_16_byte_rows
+from lightning_moe.precision.autocast import compute_dtype, no_autocast
+from lightning_moe.precision import scaled_mm
 from lightning_moe.precision.delayed import DelayedState
+from lightning_moe.precision.native_casts import native_delayed_casts
 from lightning_moe.precision.operands import Layout, dequantized_operand, pad_contraction, symmetric_tiles
 from lightning_moe.precision.quantize import NVFP4_BLOCK
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 
 if TYPE_CHECKING:
     from lightning_moe.nn.permutation import DeferredCombine
-    from lightning_moe.precision.scaled_mm import PrefetchedWeight
-
-
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype a linear layer returns here: autocast's when enabled, else ``x``'s."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
-def no_autocast(x: Tensor) -> AbstractContextManager:
-    """Quantized GEMM internals pick their own dtypes."""
-    return torch.autocast(x.device.type, enabled=False)
+    from lightning_moe.precision.weight_prefetch import PrefetchedWeight
 
 
 def _hadamard(recipe: FP8Recipe) -> bool:
@@ -199,9 +190,7 @@ def fp8_linear(
     """
     recipe = FP8Recipe.of(recipe)
     if _backend(recipe, backend, x, grouped=False) == "torch":
-        from lightning_moe.precision.scaled_mm import scaled_linear
-
-        return scaled_linear(x, weight, bias, recipe, state, weight_key)
+        return scaled_mm.scaled_linear(x, weight, bias, recipe, state, weight_key)
     return _EmulatedLinear.apply(x, weight, bias, recipe, state)
 
 
@@ -225,7 +214,7 @@ def fp8_grouped_mm(
         recipe / backend / state: as in `fp8_linear`. Tensorwise and delayed scales are
             per expert (one per token group, one per expert weight), as in TE's GroupedLinear.
         weight_key: as in `fp8_linear`.
-        prefetched: ``w``'s FP8 layouts started early (``scaled_mm.prefetch_weight_layouts``;
+        prefetched: ``w``'s FP8 layouts started early (``weight_prefetch.prefetch_weight_layouts``;
             the "torch" backend makes them, the others never get any).
     Returns:
         ``[R, N]``; on the "torch" backend rows past the last group end are unspecified unless
@@ -233,9 +222,7 @@ def fp8_grouped_mm(
     """
     recipe = FP8Recipe.of(recipe)
     if _backend(recipe, backend, x_RK, grouped=True) == "torch":
-        from lightning_moe.precision.scaled_mm import scaled_grouped_mm
-
-        return scaled_grouped_mm(x_RK, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
+        return scaled_mm.scaled_grouped_mm(x_RK, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
     return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state)
 
 
@@ -249,8 +236,6 @@ def gathered_cast_runs(recipe: FP8Recipe, backend: str, *operands: Tensor) -> bo
     (the tokens first, then any weights): the native delayed-scaling casts (recipe "delayed",
     Triton on CUDA, no DTensors) on the "torch" grouped backend. The one test for both the GEMM
     and the experts that decide whether to hand it the tokens unpermuted."""
-    from lightning_moe.precision.scaled_mm import native_delayed_casts
-
     return native_delayed_casts(recipe, *operands) and _backend(recipe, backend, operands[0], grouped=True) == "torch"
 
 
@@ -280,9 +265,7 @@ def fp8_grouped_mm_gathered(
     recipe = FP8Recipe.of(recipe)
     if state is None or not gathered_cast_runs(recipe, backend, tokens_TK, w_EKN):
         return None
-    from lightning_moe.precision.scaled_mm import scaled_grouped_mm_gathered
-
-    return scaled_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
+    return scaled_mm.scaled_grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
 
 
 def fp8_grouped_mm_swiglu(
@@ -313,8 +296,6 @@ def fp8_grouped_mm_swiglu(
     recipe = FP8Recipe.of(recipe)
     if not _native_delayed(recipe, backend, state, h_RF2):
         return None
-    from lightning_moe.precision.scaled_mm import scaled_grouped_mm_swiglu, swiglu_fusable
-
-    if not swiglu_fusable(h_RF2, w_EFN, recipe, state):
+    if not scaled_mm.swiglu_fusable(h_RF2, w_EFN, recipe, state):
         return None
-    return scaled_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, recipe, state, weight_key, prefetched, combine)
+    return scaled_mm.scaled_grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, recipe, state, weight_key, prefetched, combine)

@@ -1,10 +1,10 @@
 """CUDA graphs of the expert weights' FP8 casts that `FP8GroupedGemm.prefetch_weights` starts.
 
 A training forward of native FP8 grouped experts casts both weights (fc1, fc2) into both FP8
-layouts before routing, on a side stream (`scaled_mm.prefetch_weight_layouts`). On the GPU these
+layouts before routing, on a side stream (`weight_prefetch.prefetch_weight_layouts`). On the GPU these
 are two memory-bound kernels; on the host, with their allocations, stream switches and launches,
-they cost about a millisecond per layer (``launch_overhead_s23d.json``: ``experts.prefetch``
-1.1 ms of a 4.1 ms forward, qwen3 shape), and a forward whose host side is slower than its GPU
+they cost about a millisecond per layer (about a quarter of the qwen3-shaped FP8 layer's forward
+on the host), and a forward whose host side is slower than its GPU
 side leaves the GPU waiting for launches.
 
 With ``FP8Recipe(graph_weight_casts=True)`` one layer's casts are captured into a CUDA graph once
@@ -13,7 +13,7 @@ and replayed at each forward: one launch. A graph writes the same buffers at eve
 - memory: both FP8 layouts of the local expert weights (2 bytes per parameter) stay allocated
   for good. The eager casts free the forward layout after the layer's forward and keep the
   data-gradient one until its backward, so the peak grows by about one byte per local expert
-  parameter of every graphed layer (the qwen3 block: 6.9 -> 7.6 GiB, ``moe_block_s24d_*.json``),
+  parameter of every graphed layer (the qwen3-shaped block: about 10% more),
   and by two under activation checkpointing, where the eager copies live only while a layer runs.
 - a replay waits until nothing references the previous replay's outputs (each forward gets new
   views of them; any view, saved tensor or view of a view keeps their storage's use count up).
@@ -84,7 +84,7 @@ class GraphedWeightCasts:
 
     def start(self, jobs: list[CastJob], recipe: FP8Recipe) -> Optional[dict]:
         """Replay (capturing first where due) the casts of ``jobs``; returns ``{projection:
-        PrefetchedWeight}`` as `scaled_mm.prefetch_weight_layouts` would, or None where the
+        PrefetchedWeight}`` as `weight_prefetch.prefetch_weight_layouts` would, or None where the
         caller must cast eagerly (see the module docstring for when)."""
         if not jobs or torch.cuda.is_current_stream_capturing() or not recording_amax():
             return None
@@ -118,24 +118,25 @@ class GraphedWeightCasts:
         return any(_storage_uses(t) > idle for t, idle in zip(self._outputs(), self._idle_uses))
 
     def _capture(self, jobs: list[CastJob], recipe: FP8Recipe, key: tuple) -> None:
-        from lightning_moe.precision.scaled_mm import _FusedGroupedOperands, _prefetch_stream
+        from lightning_moe.precision.native_casts import FusedGroupedOperands
+        from lightning_moe.precision.weight_prefetch import prefetch_stream
 
         graph = torch.cuda.CUDAGraph()
         # Captured on the prefetch stream, where the eager casts run. Entering synchronizes the
         # device (host sync, once per key) and frees the allocator's cached blocks.
         # "thread_local": other threads' CUDA calls (a pin-memory thread) do not break the capture.
-        with collector_held_off(), torch.cuda.graph(graph, stream=_prefetch_stream(jobs[0][1].device),
+        with collector_held_off(), torch.cuda.graph(graph, stream=prefetch_stream(jobs[0][1].device),
                                                     capture_error_mode="thread_local"):
-            layouts = {projection: _FusedGroupedOperands(recipe, state).weight_both(w.detach())
+            layouts = {projection: FusedGroupedOperands(recipe, state).weight_both(w.detach())
                        for projection, w, state in jobs}
         self._key, self._graph, self._layouts = key, graph, layouts
         self._idle_uses = [_storage_uses(t) for t in self._outputs()]
         self.captures += 1
 
     def _replay(self, jobs: list[CastJob], device: torch.device) -> dict:
-        from lightning_moe.precision.scaled_mm import PrefetchedWeight, _prefetch_stream, _weight_signature
+        from lightning_moe.precision.weight_prefetch import PrefetchedWeight, prefetch_stream, weight_signature
 
-        side = _prefetch_stream(device)
+        side = prefetch_stream(device)
         # After everything issued so far on this stream: the last readers of the outputs (the
         # previous backward), the optimizer step and the amax update.
         side.wait_stream(torch.cuda.current_stream(device))
@@ -147,6 +148,6 @@ class GraphedWeightCasts:
         for projection, w, _ in jobs:
             w.record_stream(side)  # read there (as the eager prefetch marks it)
             views = tuple(t.view(t.shape) for t in self._layouts[projection])
-            started[projection] = PrefetchedWeight(_weight_signature(w), views, done, device)
+            started[projection] = PrefetchedWeight(weight_signature(w), views, done, device)
         self.replays += 1
         return started

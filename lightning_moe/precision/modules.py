@@ -37,7 +37,7 @@ from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 if TYPE_CHECKING:
     from lightning_moe.nn.permutation import DeferredCombine, PermutationPlan
     from lightning_moe.precision.graphed_casts import GraphedWeightCasts
-    from lightning_moe.precision.scaled_mm import PrefetchedWeight
+    from lightning_moe.precision.weight_prefetch import PrefetchedWeight
 
 ModuleFilter = Callable[[str, nn.Module], bool]
 # Leaf names of linears that are routers / output heads in common model code (Megatron,
@@ -157,7 +157,7 @@ class FP8GroupedGemm(nn.Module):
     def prefetch_weights(self, weights: dict[str, Tensor]) -> None:
         """Start the FP8 copies of each projection's weight (``{"fc1": w1, "fc2": w2}``) on a
         side stream, before the tokens arrive, where the native backend's training forward
-        would cast them (``scaled_mm.can_prefetch_weight_layouts``); nothing elsewhere. The
+        would cast them (``weight_prefetch.can_prefetch_weight_layouts``); nothing elsewhere. The
         next `grouped_mm` / `grouped_mm_gathered` / `grouped_mm_swiglu` of that projection
         takes them.
 
@@ -166,7 +166,7 @@ class FP8GroupedGemm(nn.Module):
         (say, an FSDP shard seen before the unshard) cannot reset the amax histories.
         """
         self.release_prefetched()
-        from lightning_moe.precision.scaled_mm import can_prefetch_weight_layouts, prefetch_weight_layouts
+        from lightning_moe.precision.weight_prefetch import can_prefetch_weight_layouts, prefetch_weight_layouts
 
         jobs = []
         for projection, w_EKN in weights.items():

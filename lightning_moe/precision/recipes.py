@@ -53,7 +53,7 @@ class FP8Recipe:
             sums to fp32 ("split accumulation"). Default: TE's, ``("fprop",)`` for tensorwise,
             rowwise and delayed, ``()`` for blockwise (TE requires split accumulation there);
             not applicable to mxfp8 / nvfp4. Adding "dgrad" and "wgrad" makes torch's grouped
-            FP8 kernel about 3x faster on small experts (fp8_gemm_ceiling.json) at some
+            FP8 kernel about 3x faster on small experts at some
             gradient accuracy. The emulated backend ignores it (its GEMMs always accumulate in
             fp32).
         quantize_weights_once: native backend, grouped experts with the fused quantizers
@@ -73,6 +73,12 @@ class FP8Recipe:
             per parameter more at peak than the eager casts (two under activation
             checkpointing). Same bits as without it. Needs ``quantize_weights_once`` not False,
             no FP8 weight cache, experts not sharded by FSDP.
+        fuse_swiglu_backward: native delayed recipe on CUDA, SwiGLU experts: fc2's backward
+            computes the SwiGLU's backward and casts fc1's output gradient straight into the FP8
+            copies fc1's backward reads (one kernel instead of two; no bf16 gradient written and
+            read back). That gradient then bypasses autograd: hooks, ``retain_grad`` and
+            ``torch.autograd.grad`` on fc1's output see none, and fc1's output must feed fc2 alone
+            (anything else raises in the backward). Same bits as without it. Off by default.
 
     ``alignment`` (derived) is the multiple each expert's token group must be padded to:
     16 for FP8, 32 for MXFP8, 128 for NVFP4 (TE's ``get_align_size_for_quantization``).
@@ -90,6 +96,7 @@ class FP8Recipe:
     fast_accumulation: Optional[tuple[str, ...]] = None
     quantize_weights_once: Optional[bool] = None
     graph_weight_casts: bool = False
+    fuse_swiglu_backward: bool = False
     alignment: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +121,9 @@ class FP8Recipe:
         if self.graph_weight_casts and self.name not in ("rowwise", "delayed"):
             raise ValueError(f"graph_weight_casts graphs the native rowwise / delayed expert weight casts; the "
                              f"{self.name} recipe has none. Use recipe 'delayed' or 'rowwise', or leave it False.")
+        if self.fuse_swiglu_backward and self.name != "delayed":
+            raise ValueError(f"fuse_swiglu_backward fuses the delayed recipe's SwiGLU-backward cast; the {self.name} "
+                             "recipe has none. Use recipe 'delayed', or leave it False.")
         if self.graph_weight_casts and self.quantize_weights_once is False:
             raise ValueError("graph_weight_casts graphs the cast of both weight layouts in the forward, which "
                              "quantize_weights_once=False turns off; leave quantize_weights_once unset.")
@@ -189,7 +199,8 @@ class FP8Recipe:
         if self.fast_accumulation != self._default_fast_accumulation:  # say it only when not TE's default
             fast = f", fast accumulation: {'/'.join(self.fast_accumulation) or 'none'}"
         graphed = ", weight casts CUDA-graphed" if self.graph_weight_casts else ""
-        return f"{self.name} ({fmt}{fast}{graphed})"
+        fused = ", SwiGLU backward fused into fc1's cast" if self.fuse_swiglu_backward else ""
+        return f"{self.name} ({fmt}{fast}{graphed}{fused})"
 
 
 def cuda_capability(device: Optional[torch.device] = None) -> Optional[tuple[int, int]]:

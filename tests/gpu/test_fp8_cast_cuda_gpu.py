@@ -97,7 +97,7 @@ def test_cuda_cast_writes_the_triton_bytes(monkeypatch, both_kernels, cols, gath
 def test_cuda_cast_of_expert_weights_writes_the_triton_bytes(both_kernels, experts, k, n):
     """Both weight layouts from one cast (`FP8GroupedGemm`'s weight cache), history and none."""
     from lightning_moe.kernels import fp8_delayed_triton as fd
-    from lightning_moe.precision.scaled_mm import _weight_as_groups
+    from lightning_moe.precision.native_casts import weight_as_groups
 
     torch.manual_seed(k)
     w = torch.randn(experts, k, n, device="cuda", dtype=torch.bfloat16)
@@ -105,7 +105,7 @@ def test_cuda_cast_of_expert_weights_writes_the_triton_bytes(both_kernels, exper
     scale[1] = 0.0
     for write_row in (True, False):
         def cast():
-            rows, ends, q_ENK, stride_col, stride_group = _weight_as_groups(w)
+            rows, ends, q_ENK, stride_col, stride_group = weight_as_groups(w)
             record = torch.zeros(experts, device="cuda")
             q, s_row, s_col = fd.delayed_cast(rows, ends, scale, record, write_row=write_row, out_col=q_ENK,
                                               stride_out_col=stride_col, stride_out_group=stride_group)

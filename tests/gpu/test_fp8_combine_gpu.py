@@ -133,7 +133,8 @@ def _layer_step(deferred: bool, monkeypatch, experts: int = 40, checkpointed: bo
     bf16 layer, as a reference; ``master_fp32``: the experts hold the same (bf16-representable)
     weights in fp32, as bf16-mixed training holds master weights; ``fast_wgrad``: fast accumulation
     in every product (the weight gradient then takes our Triton kernel); ``handoff=False``: fc1's
-    output gradient written in bf16 by fc2's backward and cast by fc1's (`_SwiGLUGradHandoff` off)."""
+    output gradient written in bf16 by fc2's backward and cast by fc1's (``FP8Recipe.fuse_swiglu_backward``
+    off, the default)."""
     from torch.utils.checkpoint import checkpoint
 
     from lightning_moe.nn import MoEConfig, MoELayer
@@ -146,13 +147,13 @@ def _layer_step(deferred: bool, monkeypatch, experts: int = 40, checkpointed: bo
     layer.experts.to(torch.bfloat16)
     if master_fp32:
         layer.experts.float()
-    recipe = FP8Recipe("delayed", fast_accumulation=("fprop", "dgrad", "wgrad")) if fast_wgrad else "delayed"
+    recipe = FP8Recipe("delayed", fast_accumulation=("fprop", "dgrad", "wgrad") if fast_wgrad else None,
+                       fuse_swiglu_backward=handoff)
     plugin = FP8Precision(recipe=recipe, backend="torch")
     if fp8:
         plugin.convert_module(layer)
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with monkeypatch.context() as m:
-        m.setenv("LIGHTNING_MOE_FUSED_SWIGLU_GRAD", "1" if handoff else "0")
         if not deferred:
             m.setattr(GroupedExperts, "takes_deferred_combine", lambda self, tokens: False)
         with plugin.forward_context():
@@ -231,7 +232,7 @@ def test_swiglu_grad_cast_equals_the_swiglu_backward_then_the_cast(dtype, weight
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
     from lightning_moe.kernels.swiglu_grad_cast_triton import delayed_swiglu_grad_cast
     from lightning_moe.kernels.swiglu_triton import swiglu_backward, weighted_swiglu_backward
-    from lightning_moe.precision.scaled_mm import _transposed_out, _wgrad_aligned_ends
+    from lightning_moe.precision.native_casts import transposed_out, wgrad_aligned_ends
 
     torch.manual_seed(0)
     rows, f = 720, 200
@@ -240,7 +241,7 @@ def test_swiglu_grad_cast_equals_the_swiglu_backward_then_the_cast(dtype, weight
     p = torch.rand(rows, device="cuda") if weighted else None
     offsets = torch.tensor([0, 48, 48, 352, 704], device="cuda", dtype=torch.int32)
     scale = torch.tensor([0.0, 2.0, 0.0, 0.5, 0.0], device="cuda")
-    ends = _wgrad_aligned_ends(offsets) if aligned else None
+    ends = wgrad_aligned_ends(offsets) if aligned else None
     groups = offsets.numel() if aligned else 0
     if weighted:
         grad_h, grad_p_ref = weighted_swiglu_backward(h, g, p)
@@ -248,7 +249,7 @@ def test_swiglu_grad_cast_equals_the_swiglu_backward_then_the_cast(dtype, weight
         grad_h, grad_p_ref = swiglu_backward(h, g), None
     results = []
     for fused in (True, False):
-        q_col = _transposed_out(h, 2 * f, rows=rows, aligned_groups=groups)
+        q_col = transposed_out(h, 2 * f, rows=rows, aligned_groups=groups)
         q_col.view(torch.uint8).fill_(0x55)  # a marker for what no cast writes
         record = torch.zeros(offsets.numel(), device="cuda")
         if fused:
@@ -276,7 +277,7 @@ def test_swiglu_grad_cast_equals_the_swiglu_backward_then_the_cast(dtype, weight
                                                              (False, True, False), (True, True, True)])
 def test_layer_step_with_fc1_gradient_handed_over_cast(monkeypatch, count_calls, deferred, fast_wgrad, master_fp32,
                                                        checkpointed):
-    """fc1's output gradient cast inside fc2's backward (`_SwiGLUGradHandoff`, the default) against
+    """fc1's output gradient cast inside fc2's backward (``FP8Recipe.fuse_swiglu_backward``) against
     the bf16 gradient written by the SwiGLU's backward and cast by fc1's: the output and the
     experts' weight gradients have the same bits (the same float8 operands; with ``fast_wgrad`` in
     the weight-gradient kernel's aligned layout). The probabilities' gradient is summed in another
@@ -315,7 +316,7 @@ def test_fc1_output_with_a_second_consumer_raises(count_calls):
     torch.manual_seed(0)
     plan, _ = _routed(128, 8, 2, seed=3)
     offsets = group_offsets(plan.group_sizes_E, plan.num_rows)
-    recipe = FP8Recipe.of("delayed")
+    recipe = FP8Recipe("delayed", fuse_swiglu_backward=True)
     x = torch.randn(plan.num_rows, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w1 = (torch.randn(8, 128, 256, device="cuda") / 128 ** 0.5).to(torch.bfloat16).requires_grad_(True)
     w2 = (torch.randn(8, 128, 128, device="cuda") / 128 ** 0.5).to(torch.bfloat16).requires_grad_(True)

@@ -114,7 +114,7 @@ def test_delayed_training_identical_with_fused_and_generic_casts(monkeypatch, ex
         gemm = FP8GroupedGemm("delayed", backend="torch")  # hybrid: E4M3 in the grouped kernels
         with monkeypatch.context() as m:
             if not fused:
-                m.setattr(scaled_mm, "_fused_delayed", lambda *args: False)
+                m.setattr(scaled_mm, "fused_delayed", lambda *args: False)
             results.append(_train(gemm, x, w, offsets, steps=3, cache=FP8WeightCache() if cache else None))
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), i
@@ -129,15 +129,15 @@ def test_one_delayed_cast_writing_both_weight_layouts(experts, k, n, dtype):
     """The single cast that writes both weight layouts (the weight cache's) against the two
     single-layout casts; fp32 master weights once got wrong transposed bytes here."""
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
-    from lightning_moe.precision.scaled_mm import _weight_as_groups
+    from lightning_moe.precision.native_casts import weight_as_groups
 
     torch.manual_seed(0)
     w = torch.randn(experts, k, n, device="cuda", dtype=dtype)
     scale = torch.zeros(experts, device="cuda")
-    rows, ends, q_one, stride_col, stride_group = _weight_as_groups(w)
+    rows, ends, q_one, stride_col, stride_group = weight_as_groups(w)
     q_row, s_row, s_col = delayed_cast(rows, ends, scale, None, out_col=q_one, stride_out_col=stride_col,
                                        stride_out_group=stride_group)
-    _, _, q_two, _, _ = _weight_as_groups(w)
+    _, _, q_two, _, _ = weight_as_groups(w)
     _, _, s_col_two = delayed_cast(rows, ends, scale, None, write_row=False, out_col=q_two,
                                    stride_out_col=stride_col, stride_out_group=stride_group)
     q_row_two, s_row_two, _ = delayed_cast(rows, ends, scale, None)
@@ -162,7 +162,7 @@ def test_dense_delayed_training_identical_with_fused_and_generic_casts(monkeypat
         seen = []
         with monkeypatch.context() as m:
             if not fused:
-                m.setattr(scaled_mm, "_fused_delayed", lambda *args: False)
+                m.setattr(scaled_mm, "fused_delayed", lambda *args: False)
             for step in range(3):
                 layer.zero_grad(set_to_none=True)
                 for micro in range(2):
@@ -363,7 +363,9 @@ def test_delayed_scaling_update_kernel_gives_the_torch_update_bits(monkeypatch, 
     from lightning_moe.kernels import delayed_update_triton
     from lightning_moe.precision.delayed import _updated
 
-    monkeypatch.setenv("LIGHTNING_MOE_FUSED_SCALE_UPDATE", "1")
+    from lightning_moe.precision import delayed
+
+    monkeypatch.setattr(delayed, "FUSED_SCALE_UPDATE", True)
     launched = []
     kernel = delayed_update_triton.delayed_update
     monkeypatch.setattr(delayed_update_triton, "delayed_update",

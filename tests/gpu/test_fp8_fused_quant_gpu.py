@@ -38,15 +38,15 @@ def test_rowwise_quantize_is_bit_exact(dtype):
 
 
 def test_both_copies_of_an_operand_are_bit_exact():
-    from lightning_moe.precision.scaled_mm import _fused_both, _per_group_rows, _per_row
+    from lightning_moe.precision.native_casts import fused_both, per_group_rows, per_row
 
     x = _awkward(200, 96, torch.bfloat16)
     offsets = torch.tensor([48, 48, 160, 192], device="cuda", dtype=torch.int32)  # one empty group, 8 rows after
-    q, s, q_t, s_t = _fused_both(x, offsets)
+    q, s, q_t, s_t = fused_both(x, offsets)
     q_ref, s_ref, _, _ = quantize_operand(x, ROWWISE, "input", native=True, fmt=E4M3)
     assert torch.equal(s, s_ref[:, 0]) and same_bits(q, q_ref)  # every row, also those past the last group
     q_ref, s_ref, rows, _ = quantize_operand(x[:192].t(), ROWWISE, "input", Layout(col_offsets=offsets), None, True, E4M3)
-    assert torch.equal(s_t, _per_group_rows(s_ref, rows, 4))
+    assert torch.equal(s_t, per_group_rows(s_ref, rows, 4))
     assert q_t.shape == (96, 208) and not q_t[:, 200:].view(torch.uint8).any()  # tokens padded to 16 with zeros
     assert same_bits(q_t[:, :192], q_ref)
 
@@ -54,7 +54,7 @@ def test_both_copies_of_an_operand_are_bit_exact():
 def test_both_copies_with_many_uneven_groups():
     """Many groups of uneven size, some larger than a tile, empty ones (also first and last) and
     rows past the last group, against the generic quantizer."""
-    from lightning_moe.precision.scaled_mm import _fused_both, _per_group_rows
+    from lightning_moe.precision.native_casts import fused_both, per_group_rows
 
     torch.manual_seed(0)
     sizes = torch.randint(0, 150, (40,))
@@ -63,28 +63,28 @@ def test_both_copies_with_many_uneven_groups():
     offsets = sizes.cumsum(0).to(device="cuda", dtype=torch.int32)
     used = int(offsets[-1])
     x = _awkward(used + 21, 272, torch.bfloat16)
-    q, s, q_t, s_t = _fused_both(x, offsets)
+    q, s, q_t, s_t = fused_both(x, offsets)
     q_ref, s_ref, _, _ = quantize_operand(x, ROWWISE, "input", native=True, fmt=E4M3)
     assert torch.equal(s, s_ref[:, 0]) and same_bits(q, q_ref)
     q_ref, s_ref, rows, _ = quantize_operand(x[:used].t(), ROWWISE, "input", Layout(col_offsets=offsets), None, True,
                                              E4M3)
-    assert torch.equal(s_t, _per_group_rows(s_ref, rows, 40))
+    assert torch.equal(s_t, per_group_rows(s_ref, rows, 40))
     assert same_bits(q_t[:, :used], q_ref)
 
 
 def test_both_weight_layouts_are_bit_exact():
-    from lightning_moe.precision.scaled_mm import _fused_weight_both, _per_row
+    from lightning_moe.precision.native_casts import fused_weight_both, per_row
 
     w = torch.randn(4, 64, 48, device="cuda")
     w[1, 3, 5] = 0.0
     w[2] = 0.0  # an all-zero expert: scale 1
-    q_fprop, s_fprop, q_dgrad, s_dgrad = _fused_weight_both(w)
+    q_fprop, s_fprop, q_dgrad, s_dgrad = fused_weight_both(w)
     q_ref, s_ref, rows, _ = quantize_operand(w.transpose(1, 2).reshape(4 * 48, 64), ROWWISE, "weight",
                                              Layout(batch=4), None, True, E4M3)
-    assert torch.equal(s_fprop, _per_row(s_ref, rows).view(4, 48))
+    assert torch.equal(s_fprop, per_row(s_ref, rows).view(4, 48))
     assert same_bits(q_fprop.reshape(4 * 48, 64), q_ref)
     q_ref, s_ref, rows, _ = quantize_operand(w.reshape(4 * 64, 48), ROWWISE, "weight", Layout(batch=4), None, True, E4M3)
-    assert torch.equal(s_dgrad, _per_row(s_ref, rows))
+    assert torch.equal(s_dgrad, per_row(s_ref, rows))
     assert same_bits(q_dgrad, q_ref)
 
 
@@ -125,7 +125,7 @@ def test_gemms_identical_with_fused_and_generic_quantizers(monkeypatch):
     for name, (fn, inputs) in cases.items():
         fused = _run(fn, inputs)
         with monkeypatch.context() as m:
-            m.setattr(scaled_mm, "_fused_rowwise", lambda *args: False)
+            m.setattr(scaled_mm, "fused_rowwise", lambda *args: False)
             generic = _run(fn, inputs)
         for a, b in zip(fused, generic):
             assert torch.equal(a, b), name

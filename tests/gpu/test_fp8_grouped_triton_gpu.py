@@ -82,7 +82,7 @@ def test_launch_configurations_agree():
 @pytest.mark.parametrize("recipe_name", ["rowwise", "delayed"])
 def test_grouped_layer_trains_identically_with_the_triton_kernel(monkeypatch, count_calls, recipe_name):
     import lightning_moe.kernels.fp8_grouped_gemm_triton as kernels
-    from lightning_moe.precision import FP8Recipe, scaled_mm
+    from lightning_moe.precision import FP8Recipe, native_gemms
     from lightning_moe.precision.gemm import fp8_grouped_mm
 
     calls = count_calls(kernels, "grouped_mm_fprop")
@@ -92,10 +92,10 @@ def test_grouped_layer_trains_identically_with_the_triton_kernel(monkeypatch, co
 
     # Off: torch's grouped kernel, not the per-expert cuBLAS products (other bits) that a layer of
     # 5 experts would take without the Triton kernel.
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 0)
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 0)
 
     def run(triton_on):
-        monkeypatch.setattr(scaled_mm, "TRITON_GROUPED_GEMM", triton_on)
+        monkeypatch.setattr(native_gemms, "TRITON_GROUPED_GEMM", triton_on)
         torch.manual_seed(0)
         x = torch.randn(528, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(5, 256, 384, device="cuda") / 16).requires_grad_(True)
@@ -125,10 +125,10 @@ def test_few_experts_make_no_host_sync_when_the_triton_kernel_takes_both_product
     """With fast accumulation in the forward and data-gradient products, a layer of <= 32 experts
     needs no host list of group ends (the weight gradient takes our kernel, or torch's grouped
     kernel with split accumulation)."""
-    from lightning_moe.precision import FP8Recipe, scaled_mm
+    from lightning_moe.precision import FP8Recipe, native_gemms
     from lightning_moe.precision.gemm import fp8_grouped_mm
 
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 32)
     offsets = torch.tensor([64, 64, 208, 400], device="cuda", dtype=torch.int32)
     x = torch.randn(400, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(4, 256, 384, device="cuda") / 16).requires_grad_(True)
@@ -151,7 +151,7 @@ def _in_aligned_layout(t_MR, ends, aligned_ends):
 
 
 def _wgrad_operands(ends, m, n, seed=0):
-    from lightning_moe.precision.scaled_mm import _wgrad_aligned_ends
+    from lightning_moe.precision.native_casts import wgrad_aligned_ends
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     experts, rows = len(ends), ends[-1] + 16  # a padding column past the last group: never read
@@ -160,7 +160,7 @@ def _wgrad_operands(ends, m, n, seed=0):
     sa = torch.rand(experts, m, device="cuda", generator=g) + 0.5
     sb = torch.rand(experts, n, device="cuda", generator=g) + 0.5
     ends_t = torch.tensor(ends, device="cuda", dtype=torch.int32)
-    aligned_ends = _wgrad_aligned_ends(ends_t)
+    aligned_ends = wgrad_aligned_ends(ends_t)
     host_aligned = aligned_ends.tolist()
     return (a, sa, b, sb, ends_t, _in_aligned_layout(a, ends, host_aligned), _in_aligned_layout(b, ends, host_aligned),
             aligned_ends)
@@ -239,7 +239,7 @@ def test_casts_write_the_aligned_group_layout(kind, groups):
     buffer to its last column."""
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
     from lightning_moe.kernels.fp8_quant_triton import dual_quantize
-    from lightning_moe.precision.scaled_mm import _transposed_out, _wgrad_aligned_ends
+    from lightning_moe.precision.native_casts import transposed_out, wgrad_aligned_ends
 
     torch.manual_seed(0)
     if groups == "uneven":
@@ -249,7 +249,7 @@ def test_casts_write_the_aligned_group_layout(kind, groups):
         rows, cols, tokens = 80, 200, 30
         ends = [16, 32, 48, 64, 80]
     offsets = torch.tensor(ends, device="cuda", dtype=torch.int32)
-    aligned_ends = _wgrad_aligned_ends(offsets)
+    aligned_ends = wgrad_aligned_ends(offsets)
     scale = torch.tensor([0.0, 2.0, 0.0, 0.5, 0.0], device="cuda")
     x = torch.randn(tokens if kind == "gather" else rows, 2 * cols if kind == "swiglu" else cols, device="cuda",
                     dtype=torch.bfloat16) * 3
@@ -264,7 +264,7 @@ def test_casts_write_the_aligned_group_layout(kind, groups):
 
     plain = torch.zeros(cols, -(-rows // 16) * 16, device="cuda", dtype=torch.float8_e4m3fn)
     ref = cast(plain, None)
-    aligned = _transposed_out(x, cols, rows=rows, aligned_groups=len(ends))
+    aligned = transposed_out(x, cols, rows=rows, aligned_groups=len(ends))
     aligned.view(torch.uint8).fill_(0x55)
     got = cast(aligned, aligned_ends)
     for r, g in zip(ref, got):

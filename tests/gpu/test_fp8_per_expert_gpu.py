@@ -26,7 +26,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_per_expert_and_grouped_kernels_agree(monkeypatch, host_syncs, recipe):
-    from lightning_moe.precision import scaled_mm
+    from lightning_moe.precision import native_gemms
 
     torch.manual_seed(0)
     experts, k, n = 4, 256, 384
@@ -34,11 +34,11 @@ def test_per_expert_and_grouped_kernels_agree(monkeypatch, host_syncs, recipe):
     offsets = torch.tensor([128, 128, 304, 496], device="cuda", dtype=torch.int32)
     x = torch.randn(512, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(experts, k, n, device="cuda") / k**0.5).requires_grad_(True)
-    monkeypatch.setattr(scaled_mm, "TRITON_GROUPED_GEMM", False)  # torch's two paths alone
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)
+    monkeypatch.setattr(native_gemms, "TRITON_GROUPED_GEMM", False)  # torch's two paths alone
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 32)
     y_pe, dx_pe, dw_pe = _grads(x, w, offsets, recipe)
     assert len(host_syncs) == 1  # forward only; the backward reuses the host list
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 0)
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 0)
     y_g, dx_g, dw_g = _grads(x, w, offsets, recipe)
     assert len(host_syncs) == 1
 
@@ -56,9 +56,9 @@ def test_per_expert_and_grouped_kernels_agree(monkeypatch, host_syncs, recipe):
 
 @pytest.mark.parametrize("per_expert_max", [0, 32])
 def test_fast_accumulation_everywhere_stays_fp8_accurate(monkeypatch, per_expert_max):
-    from lightning_moe.precision import FP8Recipe, scaled_mm
+    from lightning_moe.precision import FP8Recipe, native_gemms
 
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", per_expert_max)
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", per_expert_max)
     torch.manual_seed(0)
     experts, k, n = 4, 1024, 512
     offsets = torch.tensor([256, 512, 768, 1024], device="cuda", dtype=torch.int32)

@@ -62,10 +62,10 @@ def test_weights_quantized_once_train_identically(monkeypatch, recipe):
     """FP8Recipe(quantize_weights_once), on by default: the forward makes each expert weight's
     data-gradient copy as well, so no backward quantizes an expert weight; the bits are those
     of quantizing it again in the backward."""
-    from lightning_moe.precision import FP8Recipe, scaled_mm
+    from lightning_moe.precision import FP8Recipe, native_casts, scaled_mm
 
     calls = {"grouped": 0, "dense": 0}
-    grouped_dgrad, dense_columns = scaled_mm._FusedGroupedOperands.weight_dgrad, scaled_mm._fused_columns
+    grouped_dgrad, dense_columns = native_casts.FusedGroupedOperands.weight_dgrad, native_casts.fused_columns
 
     def count_grouped(self, w):
         calls["grouped"] += 1
@@ -77,8 +77,8 @@ def test_weights_quantized_once_train_identically(monkeypatch, recipe):
         calls["dense"] += isinstance(t, torch.nn.Parameter) and sys._getframe(1).f_code.co_name == "backward"
         return dense_columns(t, offsets)
 
-    monkeypatch.setattr(scaled_mm._FusedGroupedOperands, "weight_dgrad", count_grouped)
-    monkeypatch.setattr(scaled_mm, "_fused_columns", count_dense)
+    monkeypatch.setattr(native_casts.FusedGroupedOperands, "weight_dgrad", count_grouped)
+    monkeypatch.setattr(scaled_mm, "fused_columns", count_dense)
     # 3 steps x 2 micro-batches, 2 expert projections; the 2 shared-expert linears quantize their
     # weights in the backward either way under rowwise (dense weights take two single quantizers
     # anyway) and keep their per-tensor FP8 weight under delayed
@@ -97,10 +97,10 @@ def test_prefetched_weights_train_identically(monkeypatch, recipe):
     (``GroupedExperts.prefetch``); every training forward takes them (but the first under
     delayed scaling), evaluation makes none, and the bits equal casting them in the forward."""
     from lightning_moe.nn.experts import GroupedExperts
-    from lightning_moe.precision import FP8Recipe, scaled_mm
+    from lightning_moe.precision import FP8Recipe, native_casts
 
     streams = {"side": 0, "main": 0}
-    weight_both = scaled_mm._FusedGroupedOperands.weight_both
+    weight_both = native_casts.FusedGroupedOperands.weight_both
 
     def counting(self, w, launch_stream=None):
         # the prefetch allocates on the current stream and launches on its side stream
@@ -108,7 +108,7 @@ def test_prefetched_weights_train_identically(monkeypatch, recipe):
         assert launch_stream is None or launch_stream != torch.cuda.current_stream()
         return weight_both(self, w, launch_stream)
 
-    monkeypatch.setattr(scaled_mm._FusedGroupedOperands, "weight_both", counting)
+    monkeypatch.setattr(native_casts.FusedGroupedOperands, "weight_both", counting)
     losses, params, _ = _train(FP8Recipe(recipe), cache=False)
     # 3 steps x 2 micro-batches x 2 projections; under delayed scaling the first forward casts
     # its own (its scaling state does not exist before it, and a prefetch never allocates it)

@@ -429,14 +429,14 @@ def test_wgrad_aligned_ends_do_the_alignment_check_for_their_offsets(count_calls
     """On CUDA the aligned ends' kernel also issues the 16-row check, so the forward's
     `_assert_groups_aligned` on the same offsets (same version) launches nothing more; a new
     version is checked again."""
-    from lightning_moe.precision import scaled_mm
+    from lightning_moe.precision import native_casts
 
     offsets = torch.tensor([16, 48, 48, 96], dtype=torch.int32, device="cuda")
-    ends = scaled_mm._wgrad_aligned_ends(offsets)
+    ends = native_casts.wgrad_aligned_ends(offsets)
     assert ends.tolist() == [128, 256, 256, 384]
     asserts = count_calls(torch, "_assert_async")
-    scaled_mm._assert_groups_aligned(offsets)
+    native_casts.assert_groups_aligned(offsets)
     assert len(asserts) == 0
     offsets.add_(16)  # a new version: the torch check runs
-    scaled_mm._assert_groups_aligned(offsets)
+    native_casts.assert_groups_aligned(offsets)
     assert len(asserts) == 1

@@ -9,7 +9,8 @@ import contextlib
 import pytest
 import torch
 
-from lightning_moe.nn import MoEConfig, MoELayer, capture_moe_layer
+from lightning_moe.cuda_graphs import capture_moe_layer
+from lightning_moe.nn import MoEConfig, MoELayer
 from lightning_moe.precision import FP8Precision, FP8Recipe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -156,7 +157,8 @@ def test_refuses_what_a_graph_cannot_replay():
 
 _KEPT_GRAPH = """
 import torch
-from lightning_moe.nn import MoEConfig, MoELayer, capture_moe_layer
+from lightning_moe.cuda_graphs import capture_moe_layer
+from lightning_moe.nn import MoEConfig, MoELayer
 layer = MoELayer(MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, router_topk=2)).cuda().bfloat16()
 x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 loss = layer(x).float().square().mean()

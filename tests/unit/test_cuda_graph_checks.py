@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_moe.nn import MoEConfig, MoELayer, capture_moe_layer
+from lightning_moe.cuda_graphs import capture_moe_layer
+from lightning_moe.nn import MoEConfig, MoELayer
 from lightning_moe.parallel.dispatchers import AllToAllDispatcher
 from lightning_moe.precision import FP8Precision, FP8Recipe, update_delayed_scaling
 from lightning_moe.precision.delayed import amax_recording_paused
@@ -76,7 +77,7 @@ def test_autocast_wrapper_follows_the_layer():
     """The wrapper the capture runs under autocast: its parameters are the layer's (what
     make_graphed_callables takes gradients for) and its training mode is the layer's (which
     decides between replay and the eager forward after the capture)."""
-    from lightning_moe.nn.cuda_graph import _ForwardUnderAutocast
+    from lightning_moe.cuda_graphs import _ForwardUnderAutocast
 
     layer = _layer()
     wrapper = _ForwardUnderAutocast(layer, layer.forward, torch.bfloat16)

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, scaled_mm
+from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, native_casts, native_gemms, scaled_mm
 
 
 def _cpu_rowwise_scaled_mm() -> bool:
@@ -82,9 +82,9 @@ def test_per_expert_gemms_match_the_grouped_kernel_and_honour_the_accumulation(m
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped(grouped_calls))
     monkeypatch.setattr(torch, "_scaled_mm", _recording_scaled_mm(single_calls))
 
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 0)
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 0)
     grouped = _step(recipe, offsets)
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 32)
     per_expert = _step(recipe, offsets)
 
     expected = [recipe.fast(g) for g in ("fprop", "dgrad", "wgrad")]
@@ -124,7 +124,7 @@ def test_evaluation_calls_neither_fill_nor_read_the_cache(monkeypatch):
     """Decided where the GEMM is called: no_grad and inference-mode passes (Lightning's
     evaluation loops, whose offsets are inference tensors) quantize afresh and cache nothing."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped([]))
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)  # the host-ends path too
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 32)  # the host-ends path too
     recipe = FP8Recipe("tensorwise")
     w, dense = _weight(), torch.randn(16, 64, requires_grad=True)
     x = torch.randn(80, 64, dtype=torch.bfloat16)
@@ -142,10 +142,10 @@ def test_evaluation_calls_neither_fill_nor_read_the_cache(monkeypatch):
 
 def test_host_group_ends_follow_in_place_updates():
     offsets = torch.tensor([16, 32], dtype=torch.int32)
-    assert scaled_mm._host_group_ends(offsets, 2) == [16, 32]
+    assert native_gemms.host_group_ends(offsets, 2) == [16, 32]
     offsets.copy_(torch.tensor([8, 32], dtype=torch.int32))
-    assert scaled_mm._host_group_ends(offsets, 2) == [8, 32]
-    assert scaled_mm._host_group_ends(offsets, scaled_mm.PER_EXPERT_MAX_EXPERTS + 1) is None
+    assert native_gemms.host_group_ends(offsets, 2) == [8, 32]
+    assert native_gemms.host_group_ends(offsets, native_gemms.PER_EXPERT_MAX_EXPERTS + 1) is None
 
 
 @needs_cpu_rowwise
@@ -194,9 +194,9 @@ def test_fused_quantizers_leave_dtensor_operands_to_the_generic_path(monkeypatch
         sharded = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Shard(0)])
         state = DelayedState(torch.zeros(2, 3, 1), torch.zeros(3, 1))
         rowwise, delayed = FP8Recipe("rowwise"), FP8Recipe("delayed")
-        assert scaled_mm._fused_rowwise(rowwise, None, local) and scaled_mm._fused_delayed(delayed, state, local)
-        assert not scaled_mm._fused_rowwise(rowwise, None, sharded)
-        assert not scaled_mm._fused_delayed(delayed, state, sharded)
+        assert native_casts.fused_rowwise(rowwise, None, local) and native_casts.fused_delayed(delayed, state, local)
+        assert not native_casts.fused_rowwise(rowwise, None, sharded)
+        assert not native_casts.fused_delayed(delayed, state, sharded)
     finally:
         if created:
             dist.destroy_process_group()
@@ -224,11 +224,11 @@ def test_the_triton_grouped_gemm_takes_the_fast_products(monkeypatch, fast, trit
 
     kernel.grouped_mm_fprop = grouped_mm_fprop
     monkeypatch.setitem(sys.modules, kernel.__name__, kernel)
-    monkeypatch.setattr(scaled_mm, "_triton_grouped", lambda t, fast_accumulation: fast_accumulation)
+    monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t, fast_accumulation: fast_accumulation)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_grouped)
-    host_group_ends = scaled_mm._host_group_ends
-    monkeypatch.setattr(scaled_mm, "_host_group_ends", lambda *a: host_log.append(1) or host_group_ends(*a))
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 32)
+    host_group_ends = native_gemms.host_group_ends
+    monkeypatch.setattr(scaled_mm, "host_group_ends", lambda *a: host_log.append(1) or host_group_ends(*a))
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 32)
     recipe = FP8Recipe("rowwise", fast_accumulation=fast)
     offsets = torch.tensor([32, 32, 80], dtype=torch.int32)
     got = _step(recipe, offsets)
@@ -239,8 +239,8 @@ def test_the_triton_grouped_gemm_takes_the_fast_products(monkeypatch, fast, trit
         scaled_mm.scaled_grouped_mm(torch.randn(80, 64, dtype=torch.bfloat16), _weight(), offsets.clone(), recipe,
                                     None)
         assert len(host_log) == 0 and len(triton_log) == triton_calls + 1
-    monkeypatch.setattr(scaled_mm, "_triton_grouped", lambda t, fast_accumulation: False)
-    monkeypatch.setattr(scaled_mm, "PER_EXPERT_MAX_EXPERTS", 0)
+    monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t, fast_accumulation: False)
+    monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 0)
     reference = _step(recipe, offsets)
     for a, b in zip(got, reference):
         assert float((a - b).norm() / b.norm()) < 1e-2

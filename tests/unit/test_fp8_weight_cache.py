@@ -116,7 +116,7 @@ def test_fsdp_experts_turn_off_quantizing_weights_once_unless_asked(monkeypatch,
     """`FP8Recipe.quantize_weights_once` left at None is turned off when FSDP shards the experts
     (the saved copy would be of the unsharded weight); an explicit choice is kept."""
     from lightning_moe.precision import FP8Recipe
-    from lightning_moe.precision.scaled_mm import _both_weight_layouts_now
+    from lightning_moe.precision.native_casts import both_weight_layouts_now
     from lightning_moe.strategies import MegatronMoEStrategy
 
     strategy = MegatronMoEStrategy()
@@ -126,8 +126,8 @@ def test_fsdp_experts_turn_off_quantizing_weights_once_unless_asked(monkeypatch,
     strategy._experts_fsdp = experts_fsdp
     strategy._check_fp8_options()
     want = requested if requested is not None else not experts_fsdp
-    assert _both_weight_layouts_now(plugin.recipe, needs_backward=True) is want
-    assert not _both_weight_layouts_now(plugin.recipe, needs_backward=False)
+    assert both_weight_layouts_now(plugin.recipe, needs_backward=True) is want
+    assert not both_weight_layouts_now(plugin.recipe, needs_backward=False)
     assert plugin.recipe.name == "rowwise" and plugin.recipe.alignment == 16
 
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from lightning_moe.nn import MoEConfig, MoELayer
-from lightning_moe.precision import FP8Recipe, scaled_mm
+from lightning_moe.precision import FP8Recipe, weight_prefetch
 from lightning_moe.precision import modules as fp8_modules
 from lightning_moe.precision.modules import FP8GroupedGemm
 
 
 class _Started:
-    """Stands for a `scaled_mm.PrefetchedWeight`: counts releases."""
+    """Stands for a `weight_prefetch.PrefetchedWeight`: counts releases."""
 
     def __init__(self, w, state) -> None:
         self.w, self.state, self.released = w, state, 0
@@ -33,8 +33,8 @@ def recorded(monkeypatch):
         started.append(_Started(w, state))
         return started[-1]
 
-    monkeypatch.setattr(scaled_mm, "can_prefetch_weight_layouts", lambda w, recipe: True)
-    monkeypatch.setattr(scaled_mm, "prefetch_weight_layouts", start)
+    monkeypatch.setattr(weight_prefetch, "can_prefetch_weight_layouts", lambda w, recipe: True)
+    monkeypatch.setattr(weight_prefetch, "prefetch_weight_layouts", start)
     monkeypatch.setattr(fp8_modules, "resolve_backend", lambda *args, **kwargs: "torch")
     return started
 
@@ -124,7 +124,7 @@ def test_graphed_casts_take_the_prefetch_when_they_run(recorded, monkeypatch):
     assert offered[0][1][2].scale.data_ptr() == gemm.fp8_scale[:, 4:].data_ptr()
     assert len(recorded) == 2 and gemm._take_prefetched("fc1") is recorded[0]
     answer["value"] = {"fc1": "graphed fc1", "fc2": "graphed fc2"}
-    monkeypatch.setattr(scaled_mm.PrefetchedWeight, "release", lambda self: None, raising=False)
+    monkeypatch.setattr(weight_prefetch.PrefetchedWeight, "release", lambda self: None, raising=False)
     gemm.__dict__["_prefetched"] = {}
     gemm.prefetch_weights(weights)  # taken: nothing cast eagerly
     assert len(recorded) == 2 and gemm._take_prefetched("fc2") == "graphed fc2"
@@ -152,7 +152,7 @@ def test_graph_weight_casts_options_are_checked(monkeypatch):
         FP8GroupedGemm(graphed, backend="emulated")
     # "auto" that resolves to another backend where the casts would run: refused there
     gemm = FP8GroupedGemm(graphed, backend="auto")
-    monkeypatch.setattr(scaled_mm, "can_prefetch_weight_layouts", lambda w, recipe: True)
+    monkeypatch.setattr(weight_prefetch, "can_prefetch_weight_layouts", lambda w, recipe: True)
     monkeypatch.setattr(fp8_modules, "resolve_backend", lambda *args, **kwargs: "te")
     with pytest.raises(ValueError, match="graph_weight_casts=False"):
         gemm.prefetch_weights({"fc1": torch.randn(4, 16, 8, requires_grad=True)})

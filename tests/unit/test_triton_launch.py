@@ -59,6 +59,7 @@ class _Kernel:
 def _fresh(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("LIGHTNING_MOE_FAST_TRITON_LAUNCH", raising=False)
+    monkeypatch.setattr(launch_module, "triton_version_tested", lambda: True)  # whatever Triton is installed
     monkeypatch.setattr(launch_module, "_device_and_stream", lambda: (0, 1234))
     monkeypatch.setattr(launch_module, "_launch_hooks", lambda: ("enter-hook", None))
     monkeypatch.setattr(launch_module, "_compilation_state", lambda kernel: ("settings",))
@@ -258,6 +259,22 @@ def test_disabled_by_environment_or_interpreter(monkeypatch):
         launch(kernel, (1,), torch.zeros(64), 100, 0.5)
         monkeypatch.delenv(variable)
     assert _kinds(kernel) == ["plain"] * 4
+
+
+@pytest.mark.parametrize("version,tested", [("3.6.0", True), ("3.5.1", True), ("3.9.0", False), ("4.0.0", False)])
+def test_an_untested_triton_takes_the_plain_path(monkeypatch, version, tested):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    monkeypatch.undo()  # the fixture's stand-in for the version check: the real check here
+    monkeypatch.setattr(triton, "__version__", version)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("LIGHTNING_MOE_FAST_TRITON_LAUNCH", raising=False)
+    launch_module.triton_version_tested.cache_clear()
+    try:
+        assert launch_module.fast_launch_enabled() is tested
+    finally:
+        launch_module.triton_version_tested.cache_clear()
 
 
 def test_compiled_kernel_without_the_launcher_keeps_the_plain_path():

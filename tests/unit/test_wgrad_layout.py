@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_moe.kernels import WGRAD_GROUP_ALIGN
-from lightning_moe.precision import scaled_mm
+from lightning_moe.precision import native_casts, scaled_mm
 
 
 def _offsets(*ends: int) -> torch.Tensor:
@@ -15,17 +15,17 @@ def _offsets(*ends: int) -> torch.Tensor:
 
 
 def test_aligned_ends_round_each_group_up():
-    ends = scaled_mm._wgrad_aligned_ends(_offsets(0, 48, 48, 352, 688))
+    ends = native_casts.wgrad_aligned_ends(_offsets(0, 48, 48, 352, 688))
     assert WGRAD_GROUP_ALIGN == 128
     assert ends.dtype == torch.int32 and ends.tolist() == [0, 128, 128, 512, 896]
 
 
 def test_aligned_ends_are_kept_per_offsets_version():
     offsets = _offsets(16, 32)
-    first = scaled_mm._wgrad_aligned_ends(offsets)
-    assert scaled_mm._wgrad_aligned_ends(offsets) is first
+    first = native_casts.wgrad_aligned_ends(offsets)
+    assert native_casts.wgrad_aligned_ends(offsets) is first
     offsets.add_(16)  # an in-place update bumps the version: made again from the new values
-    assert scaled_mm._wgrad_aligned_ends(offsets).tolist() == [128, 256]
+    assert native_casts.wgrad_aligned_ends(offsets).tolist() == [128, 256]
 
 
 @pytest.mark.parametrize("sizes", [[16] * 40, [0, 48, 0, 304, 336], [1024, 0, 16, 112, 128, 144]])
@@ -35,8 +35,8 @@ def test_the_buffer_holds_every_aligned_group(sizes):
     offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
     rows = int(offsets[-1]) + 5  # rows past the last group (the tail): no transposed copy
     t = torch.zeros(rows, 8)
-    buffer = scaled_mm._transposed_out(t, aligned_groups=len(sizes))
-    last = int(scaled_mm._wgrad_aligned_ends(offsets)[-1])
+    buffer = native_casts.transposed_out(t, aligned_groups=len(sizes))
+    last = int(native_casts.wgrad_aligned_ends(offsets)[-1])
     assert buffer.dtype == torch.float8_e4m3fn and buffer.shape[0] == 8
     assert last <= buffer.shape[1]
     if set(sizes) == {16}:
@@ -47,8 +47,8 @@ def test_the_buffer_holds_every_aligned_group(sizes):
 def test_the_backward_checks_the_saved_copys_layout(aligned):
     offsets = _offsets(0, 48, 48, 352, 688)
     t = torch.zeros(700, 8)
-    plain = scaled_mm._transposed_out(t)
-    wide = scaled_mm._transposed_out(t, aligned_groups=5)
+    plain = native_casts.transposed_out(t)
+    wide = native_casts.transposed_out(t, aligned_groups=5)
     saved, other = (wide, plain) if aligned else (plain, wide)
     ends = scaled_mm._saved_wgrad_layout(saved, offsets, 700, aligned)
     assert (ends.tolist() == [0, 128, 128, 512, 896]) if aligned else ends is None

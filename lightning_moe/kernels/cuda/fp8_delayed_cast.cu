@@ -4,7 +4,7 @@
 // and the row copy: the same bytes as the Triton tile kernel (`_delayed_cast_kernel`), in fewer
 // instructions per element.
 //
-// Why CUDA C (benchmarks/NOTES.md, s29 and s32): the Triton cast issues ~12 thread instructions per
+// Why CUDA C: the Triton cast issues ~12 thread instructions per
 // element at two 4-warp programs per multiprocessor (255 registers, spills), and reaches ~65% of a copy's
 // bandwidth. Here a thread owns an 8-row x 8-column chunk: it loads 8 rows of 16 bytes (all in flight at
 // once), casts them, stores the row copy 8 bytes a row, and transposes the float8 bytes in registers
