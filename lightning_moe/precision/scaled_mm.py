@@ -369,13 +369,15 @@ class _ScaledGroupedMM(torch.autograd.Function):
             ctx.weight_dgrad = operands.kept_dgrad
         else:
             ctx.save_for_backward(x, w, offsets)
+        # The backward needs neither the prefetched layouts (a reference would keep a graphed cast's
+        # outputs in use until then) nor the handoff (on ctx where it applies, below).
+        handoff, call.prefetched, call.handoff = call.handoff, None, None
         ctx.call, ctx.triton_dgrad, ctx.ends, ctx.fused = call, triton_dgrad, ends, fused
         # fc1 (a fused delayed cast in training): its output gradient may come through the handoff
         # (armed here), with no gradient from autograd; fc2: hands its input's gradient over.
         ctx.handoff = None
         # (not for a fresh state reduced over a group: the handoff's fused cast finds missing
         # scales by itself, rank-locally; the plain gradient cast reduces them first)
-        handoff = call.handoff
         if (handoff is not None and fused and state is not None and call.needs_backward
                 and fresh_amax_group(state) is None):
             if not call.input_swiglu:
