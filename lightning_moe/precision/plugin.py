@@ -30,6 +30,7 @@ from lightning_moe.precision.modules import (
 )
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 from lightning_moe.precision.weight_cache import FP8WeightCache, caching_fp8_weights
+from lightning_moe.strategies.precision import GlobalNormClipping
 
 _BACKEND_WORDS = {
     "te": "Transformer Engine",
@@ -38,15 +39,19 @@ _BACKEND_WORDS = {
 }
 
 
-class FP8Precision(MixedPrecision):
+class FP8Precision(GlobalNormClipping, MixedPrecision):
     """bf16 mixed precision with FP8 (or NVFP4) GEMMs.
+
+    Gradient clipping by norm takes one norm over all gradients, whatever mesh each lives on
+    (`GlobalNormClipping`, what `MegatronMoEStrategy` needs), and also clips for optimizers that
+    unscale gradients themselves (fused AdamW): bf16 autocast has no GradScaler.
 
     Args:
         recipe: "tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4" or an
             `FP8Recipe`. Default "delayed", as Megatron-Core's ``--fp8-recipe`` and Transformer
             Engine's default recipe; on the native backend its operands are cast in one read
             (per-expert / per-tensor scales from the amax history, updated once per optimizer
-            step), the fastest native FP8 path measured (benchmarks/NOTES.md).
+            step) instead of a read for the amax and another for the cast.
         backend: "auto" (Transformer Engine when installed and able to run the recipe on
             this GPU, else ``torch._scaled_mm`` on sm90+ for tensorwise / rowwise / delayed, else
             emulated), "te", "torch" or "emulated". An impossible choice raises

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import types
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -31,11 +31,11 @@ from lightning_moe.parallel.fsdp import (
 from lightning_moe.parallel.gradients import (
     align_grad_placements,
     all_reduce_grads,
-    clip_grads_by_global_norm,
     scale_grads,
 )
 from lightning_moe.parallel.tensor_parallel import apply_dense_tensor_parallel, apply_moe_token_split
 from lightning_moe.resume import record_mid_epoch_stop
+from lightning_moe.strategies import precision as moe_precision
 
 ShardingMode = Literal["fsdp", "ddp"]
 
@@ -69,11 +69,15 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         token_dispatcher: "alltoall" | "allgather" | None (None: each layer's config decides).
         dispatch_transport: "nccl" | "copy_engine" | None: how the all-gather dispatcher moves
             rows (``MoEConfig.dispatch_transport``; None: each layer's config decides).
-            "copy_engine" needs GPUs of one host; at EP=2 on 2 x H200 the two transports
-            measured within each other's run-to-run spread (benchmarks/NOTES.md).
+            "copy_engine" (peer copies, no NCCL kernel) needs CUDA GPUs of one host.
         reshard_after_forward: FSDP2 ``reshard_after_forward`` for transformer blocks and experts.
         print_layout: print the layout/backends table once on rank 0.
         process_group_backend / timeout: passed to ``init_process_group``.
+
+    Gradient clipping by norm takes one norm over the dense and expert meshes: the strategy runs
+    with a `GlobalNormClipping` precision plugin (`lightning_moe.strategies.precision`). Lightning's
+    stock plugins (what ``Trainer(precision=...)`` builds) are replaced by subclasses of them built
+    with the same arguments; any other plugin must derive from `GlobalNormClipping` (`FP8Precision` does).
     """
 
     strategy_name = "megatron_moe"
@@ -86,16 +90,16 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         pipeline_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         expert_tensor_parallel_size: int = 1,
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        data_parallel_size: Literal["auto"] | int = "auto",
         sharding: ShardingMode = "fsdp",
         expert_sharding: ShardingMode = "fsdp",
         sequence_parallel: bool = True,
-        token_dispatcher: Optional[Literal["alltoall", "allgather"]] = None,
-        dispatch_transport: Optional[Literal["nccl", "copy_engine"]] = None,
+        token_dispatcher: Literal["alltoall", "allgather"] | None = None,
+        dispatch_transport: Literal["nccl", "copy_engine"] | None = None,
         reshard_after_forward: bool = True,
         print_layout: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = timedelta(minutes=30),
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -111,14 +115,14 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             raise ValueError(f"token_dispatcher={token_dispatcher!r}: choose 'alltoall', 'allgather' or None.")
         if dispatch_transport not in (None, "nccl", "copy_engine"):
             raise ValueError(f"dispatch_transport={dispatch_transport!r}: choose 'nccl', 'copy_engine' or None.")
-        self.sizes = dict(
-            tensor_parallel_size=tensor_parallel_size,
-            context_parallel_size=context_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            expert_parallel_size=expert_parallel_size,
-            expert_tensor_parallel_size=expert_tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-        )
+        self.sizes = {
+            "tensor_parallel_size": tensor_parallel_size,
+            "context_parallel_size": context_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "expert_parallel_size": expert_parallel_size,
+            "expert_tensor_parallel_size": expert_tensor_parallel_size,
+            "data_parallel_size": data_parallel_size,
+        }
         self.sharding = sharding
         self.expert_sharding = expert_sharding
         self.sequence_parallel = sequence_parallel
@@ -126,7 +130,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self.dispatch_transport = dispatch_transport
         self.reshard_after_forward = reshard_after_forward
         self.print_layout = print_layout
-        self._layout: Optional[ParallelLayout] = None
+        self._layout: ParallelLayout | None = None
         self._parallelized = False
         self._dense_fsdp = False
         self._experts_fsdp = False
@@ -134,8 +138,29 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         # parameter (e.g. on the LightningModule itself) is all-reduced by finalize_gradients.
         self._fsdp_managed: set[torch.nn.Parameter] = set()
         self._grads_finalized = False
-        self.last_grad_norm: Optional[torch.Tensor] = None
-        self._crash_hook: Optional[Callable[[str], None]] = None  # tests simulate crashes
+        self._crash_hook: Callable[[str], None] | None = None  # tests simulate crashes
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self) -> moe_precision.GlobalNormClipping:
+        plugin = self._precision_plugin
+        if plugin is None:
+            return moe_precision.Precision()
+        assert isinstance(plugin, moe_precision.GlobalNormClipping)
+        return plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = (
+            None if precision_plugin is None else moe_precision.with_global_norm_clipping(precision_plugin)
+        )
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm of the last clipped step (before clipping); None until then."""
+        return self.precision_plugin.last_grad_norm
 
     # ------------------------------------------------------------------ layout and groups
     @property
@@ -177,7 +202,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
-    def _group(self, mesh_name: str) -> Optional[dist.ProcessGroup]:
+    def _group(self, mesh_name: str) -> dist.ProcessGroup | None:
         mesh = self.layout.mesh(mesh_name)
         return mesh.get_group() if mesh.size() > 1 else None
 
@@ -193,7 +218,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ parallelization
     @override
-    def setup(self, trainer: "Any") -> None:
+    def setup(self, trainer: Any) -> None:
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -210,7 +235,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self.model_to_device()
         for layer in moe_layers(self.model):
             layer.router.float()  # router weight and state stay fp32 under any precision (bf16-true too)
-        self._install_global_norm_clipping()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -440,30 +464,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         experts = dense if layout.expert_parallel_size == 1 else layout.mesh("edp_etp").get_group()
         install(dense, experts)
 
-    def _install_global_norm_clipping(self) -> None:
-        """Route Lightning's norm clipping to one norm over both meshes.
-
-        Lightning clips with ``torch.nn.utils.clip_grad_norm_``, which cannot combine DTensors
-        of different meshes (dense vs expert) into one norm; the precision plugin's hook is
-        replaced on this instance by :func:`clip_grads_by_global_norm`.
-        """
-        plugin = self.precision_plugin
-        strategy = self
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float], **_: Any) -> None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            strategy.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val))
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-            # Lightning refuses to clip for optimizers that unscale gradients themselves (fused
-            # AdamW) because of fp16's GradScaler; bf16 autocast has no scaler, so the gradients
-            # are final and clipping them is exactly what the user asked for.
-            plugin.clip_gradients = types.MethodType(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
-
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("MegatronMoEStrategy.save_checkpoint does not take storage_options.")
         path = Path(self.broadcast(str(filepath)))
@@ -477,7 +480,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         ckpt.save_distributed(sharded, meta, path, crash_hook=self._crash_hook)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -508,7 +511,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, sharded[f"optimizer_{idx}"], options=options)
         return meta
 
-    def export_consolidated(self, path: Union[str, Path]) -> None:
+    def export_consolidated(self, path: str | Path) -> None:
         """Write the full (unsharded) model state dict to one file, atomically, from rank 0."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -1,0 +1,93 @@
+"""Precision plugins of `MegatronMoEStrategy`: Lightning's, clipping by one norm over every mesh.
+
+Lightning clips gradients through the Trainer's precision plugin (``LightningModule.clip_gradients``
+calls ``trainer.precision_plugin.clip_gradients``), with ``torch.nn.utils.clip_grad_norm_``, which
+cannot combine DTensors of different meshes (dense vs expert) into one norm. Like Lightning's own
+FSDP and DeepSpeed strategies, `MegatronMoEStrategy` therefore runs with precision plugins of its
+own kind: `GlobalNormClipping` subclasses. Lightning's stock plugins (what ``Trainer(precision=...)``
+builds) are replaced by the subclasses below, built with the same arguments; they keep Lightning's
+class names, so checkpoints hold the plugin's state (a GradScaler's) under the same key as before.
+`FP8Precision` derives from `GlobalNormClipping` itself; another plugin can too::
+
+    class MyPrecision(GlobalNormClipping, SomeLightningPrecision): ...
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.plugins import precision as lightning_precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_moe.parallel.gradients import clip_grads_by_global_norm
+
+
+class GlobalNormClipping(lightning_precision.Precision):
+    """Clip by norm with one norm of all gradients, whatever mesh each lives on.
+
+    ``clip_grad_by_norm`` scales the gradients with :func:`clip_grads_by_global_norm` and keeps
+    the norm before clipping in ``last_grad_norm`` (a tensor; reading it syncs with the device).
+    Mixed precision without a GradScaler (bf16 autocast) also clips for optimizers that unscale
+    gradients themselves (fused AdamW): Lightning refuses those because of fp16's GradScaler,
+    but without one the gradients are final, and clipping them is what the user asked for.
+    """
+
+    last_grad_norm: Tensor | None = None
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if isinstance(self, lightning_precision.MixedPrecision) and self.scaler is None:
+            lightning_precision.Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+            return
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val))
+
+
+class Precision(GlobalNormClipping):
+    """Lightning's full precision ("32-true") with `GlobalNormClipping`."""
+
+
+class MixedPrecision(GlobalNormClipping, lightning_precision.MixedPrecision):
+    """Lightning's autocast mixed precision ("16-mixed", "bf16-mixed") with `GlobalNormClipping`."""
+
+
+class HalfPrecision(GlobalNormClipping, lightning_precision.HalfPrecision):
+    """Lightning's half precision ("16-true", "bf16-true") with `GlobalNormClipping`."""
+
+
+class DoublePrecision(GlobalNormClipping, lightning_precision.DoublePrecision):
+    """Lightning's double precision ("64-true") with `GlobalNormClipping`."""
+
+
+def with_global_norm_clipping(plugin: lightning_precision.Precision) -> GlobalNormClipping:
+    """The plugin `MegatronMoEStrategy` runs with in place of ``plugin``: ``plugin`` itself when it
+    is a `GlobalNormClipping`; for one of Lightning's stock plugins, the subclass above built with
+    the same arguments (a GradScaler is shared, not copied). Any other plugin: ``TypeError``."""
+    if isinstance(plugin, GlobalNormClipping):
+        return plugin
+    kind = type(plugin)
+    if kind is lightning_precision.Precision:
+        return Precision()
+    if kind is lightning_precision.MixedPrecision:
+        return MixedPrecision(plugin.precision, plugin.device, plugin.scaler)
+    if kind is lightning_precision.HalfPrecision:
+        return HalfPrecision(plugin.precision)
+    if kind is lightning_precision.DoublePrecision:
+        return DoublePrecision()
+    raise TypeError(
+        f"MegatronMoEStrategy cannot run with the precision plugin {kind.__qualname__}: it clips gradients by one "
+        "norm over the dense and expert meshes, which needs a plugin deriving from "
+        "lightning_moe.strategies.precision.GlobalNormClipping. Use Trainer(precision=...) with '32-true', "
+        "'bf16-mixed', '16-mixed', 'bf16-true', '16-true' or '64-true', or FP8Precision, or define "
+        f"`class MoE{kind.__name__}(GlobalNormClipping, {kind.__name__})` and pass an instance of it."
+    )
