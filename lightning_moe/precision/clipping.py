@@ -1,4 +1,4 @@
-"""Precision plugins of `MegatronMoEStrategy`: Lightning's, clipping by one norm over every mesh.
+"""Lightning precision plugins that clip by one norm over every mesh (what `MegatronMoEStrategy` runs with).
 
 Lightning clips gradients through the Trainer's precision plugin (``LightningModule.clip_gradients``
 calls ``trainer.precision_plugin.clip_gradients``), with ``torch.nn.utils.clip_grad_norm_``, which
@@ -87,7 +87,7 @@ def with_global_norm_clipping(plugin: lightning_precision.Precision) -> GlobalNo
     raise TypeError(
         f"MegatronMoEStrategy cannot run with the precision plugin {kind.__qualname__}: it clips gradients by one "
         "norm over the dense and expert meshes, which needs a plugin deriving from "
-        "lightning_moe.strategies.precision.GlobalNormClipping. Use Trainer(precision=...) with '32-true', "
+        "lightning_moe.precision.clipping.GlobalNormClipping. Use Trainer(precision=...) with '32-true', "
         "'bf16-mixed', '16-mixed', 'bf16-true', '16-true' or '64-true', or FP8Precision, or define "
         f"`class MoE{kind.__name__}(GlobalNormClipping, {kind.__name__})` and pass an instance of it."
     )

@@ -30,7 +30,7 @@ from lightning_moe.precision.modules import (
 )
 from lightning_moe.precision.recipes import FP8Recipe, resolve_backend
 from lightning_moe.precision.weight_cache import FP8WeightCache, caching_fp8_weights
-from lightning_moe.strategies.precision import GlobalNormClipping
+from lightning_moe.precision.clipping import GlobalNormClipping
 
 _BACKEND_WORDS = {
     "te": "Transformer Engine",

@@ -35,7 +35,7 @@ from lightning_moe.parallel.gradients import (
 )
 from lightning_moe.parallel.tensor_parallel import apply_dense_tensor_parallel, apply_moe_token_split
 from lightning_moe.resume import record_mid_epoch_stop
-from lightning_moe.strategies import precision as moe_precision
+from lightning_moe.precision import clipping as moe_precision
 
 ShardingMode = Literal["fsdp", "ddp"]
 
@@ -75,7 +75,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         process_group_backend / timeout: passed to ``init_process_group``.
 
     Gradient clipping by norm takes one norm over the dense and expert meshes: the strategy runs
-    with a `GlobalNormClipping` precision plugin (`lightning_moe.strategies.precision`). Lightning's
+    with a `GlobalNormClipping` precision plugin (`lightning_moe.precision.clipping`). Lightning's
     stock plugins (what ``Trainer(precision=...)`` builds) are replaced by subclasses of them built
     with the same arguments; any other plugin must derive from `GlobalNormClipping` (`FP8Precision` does).
     """

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe import MegatronMoEStrategy
 from lightning_moe.models.lightning_module import MoELanguageModel
-from lightning_moe.strategies.precision import GlobalNormClipping, with_global_norm_clipping
+from lightning_moe.precision.clipping import GlobalNormClipping, with_global_norm_clipping
 
 _LIGHTNING_CLASSES = (
     lightning_precision.Precision,
