@@ -8,8 +8,8 @@ skips). Which ones depends on the layout, so param groups are built by role (dec
 and mix the two kinds. torch's ``foreach`` kernels (the default optimizer implementation on
 CUDA) refuse a list holding both.
 
-:func:`step_by_tensor_kind` makes an optimizer step each mixed group as two groups, one per
-kind, with the same hyperparameters; its ``param_groups``, ``state_dict()``, LR schedulers and
+`GroupsByTensorKind` makes one optimizer step run each mixed group as two groups, one per kind,
+with the same hyperparameters; its ``param_groups``, ``state_dict()``, LR schedulers and
 checkpoints keep the groups as built, so a checkpoint still resumes in another layout.
 :func:`split_by_tensor_kind` splits groups for good, for code that builds its own optimizer
 step.
@@ -51,45 +51,77 @@ def split_by_tensor_kind(param_groups: Iterable[dict[str, Any]]) -> list[dict[st
     return out
 
 
-def step_by_tensor_kind(optimizer: Optimizer) -> None:
-    """Make ``optimizer.step`` run each param group that mixes DTensors and plain tensors as two
-    groups, one per kind (same hyperparameters), so that ``foreach`` kernels can run them.
+class GroupsByTensorKind:
+    """Steps an optimizer with each param group that mixes DTensors and plain tensors run as two
+    groups, one per kind (same hyperparameters), so that ``foreach`` kernels can run them, without
+    touching the optimizer's class or instance.
 
-    The closure, if any, runs first against the optimizer's own groups (Lightning's hooks and
-    gradient clipping run inside it and may change a group's hyperparameters); then the step runs
-    on the split groups, and what it changed in a split group's hyperparameters is copied back.
-    Anything else, ``param_groups`` included, is unchanged. Installing it twice does nothing more.
-    The step is the same update as a step without foreach: only the kernels differ.
+    Used around one ``optimizer.step(closure)``: `split` (called at the end of the closure, which
+    runs first against the optimizer's own groups: Lightning's hooks and gradient clipping run
+    inside it and may change a group's hyperparameters) swaps in the split groups, and leaving the
+    ``with`` block restores the groups and copies back what the step changed in a split group's
+    hyperparameters. Anything else, ``param_groups`` included, is as before: the same update as a
+    step without foreach, only the kernels differ.
+
+        with GroupsByTensorKind(optimizer) as groups:
+            optimizer.step(lambda: (loss := closure(), groups.split())[0])
     """
-    if getattr(optimizer, "_steps_by_tensor_kind", False):
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self._groups: Optional[list[dict[str, Any]]] = None
+        self._parts: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    def __enter__(self) -> GroupsByTensorKind:
+        return self
+
+    def split(self) -> None:
+        """Swap in the split groups (once; nothing where no group mixes the kinds)."""
+        groups = self.optimizer.param_groups
+        if self._groups is not None or not any(mixes_tensor_kinds(group) for group in groups):
+            return
+        self._parts = [(part, group) for group in groups for part in split_by_tensor_kind([group])]
+        self._groups = groups
+        self.optimizer.param_groups = [part for part, _ in self._parts]
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._groups is None:
+            return
+        self.optimizer.param_groups = self._groups
+        for part, owner in self._parts:
+            owner.update({key: value for key, value in part.items() if key != "params"})
+        self._groups, self._parts = None, []
+
+
+def step_by_tensor_kind(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+    """``optimizer.step(closure)`` with `GroupsByTensorKind`: the closure (if any) against the
+    optimizer's own groups, the step on the split ones."""
+    with GroupsByTensorKind(optimizer) as groups:
+        def split_after(inner: Optional[Callable[[], Any]] = closure) -> Any:
+            result = inner() if inner is not None else None
+            groups.split()
+            return result
+
+        return optimizer.step(split_after)
+
+
+
+def init_state_by_tensor_kind(optimizer: Optimizer) -> None:
+    """Create an optimizer's state as ``torch.distributed.checkpoint`` does before loading into it
+    (one step on zero gradients at learning rate 0, gradients cleared after), with the step run
+    kind by kind (`step_by_tensor_kind`). Nothing where the state exists or a gradient is set."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
         return
-    inner: Callable[..., Any] = optimizer.step
-
-    def step(closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        groups = optimizer.param_groups
-        if not any(mixes_tensor_kinds(group) for group in groups):
-            inner()
-            return loss
-        parts, owners = [], []
-        for group in groups:
-            for part in split_by_tensor_kind([group]):
-                parts.append(part)
-                owners.append(group)
-        optimizer.param_groups = parts
-        try:
-            inner()
-        finally:
-            optimizer.param_groups = groups
-            for part, owner in zip(parts, owners):
-                owner.update({key: value for key, value in part.items() if key != "params"})
-        return loss
-
-    optimizer.step = step  # type: ignore[method-assign]
-    optimizer._steps_by_tensor_kind = True  # type: ignore[attr-defined]
-
-
-__all__ = ["is_dtensor", "mixes_tensor_kinds", "split_by_tensor_kind", "step_by_tensor_kind"]
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups if "lr" in group]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    step_by_tensor_kind(optimizer)
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = lrs.pop(0)
+    optimizer.zero_grad(set_to_none=True)

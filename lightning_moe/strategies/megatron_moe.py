@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
@@ -138,6 +139,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         # parameter (e.g. on the LightningModule itself) is all-reduced by finalize_gradients.
         self._fsdp_managed: set[torch.nn.Parameter] = set()
         self._grads_finalized = False
+        self._steps_by_tensor_kind: list[Optimizer] = []  # optimizers whose mixed groups step kind by kind
         self._crash_hook: Callable[[str], None] | None = None  # tests simulate crashes
 
     # ------------------------------------------------------------------ precision
@@ -334,16 +336,23 @@ class MegatronMoEStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        def closure_then_reduce() -> Any:
-            result = closure()
-            # Once per backward: several optimizers (or manual optimization) step on the same
-            # gradients, which must be reduced and scaled exactly once.
-            if not self._grads_finalized:
-                self.finalize_gradients()
-                self._grads_finalized = True
-            return result
+        from lightning_moe.parallel.param_groups import GroupsByTensorKind
 
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        by_kind = any(optimizer is split for split in self._steps_by_tensor_kind)
+        with GroupsByTensorKind(optimizer) if by_kind else contextlib.nullcontext() as groups:
+
+            def closure_then_reduce() -> Any:
+                result = closure()
+                # Once per backward: several optimizers (or manual optimization) step on the same
+                # gradients, which must be reduced and scaled exactly once.
+                if not self._grads_finalized:
+                    self.finalize_gradients()
+                    self._grads_finalized = True
+                if groups is not None:
+                    groups.split()  # the step itself on groups of one tensor kind (`_avoid_mixed_foreach`)
+                return result
+
+            return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     def finalize_gradients(self) -> None:
         """After the step's last backward: reduce what FSDP did not, scale experts, update biases."""
@@ -394,13 +403,14 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         replicated router, say). Optimizers use them when ``foreach=True`` or, by default, when
         every parameter is on a device with foreach kernels (CUDA; not the CPU). A torch
         optimizer with such a group steps it kind by kind
-        (:func:`~lightning_moe.parallel.param_groups.step_by_tensor_kind`: same update, groups,
+        (`optimizer_step` runs it under
+        :class:`~lightning_moe.parallel.param_groups.GroupsByTensorKind`: same update, groups,
         schedulers and checkpoints unchanged). Another optimizer's mixed group has ``foreach``
         turned off, with a warning that says how to keep it.
         """
         from torch.optim.optimizer import _default_to_fused_or_foreach
 
-        from lightning_moe.parallel.param_groups import mixes_tensor_kinds, step_by_tensor_kind
+        from lightning_moe.parallel.param_groups import mixes_tensor_kinds
 
         def uses_foreach(group: dict[str, Any]) -> bool:
             if group.get("foreach") is None and not group.get("fused"):
@@ -408,12 +418,13 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 return _default_to_fused_or_foreach(list(group["params"]), differentiable)[1]
             return bool(group.get("foreach"))
 
+        self._steps_by_tensor_kind = []
         for optimizer in self.optimizers:
             mixed = [(i, g) for i, g in enumerate(optimizer.param_groups) if "foreach" in g and mixes_tensor_kinds(g)]
             if not any(uses_foreach(group) for _, group in mixed):
                 continue  # no group would run foreach kernels on both kinds (e.g. the CPU default)
             if isinstance(optimizer, Optimizer):
-                step_by_tensor_kind(optimizer)
+                self._steps_by_tensor_kind.append(optimizer)
                 continue
             for index, group in mixed:
                 group["foreach"] = False
@@ -489,6 +500,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
+        from lightning_moe.parallel.param_groups import init_state_by_tensor_kind
+
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         assert self.model is not None
         options = StateDictOptions(strict=self.lightning_module.strict_loading)
@@ -504,6 +517,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 )
         sharded: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for idx, optimizer in enumerate(optimizers):
+            if any(optimizer is split for split in self._steps_by_tensor_kind):
+                # the state dict's template needs the optimizer's state: made by a step (of zero
+                # gradients), which for mixed groups must run kind by kind
+                init_state_by_tensor_kind(optimizer)
             sharded[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
         meta = ckpt.load_distributed(sharded, path, weights_only=True if weights_only is None else weights_only)
         set_model_state_dict(self.model, sharded["state_dict"], options=options)
@@ -531,9 +548,13 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         from lightning.pytorch.core.optimizer import LightningOptimizer
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        from lightning_moe.parallel.param_groups import init_state_by_tensor_kind
+
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
+        if any(optimizer is split for split in self._steps_by_tensor_kind):
+            init_state_by_tensor_kind(optimizer)  # as in `load_checkpoint` (a save before the first step)
         return get_optimizer_state_dict(self.model, optimizer)
 
     @classmethod
