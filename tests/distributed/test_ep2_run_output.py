@@ -66,7 +66,8 @@ def _fit(rank, world, tmp, steps, save, ckpt_path):
     groups = [(g["name"], g["foreach"], sorted({isinstance(p, DTensor) for p in g["params"]}))
               for g in optimizer.param_groups]  # fmt: skip
     steps_by_kind = any(optimizer is split for split in strategy._steps_by_tensor_kind)
-    steps_by_kind = steps_by_kind and "step" not in vars(optimizer)  # composed by the strategy, not patched in
+    # composed by the strategy, not patched in (torch's LR scheduler wraps the step it finds: the optimizer's own)
+    steps_by_kind = steps_by_kind and getattr(optimizer.step, "__module__", "").startswith("torch.optim")
     # The kind-by-kind foreach step is the update of a step without foreach.
     params = [p for group in optimizer.param_groups for p in group["params"]]
     torch.manual_seed(1)
