@@ -23,9 +23,17 @@ DISPATCHER_TYPES = ("alltoall", "allgather", "deepep")
 DISPATCH_TRANSPORTS = ("nccl", "copy_engine")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEConfig:
     """Configuration of one MoE layer.
+
+    Frozen: a field is never changed in place (assigning one raises
+    ``dataclasses.FrozenInstanceError``). A setting derived later, such as the expert alignment an
+    FP8 recipe needs, makes a new config with ``dataclasses.replace``, which `MoELayer.set_config`
+    hands to the layer, its router and its dispatcher at once (``MoELayer.set_expert_alignment``
+    for the alignment), so that they always hold the same object. One config may be shared by
+    several layers (a model's ``ModelConfig.moe``): what one layer derives leaves the others, and
+    the model's configuration, as they were.
 
     Args:
         hidden_size: model width ``D`` (Megatron ``hidden_size``).
@@ -79,7 +87,8 @@ class MoEConfig:
         expert_alignment: pad each expert's token group to a multiple of this (1, 8, 16, 32,
             64, 128) for quantized GEMMs (``moe_router_padding_for_quantization``); under
             ``pad_expert_input_to_capacity`` the capacity block is rounded up to it. The FP8
-            precision plugin raises it to its recipe's need on kernel backends.
+            precision plugin raises a layer's to its recipe's need on kernel backends
+            (``MoELayer.set_expert_alignment``: the layer's config is replaced, not changed).
         init_method_std: std of the normal initialisation of expert and router weights.
     """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -27,6 +28,19 @@ class RoutingStats:
     num_assignments: int
 
 
+# MoEConfig fields a layer's parameters, buffers and submodules are built from (`set_config`
+# cannot change them).
+_BUILT_FROM = (
+    "hidden_size", "ffn_hidden_size", "num_experts", "activation", "expert_backend", "init_method_std",
+    "shared_expert_intermediate_size", "shared_expert_gate", "router_enable_expert_bias",
+)
+
+
+def _has_global_aux_loss(cfg: MoEConfig) -> bool:
+    """Whether the router holds the global aux loss's buffers for ``cfg``."""
+    return "global_aux_loss" in cfg.active_aux_losses
+
+
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward block, plain PyTorch.
 
@@ -38,11 +52,21 @@ class MoELayer(nn.Module):
     Submodules: ``router`` (`TopKRouter`, fp32 ``weight`` [E, D]), ``experts``
     (`GroupedExperts`), ``shared_experts`` (optional). The dispatcher defaults to the local
     one; a parallel strategy installs an expert-parallel one with ``set_dispatcher``.
+
+    Configuration: ``layer.config`` is the one (frozen) `MoEConfig` of the layer, and its router
+    (``router.cfg``) and dispatcher (``dispatcher.cfg``) hold that same object. A derived setting
+    replaces it as a whole: `set_config` (also what assigning ``layer.config`` does) hands the
+    new config to the layer, the router and the dispatcher together, and `set_dispatcher` gives an
+    installed dispatcher the layer's. The expert group alignment lives there only
+    (``config.expert_alignment``, raised by the FP8 configuration through `set_expert_alignment`):
+    the dispatcher pads each expert's group to it, and the experts get the group sizes from the
+    dispatcher, so router, dispatcher and experts cannot disagree on it, whichever of
+    expert-parallel setup and FP8 configuration runs first.
     """
 
     def __init__(self, cfg: MoEConfig, output_init_std: Optional[float] = None) -> None:
         super().__init__()
-        self.config = cfg
+        self._config = cfg
         self.router = TopKRouter(cfg)
         self.experts = GroupedExperts(
             cfg.num_experts,
@@ -66,8 +90,60 @@ class MoELayer(nn.Module):
         self.dispatcher: TokenDispatcher = LocalDispatcher(cfg)
         self.last_stats: Optional[RoutingStats] = None
 
+    @property
+    def config(self) -> MoEConfig:
+        """The layer's configuration, the object its router and dispatcher hold too. Assigning it
+        calls `set_config`."""
+        return self._config
+
+    @config.setter
+    def config(self, cfg: MoEConfig) -> None:
+        self.set_config(cfg)
+
+    @property
+    def expert_alignment(self) -> int:
+        """The multiple each expert's token group is padded to (``config.expert_alignment``)."""
+        return self._config.expert_alignment
+
+    def set_config(self, cfg: MoEConfig) -> None:
+        """Replace the layer's configuration by ``cfg`` (e.g. ``dataclasses.replace(layer.config,
+        ...)``) in the layer, its router and its dispatcher at once. The fields the parameters,
+        buffers and submodules were built from must stay as they are (`ValueError` otherwise):
+        build a new layer to change them."""
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"MoELayer.set_config takes a MoEConfig, got {type(cfg).__name__}.")
+        changed = [name for name in _BUILT_FROM if getattr(cfg, name) != getattr(self._config, name)]
+        if _has_global_aux_loss(cfg) != _has_global_aux_loss(self._config):
+            changed.append("global_aux_loss in router_load_balancing_type / aux_loss_coeff")
+        if changed:
+            raise ValueError(
+                f"MoELayer.set_config cannot change {', '.join(changed)}: the layer's parameters, buffers or "
+                "submodules were built from them; build a new MoELayer instead."
+            )
+        self._config = cfg
+        self.router.cfg = cfg
+        if getattr(self.dispatcher, "cfg", None) is not None:
+            self.dispatcher.cfg = cfg
+
+    def set_expert_alignment(self, alignment: int) -> None:
+        """Pad each expert's token group to a multiple of ``alignment`` from now on (a new config,
+        `set_config`; ``MoEConfig`` checks the value). The FP8 configuration calls this with its
+        recipe's need (``precision.modules.pad_expert_groups``)."""
+        if alignment != self._config.expert_alignment:
+            self.set_config(dataclasses.replace(self._config, expert_alignment=alignment))
+
     def set_dispatcher(self, dispatcher: TokenDispatcher) -> None:
-        """Install a token dispatcher (the strategy does this for expert parallelism)."""
+        """Install a token dispatcher (the strategy does this for expert parallelism). One built
+        from a config equal to the layer's is given the layer's object (so a later `set_config`
+        reaches it); one built from a different config is refused."""
+        cfg = getattr(dispatcher, "cfg", None)
+        if cfg is not None and cfg is not self._config:
+            if cfg != self._config:
+                raise ValueError(
+                    "MoELayer.set_dispatcher: the dispatcher was built from a config other than the layer's; "
+                    "build it from layer.config (after layer.set_config for a changed setting)."
+                )
+            dispatcher.cfg = self._config
         self.dispatcher = dispatcher
 
     def reset_parameters(self) -> None:

@@ -196,6 +196,9 @@ class TopKRouter(nn.Module):
     """Linear gate plus :func:`route`, with Megatron's auxiliary losses and aux-loss-free balancing.
 
     Attributes:
+        cfg: the (frozen) `MoEConfig`; inside a `MoELayer` the layer's own ``config`` object,
+            which ``MoELayer.set_config`` replaces here together with the layer's and the
+            dispatcher's (never assign it directly there).
         weight: fp32 ``[E, D]`` gate (Megatron's ``router.weight``).
         expert_bias: fp32 ``[E]`` selection bias (persistent), only with
             ``cfg.router_enable_expert_bias``; else None.

@@ -428,10 +428,11 @@ def configure_fp8(
 def pad_expert_groups(model: nn.Module, alignment: int) -> int:
     """Pad every MoE layer's expert token groups to a multiple of ``alignment`` (the FP8 /
     MXFP8 / NVFP4 kernels' need: cuBLAS, ``torch._scaled_grouped_mm`` and TE's grouped GEMM
-    reject other group sizes). Raises ``MoEConfig.expert_alignment`` in place where it is
-    smaller: every dispatcher, local or expert-parallel, holds the layer's config object by
-    reference and reads the alignment at each dispatch, so the order of expert-parallel setup and
-    this conversion does not matter. Padding rows are zeros and cost only their GEMM rows (under
+    reject other group sizes). A layer whose ``config.expert_alignment`` is smaller gets a new
+    config with the larger one through ``layer.set_expert_alignment`` (``MoEConfig`` is frozen):
+    the layer hands it to its router and its installed dispatcher, local or expert-parallel, and a
+    dispatcher installed later is built from it, so the order of expert-parallel setup and this
+    conversion does not matter. Padding rows are zeros and cost only their GEMM rows (under
     ``pad_expert_input_to_capacity`` each expert's capacity block is rounded up the same way).
     Returns the alignment now in effect (the largest over the layers)."""
     from lightning_moe.nn.config import MoEConfig
@@ -441,8 +442,17 @@ def pad_expert_groups(model: nn.Module, alignment: int) -> int:
         cfg, experts = getattr(module, "config", None), getattr(module, "experts", None)
         if isinstance(cfg, MoEConfig) and experts is not None and is_grouped_experts(experts):
             # lcm of powers of two (the values MoEConfig accepts) is the larger one
-            cfg.expert_alignment = max(cfg.expert_alignment, alignment)
-            in_effect = max(in_effect, cfg.expert_alignment)
+            wanted = max(cfg.expert_alignment, alignment)
+            if wanted != cfg.expert_alignment:
+                set_alignment = getattr(module, "set_expert_alignment", None)
+                if set_alignment is None:
+                    raise TypeError(
+                        f"{type(module).__name__} holds a MoEConfig and grouped experts but has no "
+                        "set_expert_alignment(n) to pad their groups to the FP8 kernels' multiple of "
+                        f"{wanted} (MoEConfig is frozen): use MoELayer or give it that method."
+                    )
+                set_alignment(wanted)
+            in_effect = max(in_effect, wanted)
     return in_effect
 
 
