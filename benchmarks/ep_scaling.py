@@ -57,9 +57,9 @@ def worker(
         c = CASES[name]
         torch.manual_seed(0)
         layer = build_layer(c, "grouped_mm", torch.bfloat16)
-        layer.config = dataclasses.replace(
+        layer.set_config(dataclasses.replace(
             layer.config, dispatch_chunks=variant["chunks"], dispatch_transport=variant["transport"]
-        )
+        ))
         reference = None
         g = torch.Generator(device="cuda").manual_seed(100 + rank)
         x = torch.randn(c["B"], c["S"], c["D"], device="cuda", dtype=torch.bfloat16, generator=g)

@@ -266,7 +266,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             ep_mesh = layout.expert_mesh["ep", "etp"] if layout.expert_tensor_parallel_size > 1 else layout.mesh("ep")
             for layer in layers:
                 if self.dispatch_transport is not None:
-                    layer.config = dataclasses.replace(layer.config, dispatch_transport=self.dispatch_transport)
+                    layer.set_config(dataclasses.replace(layer.config, dispatch_transport=self.dispatch_transport))
                 expert_parallel_layer(layer, ep_mesh, self.token_dispatcher or layer.config.token_dispatcher_type)
         if tp > 1:
             owner = apply_dense_tensor_parallel(model, layout.mesh("tp"), self.sequence_parallel)
