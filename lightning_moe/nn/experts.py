@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+import functools
+import inspect
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +13,7 @@ from torch import Tensor, nn
 
 from lightning_moe.kernels import use_triton
 from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
-from lightning_moe.nn.permutation import DeferredCombine, DeferredPermutation
+from lightning_moe.nn.permutation import DeferredCombine, DeferredPermutation, PermutationPlan
 
 
 def activate(h: Tensor, activation: str) -> Tensor:
@@ -35,27 +38,146 @@ def activate(h: Tensor, activation: str) -> Tensor:
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def _combined(y_RD: Tensor, combine: Optional[DeferredCombine]) -> Tensor:
+def _combined(y_RD: Tensor, combine: DeferredCombine | None) -> Tensor:
     """``y_RD``, or its combine where the dispatcher deferred it to the experts."""
     return y_RD if combine is None else combine.apply(y_RD)
 
 
-class GroupedGemm(Protocol):
-    """A replacement grouped GEMM (e.g. FP8) set by a precision plugin on ``GroupedExperts``.
+class GroupedGemmQuantization(ABC):
+    """The hook a precision plugin sets as ``GroupedExperts.quantization`` to run the experts'
+    GEMMs quantized (e.g. the precision package's ``FP8GroupedGemm``): every member the experts
+    call, with its default. Only `grouped_mm` is required; the defaults decline every fused path
+    and start nothing, so the experts then run the plain activation and `grouped_mm` per
+    projection. ``projection`` ("fc1" / "fc2") names the weight (e.g. for a weight cache or
+    per-projection scaling state). A plain mixin without state: a subclass may also be an
+    ``nn.Module``.
 
-    ``projection`` ("fc1" / "fc2") names the weight: the FP8 weight cache keys on it and the
-    delayed recipe keeps separate scales per projection. It may also offer
-    ``grouped_mm_swiglu(h_RF2, w_EFN, offsets_E, projection)``: the second projection with the
-    SwiGLU fused in, returning None where it does not apply; ``takes_deferred_permutation(tokens_TK)``
-    with ``grouped_mm_gathered(tokens_TK, plan, w_EKN, offsets_E, projection)``: the first
-    projection of ``permute(tokens, plan)`` with the permutation read inside the quantized
-    GEMM's input cast (None where it does not apply); ``takes_deferred_combine(tokens_TK)`` with
-    ``grouped_mm_swiglu(..., combine=deferred)``: the second projection ending in a
-    `DeferredCombine` (``[T, N]``; None where it does not apply); and ``prefetch_weights({"fc1": w1,
-    "fc2": w2})`` / ``release_prefetched()``: start the weights' quantized copies before the
-    tokens arrive, and drop what no GEMM took (see `GroupedExperts.prefetch`)."""
+    An object assigned to ``GroupedExperts.quantization`` that does not derive from this class
+    (a duck-typed hook) has its class extended with it at assignment (`adopt`), so the defaults
+    below fill in what it leaves out.
+    """
 
-    def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str) -> Tensor: ...
+    # Whether `grouped_mm_swiglu` takes ``combine=`` (else the experts apply the combine after it).
+    swiglu_takes_combine: bool = True
+    # Whether `prefetch_weights` does anything (else the experts do not gather their weights for it).
+    prefetches_weights: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that overrides a member without setting its flag (in the same class or a
+        later one) gets the flag from the member, once, when the class is made:
+        ``swiglu_takes_combine`` from `grouped_mm_swiglu`'s signature, ``prefetches_weights`` True
+        for a `prefetch_weights` of its own."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+
+        def defined_at(name: str) -> int:
+            return next(i for i, c in enumerate(mro) if name in c.__dict__)
+
+        if defined_at("grouped_mm_swiglu") < defined_at("swiglu_takes_combine"):
+            cls.swiglu_takes_combine = "combine" in inspect.signature(cls.grouped_mm_swiglu).parameters
+        if defined_at("prefetch_weights") < defined_at("prefetches_weights"):
+            cls.prefetches_weights = True
+
+    @abstractmethod
+    def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str = "") -> Tensor:
+        """``[R, K] @ w[E, K, N] -> [R, N]`` per row group (``offsets_E``: the groups' end rows)."""
+
+    def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor, projection: str = "",
+                          combine: DeferredCombine | None = None) -> Tensor | None:
+        """The second projection with the SwiGLU fused in, ``swiglu(h) @ w``; with ``combine``
+        (only where `swiglu_takes_combine`) ending in that `DeferredCombine` (``[T, N]``). None
+        where it does not apply: then the experts apply the SwiGLU and call `grouped_mm`.
+        Default: None."""
+        return None
+
+    def takes_deferred_permutation(self, tokens_TK: Tensor) -> bool:
+        """Whether `grouped_mm_gathered` runs on these tokens (then the experts hand it the tokens
+        and the plan instead of the permuted rows). Default: False."""
+        return False
+
+    def grouped_mm_gathered(self, tokens_TK: Tensor, plan: PermutationPlan, w_EKN: Tensor, offsets_E: Tensor,
+                            projection: str = "") -> Tensor | None:
+        """The first projection of ``permute(tokens, plan)`` with the permutation read inside the
+        quantized input cast; must run wherever `takes_deferred_permutation` said so. Default: None."""
+        return None
+
+    def takes_deferred_combine(self, tokens_TK: Tensor) -> bool:
+        """Whether ``grouped_mm_swiglu(..., combine=...)`` would end in the combine for these
+        tokens (where it then declines after all, the experts combine). Default: False."""
+        return False
+
+    def prefetch_weights(self, weights: dict[str, Tensor]) -> None:
+        """(`prefetches_weights`) Start the quantized copies of the weights (``{"fc1": w1, "fc2":
+        w2}``) before the tokens arrive, for the next GEMMs of those projections to take.
+        Default: nothing."""
+
+    def release_prefetched(self) -> None:
+        """Drop what `prefetch_weights` started that no GEMM took. Default: nothing."""
+
+    def check_sharded_weights(self) -> None:
+        """(`prefetches_weights`) Called instead of `prefetch_weights` when FSDP shards the experts
+        (their weights are gathered only inside their forward): raise if this quantization cannot
+        run that way. Default: nothing."""
+
+    @staticmethod
+    def adopt(quantization: Any) -> GroupedGemmQuantization:
+        """``quantization`` itself, its class extended with this one where it does not derive from
+        it (the same object, as ``FP8Linear.convert`` and FSDP2's ``fully_shard`` do)."""
+        if isinstance(quantization, GroupedGemmQuantization):
+            return quantization
+        if not callable(getattr(quantization, "grouped_mm", None)):
+            raise TypeError(f"GroupedExperts.quantization needs a grouped_mm(x_RK, w_EKN, offsets_E, projection); "
+                            f"{type(quantization).__name__} has none. Derive from GroupedGemmQuantization.")
+        try:
+            quantization.__class__ = _adopted_class(type(quantization))
+        except TypeError as error:
+            raise TypeError(f"GroupedExperts.quantization: {type(quantization).__name__} does not derive from "
+                            "GroupedGemmQuantization and cannot be extended with it; derive from it.") from error
+        return quantization
+
+
+@functools.cache
+def _adopted_class(cls: type) -> type:
+    """``cls`` extended with `GroupedGemmQuantization` (made once per class). Its instances pickle
+    as a call that extends ``cls`` again, since the made class has no importable name."""
+
+    def __reduce_ex__(self: Any, protocol: int) -> tuple:
+        reduced = super(adopted, self).__reduce_ex__(max(protocol, 2))  # (__newobj__, (class,), state, ...)
+        return (_new_adopted, (cls,), *reduced[2:])
+
+    adopted = type(cls.__name__, (cls, GroupedGemmQuantization),
+                   {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__reduce_ex__": __reduce_ex__})
+    return adopted
+
+
+def _new_adopted(cls: type) -> Any:
+    """An empty instance of ``cls`` extended with `GroupedGemmQuantization` (unpickling)."""
+    adopted = _adopted_class(cls)
+    return adopted.__new__(adopted)
+
+
+class RoutedExperts(Protocol):
+    """What ``MoELayer`` calls on its ``experts`` (`GroupedExperts` implements every member; a
+    replacement experts module must too, most simply by deriving from `GroupedExperts`).
+
+    ``forward(x_RD, group_sizes_E, tail_unwritten=False, combine=None)``: rows grouped by local
+    expert (or a `DeferredPermutation` where `takes_deferred_permutation`) -> ``[R, D]``, or the
+    combined ``[T, D]`` with ``combine``; ``tail_unwritten`` is passed only where
+    `reads_only_grouped_rows`. `prefetch` / `release_prefetched` bracket every layer forward.
+    """
+
+    def __call__(self, x_RD: Tensor | DeferredPermutation, group_sizes_E: Tensor, tail_unwritten: bool = False,
+                 combine: DeferredCombine | None = None) -> Tensor: ...
+
+    def prefetch(self) -> None: ...
+
+    def release_prefetched(self) -> None: ...
+
+    def reads_only_grouped_rows(self, dtype: torch.dtype) -> bool: ...
+
+    def takes_deferred_permutation(self, tokens_TD: Tensor) -> bool: ...
+
+    def takes_deferred_combine(self, tokens_TD: Tensor) -> bool: ...
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -85,8 +207,8 @@ class GroupedExperts(nn.Module):
     on the device; rows past their sum are zero padding) and returns [R, D]. With
     ``tail_unwritten=True`` (only where `reads_only_grouped_rows`) the rows past the sum may
     hold anything and come out unspecified, in the output and in the input gradient.
-    A precision plugin may set ``quantization`` to an object with
-    ``grouped_mm(x_RK, w_EKN, offsets_E, projection)`` to run quantized GEMMs instead. Where
+    A precision plugin may set ``quantization`` to a `GroupedGemmQuantization` to run quantized
+    GEMMs instead (an object that does not derive from it is extended with it, see its `adopt`). Where
     `takes_deferred_permutation`, ``x_RD`` may be a `DeferredPermutation` (the tokens and the plan, not
     yet permuted): the quantization then reads the permutation inside its first cast. With
     ``combine=`` (a dispatcher's `DeferredCombine`) it returns the combined tokens [T, D]
@@ -102,9 +224,9 @@ class GroupedExperts(nn.Module):
         activation: str = "swiglu",
         backend: str = "auto",
         init_std: float = 0.02,
-        output_init_std: Optional[float] = None,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
+        output_init_std: float | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -119,15 +241,20 @@ class GroupedExperts(nn.Module):
         fc1_shape = (num_experts, hidden_size) + ((2, ffn_hidden_size) if activation == "swiglu" else (ffn_hidden_size,))
         self.fc1_weight = nn.Parameter(torch.empty(fc1_shape, **factory))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **factory))
-        self.quantization: Optional[GroupedGemm] = None
+        self.quantization: GroupedGemmQuantization | None = None
         self.reset_parameters()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "quantization" and value is not None:
+            value = GroupedGemmQuantization.adopt(value)
+        super().__setattr__(name, value)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.fc1_weight, mean=0.0, std=self.init_std)
         nn.init.normal_(self.fc2_weight, mean=0.0, std=self.output_init_std)
 
     def _mm(self, x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor, projection: str,
-            offsets_E: Optional[Tensor] = None) -> Tensor:
+            offsets_E: Tensor | None = None) -> Tensor:
         if self.quantization is not None:
             return self.quantization.grouped_mm(x_RK, w_EKN, offsets_E, projection)
         if self.backend == "te":
@@ -142,25 +269,24 @@ class GroupedExperts(nn.Module):
         `release_prefetched` after its forward). A quantization that can
         (``FP8GroupedGemm.prefetch_weights``) starts casting the expert weights on a side
         stream, to be taken by this module's next `forward`. Not when FSDP shards this module:
-        its weights are gathered only when its own forward starts."""
-        start = getattr(self.quantization, "prefetch_weights", None)
-        if start is None:
+        its weights are gathered only when its own forward starts (the quantization's
+        ``check_sharded_weights`` says whether it can run so)."""
+        quantization = self.quantization
+        if quantization is None or not quantization.prefetches_weights:
             return
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(self, FSDPModule):
-            start({"fc1": fc1_matrix(local_tensor(self.fc1_weight)), "fc2": local_tensor(self.fc2_weight)})
-        elif getattr(getattr(self.quantization, "recipe", None), "graph_weight_casts", False):
-            raise ValueError("FP8Recipe(graph_weight_casts=True) needs experts not sharded by FSDP (their weights "
-                             "are gathered only inside their forward); shard them with DDP or set "
-                             "graph_weight_casts=False.")
+            quantization.prefetch_weights({"fc1": fc1_matrix(local_tensor(self.fc1_weight)),
+                                           "fc2": local_tensor(self.fc2_weight)})
+        else:
+            quantization.check_sharded_weights()
 
     def release_prefetched(self) -> None:
         """Drop whatever `prefetch` started that `forward` did not take (a forward that stopped
         early), once the current stream has waited for it."""
-        release = getattr(self.quantization, "release_prefetched", None)
-        if release is not None:
-            release()
+        if self.quantization is not None:
+            self.quantization.release_prefetched()
 
     def reads_only_grouped_rows(self, dtype: torch.dtype) -> bool:
         """Whether `forward` on ``dtype`` rows reads only the rows its groups cover, in the
@@ -172,8 +298,9 @@ class GroupedExperts(nn.Module):
         """Whether `forward` can take these tokens as a `DeferredPermutation` and read the
         permutation inside the first projection's quantized input cast (FP8 delayed scaling on
         the native backend), so the permuted rows are never written in the tokens' dtype."""
-        takes = getattr(self.quantization, "takes_deferred_permutation", None)
-        return takes is not None and not self._fsdp_casts_inputs(tokens_TD.dtype) and takes(tokens_TD)
+        quantization = self.quantization
+        return (quantization is not None and quantization.takes_deferred_permutation(tokens_TD)
+                and not self._fsdp_casts_inputs(tokens_TD.dtype))
 
     def takes_deferred_combine(self, tokens_TD: Tensor) -> bool:
         """Whether `forward` can end in a `DeferredCombine` with the combine fused into its own
@@ -181,11 +308,12 @@ class GroupedExperts(nn.Module):
         probabilities weight the SwiGLU's rows, and the second projection's gradient cast
         gathers the tokens' gradient, so the combine's backward pass disappears. `forward`
         accepts ``combine`` either way and otherwise carries the combine out after itself."""
-        takes = getattr(self.quantization, "takes_deferred_combine", None)
+        quantization = self.quantization
         # FSDP2 casting this module's inputs would cast the deferred probabilities (fp32, the
         # router's) too, and with them the router's gradient: then the dispatcher combines.
-        casts = self._fsdp_casts_inputs(tokens_TD.dtype) or self._fsdp_casts_inputs(torch.float32)
-        return self.activation == "swiglu" and takes is not None and not casts and takes(tokens_TD)
+        return (quantization is not None and self.activation == "swiglu"
+                and quantization.takes_deferred_combine(tokens_TD)
+                and not (self._fsdp_casts_inputs(tokens_TD.dtype) or self._fsdp_casts_inputs(torch.float32)))
 
     def _fsdp_casts_inputs(self, dtype: torch.dtype) -> bool:
         """Whether FSDP2 (sharding this module) casts its forward inputs away from ``dtype``. It
@@ -203,7 +331,7 @@ class GroupedExperts(nn.Module):
         return bool(policy.cast_forward_inputs) and policy.param_dtype not in (None, dtype)
 
     def forward(self, x_RD: Tensor | DeferredPermutation, group_sizes_E: Tensor,
-                tail_unwritten: bool = False, combine: Optional[DeferredCombine] = None) -> Tensor:
+                tail_unwritten: bool = False, combine: DeferredCombine | None = None) -> Tensor:
         """[R, D] -> [R, D], or with ``combine`` (a dispatcher's `DeferredCombine`) [T, D], the
         combined output (see `takes_deferred_combine`). ``tail_unwritten``: the caller left the
         rows after the groups unwritten and never reads them in the output or the input gradient,
@@ -248,14 +376,15 @@ class GroupedExperts(nn.Module):
         return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E, combine)
 
     def _second_projection(self, h_RF: Tensor, fc2: Tensor, group_sizes_E: Tensor,
-                           offsets_E: Optional[Tensor], combine: Optional[DeferredCombine] = None) -> Tensor:
+                           offsets_E: Tensor | None, combine: DeferredCombine | None = None) -> Tensor:
         """The activation and fc2 of the first projection's output ``h_RF``, then ``combine``."""
-        fused_swiglu = getattr(self.quantization, "grouped_mm_swiglu", None) if self.activation == "swiglu" else None
-        if fused_swiglu is not None:
+        quantization = self.quantization
+        if quantization is not None and self.activation == "swiglu":
             # the SwiGLU computed inside the FP8 cast of fc2's input, where that runs (and the
             # combine after it, where the quantization offers that)
-            fuses_combine = combine is not None and _swiglu_takes_combine(self.quantization)
-            y = fused_swiglu(h_RF, fc2, offsets_E, "fc2", **({"combine": combine} if fuses_combine else {}))
+            fuses_combine = combine is not None and quantization.swiglu_takes_combine
+            y = quantization.grouped_mm_swiglu(h_RF, fc2, offsets_E, "fc2",
+                                               **({"combine": combine} if fuses_combine else {}))
             if y is not None:
                 return y if fuses_combine else _combined(y, combine)
         return _combined(self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E), combine)
@@ -263,8 +392,7 @@ class GroupedExperts(nn.Module):
     def _gathered_first_projection(self, permuted: DeferredPermutation, fc1: Tensor, offsets_E: Tensor) -> Tensor:
         """fc1 of tokens not yet permuted, reading the permutation inside its quantized input cast
         (only where `takes_deferred_permutation`)."""
-        gathered = getattr(self.quantization, "grouped_mm_gathered", None)
-        h_RF = None if gathered is None else gathered(permuted.tokens_TD, permuted.plan, fc1, offsets_E, "fc1")
+        h_RF = self.quantization.grouped_mm_gathered(permuted.tokens_TD, permuted.plan, fc1, offsets_E, "fc1")
         if h_RF is None:  # the two predicates drifted apart: a bug, not a configuration to fall back from
             raise RuntimeError(
                 f"{type(self.quantization).__name__}.takes_deferred_permutation accepted these tokens but its "
@@ -320,7 +448,7 @@ class SharedExperts(nn.Module):
         activation: str = "swiglu",
         gate: bool = False,
         init_std: float = 0.02,
-        output_init_std: Optional[float] = None,
+        output_init_std: float | None = None,
     ) -> None:
         super().__init__()
         self.activation = activation
@@ -344,10 +472,3 @@ class SharedExperts(nn.Module):
             y_TD = y_TD * torch.sigmoid(F.linear(x_TD, self.gate_weight.to(x_TD.dtype)))
         return y_TD
 
-
-def _swiglu_takes_combine(quantization: object) -> bool:
-    """Whether ``quantization.grouped_mm_swiglu`` accepts ``combine=``: by its class's signature,
-    so a subclass that overrides it without ``combine`` gets the combine carried out after it."""
-    from lightning_moe.precision.modules import swiglu_takes_combine  # lazily: only with a quantization
-
-    return swiglu_takes_combine(type(quantization))

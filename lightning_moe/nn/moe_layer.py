@@ -161,50 +161,42 @@ class MoELayer(nn.Module):
         # transfer overlaps the router (the all-gather dispatcher). Not when the router has
         # collectives of its own: the two would run NCCL kernels of different communicators
         # side by side, which NCCL does not promise to be free of deadlock.
-        prefetch = getattr(self.dispatcher, "prefetch", None)
-        prefetched = prefetch(x_TD) if prefetch is not None and not self.router.communicates() else None
+        dispatcher = self.dispatcher
+        prefetched = dispatcher.prefetch(x_TD) if dispatcher.prefetches and not self.router.communicates() else None
         # Likewise the experts' own token-independent work (FP8 copies of their weights).
-        prefetch_experts = getattr(self.experts, "prefetch", None)
-        if prefetch_experts is not None:
-            prefetch_experts()
+        self.experts.prefetch()
         try:
             return self._route_and_combine(x, x_TD, prefetched)
         finally:
-            release = getattr(self.experts, "release_prefetched", None)
-            if release is not None:
-                release()
+            self.experts.release_prefetched()
 
-    def _route_and_combine(self, x: Tensor, x_TD: Tensor, prefetched: Optional[Any]) -> Tensor:
-        """The rest of `forward`: ``prefetched`` is the dispatcher's early token gather (or None)."""
+    def _route_and_combine(self, x: Tensor, x_TD: Tensor, prefetched: Any | None) -> Tensor:
+        """The rest of `forward`: ``prefetched`` is the dispatcher's early token gather (or None).
+        The dispatcher's optional members are called as its `TokenDispatcher` capability flags
+        announce; the experts' as `lightning_moe.nn.experts.RoutedExperts` declares them (a
+        replacement experts module provides every member listed there)."""
         routing: RoutingResult = self.router(x if x.dim() == 3 else x_TD)
-        run = getattr(self.dispatcher, "run", None)
-        if run is not None:  # dispatchers that pipeline dispatch, experts and combine themselves
-            y_TD = run(x_TD, routing, self.experts)
+        dispatcher, experts = self.dispatcher, self.experts
+        if dispatcher.runs_experts:  # dispatchers that pipeline dispatch, experts and combine themselves
+            y_TD = dispatcher.run(x_TD, routing, experts)
         else:
             extra = {} if prefetched is None else {"prefetched": prefetched}
             # A dispatcher whose buffer has rows after the last group (sized for the worst case)
             # may leave them unwritten when the experts never read them; its combine and its
             # permutation's backward never read them back either.
-            reads_grouped = getattr(self.experts, "reads_only_grouped_rows", None)
-            tail_unwritten = (getattr(self.dispatcher, "can_leave_tail_unwritten", False)
-                              and reads_grouped is not None and reads_grouped(x_TD.dtype))
+            tail_unwritten = dispatcher.can_leave_tail_unwritten and experts.reads_only_grouped_rows(x_TD.dtype)
             tail = {"tail_unwritten": True} if tail_unwritten else {}  # only then: other experts lack it
             # Experts that read the permutation inside their first quantized cast get the tokens
             # and the plan, so the permuted rows are never written in the tokens' dtype.
-            takes_deferred = getattr(self.experts, "takes_deferred_permutation", None)
-            if (getattr(self.dispatcher, "can_defer_permute", False) and takes_deferred is not None
-                    and not tail_unwritten and takes_deferred(x_TD)):
+            if dispatcher.can_defer_permute and not tail_unwritten and experts.takes_deferred_permutation(x_TD):
                 extra["defer_permute"] = True
-            expert_input_RD, group_sizes_E, state = self.dispatcher.dispatch(x_TD, routing, **extra, **tail)
+            expert_input_RD, group_sizes_E, state = dispatcher.dispatch(x_TD, routing, **extra, **tail)
             # Experts that end in the combine themselves (their FP8 path weights the SwiGLU's rows
             # and gathers the tokens' gradient inside its cast) get it deferred.
-            deferred_combine = getattr(self.dispatcher, "deferred_combine", None)
-            takes_combine = getattr(self.experts, "takes_deferred_combine", None)
-            if (deferred_combine is not None and takes_combine is not None and not tail_unwritten
-                    and takes_combine(x_TD)):
-                y_TD = self.experts(expert_input_RD, group_sizes_E, combine=deferred_combine(state))
+            if dispatcher.can_defer_combine and not tail_unwritten and experts.takes_deferred_combine(x_TD):
+                y_TD = experts(expert_input_RD, group_sizes_E, combine=dispatcher.deferred_combine(state))
             else:
-                y_TD = self.dispatcher.combine(self.experts(expert_input_RD, group_sizes_E, **tail), state)
+                y_TD = dispatcher.combine(experts(expert_input_RD, group_sizes_E, **tail), state)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         self.last_stats = RoutingStats(

@@ -1,6 +1,6 @@
 """Expert-parallel token dispatchers: all-to-all and all-gather, with optional expert TP.
 
-Both follow the `TokenDispatcher` protocol of ``lightning_moe.nn.dispatcher`` and Megatron-Core's
+Both derive from `TokenDispatcher` of ``lightning_moe.nn.dispatcher`` and follow Megatron-Core's
 semantics (``MoEAlltoAllTokenDispatcher`` / ``MoEAllGatherTokenDispatcher``):
 
 * Experts are contiguous per EP rank: EP rank ``r`` owns global experts
@@ -30,8 +30,9 @@ combine and both backward passes reuse those sizes. The all-gather dispatcher ne
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from lightning_moe.nn.aux_losses import tokens_per_expert
 from lightning_moe.nn.config import MoEConfig
-from lightning_moe.nn.dispatcher import expert_input
+from lightning_moe.nn.dispatcher import TokenDispatcher, expert_input
 from lightning_moe.nn.permutation import (
     DeferredPermutation,
     PermutationPlan,
@@ -203,7 +204,7 @@ def _on_stream(streams: list, index: int, wait_for, inputs: tuple):
 
 
 def _init_groups(
-    dispatcher: Any, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup]
+    dispatcher: Any, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: dist.ProcessGroup | None
 ) -> None:
     """The group attributes both dispatchers share: EP/ETP groups and sizes, local experts."""
     dispatcher.cfg = cfg
@@ -215,7 +216,7 @@ def _init_groups(
     dispatcher.num_local_experts = cfg.num_experts // dispatcher.ep_size
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(TokenDispatcher):
     """Dispatch by an uneven all-to-all over the EP group (Megatron's "alltoall" dispatcher).
 
     dispatch: exchange per-rank row counts with a small all-to-all and read the split sizes on
@@ -237,8 +238,10 @@ class AllToAllDispatcher:
         etp_group: the expert tensor-parallel group (ranks splitting the same experts), or None.
     """
 
+    runs_experts = True  # `MoELayer` calls `run` (chunked and pipelined under ``cfg.dispatch_chunks``)
+
     def __init__(
-        self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup] = None
+        self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: dist.ProcessGroup | None = None
     ) -> None:
         if cfg.dispatch_transport != "nccl":
             raise ValueError(
@@ -512,7 +515,7 @@ class PrefetchedTokens:
     """
 
     x_all: Tensor
-    stream: Optional[Any]
+    stream: Any | None
 
     def wait(self) -> Tensor:
         """``x_all``, safe to use on the current stream."""
@@ -533,7 +536,7 @@ class AllGatherDispatchState:
     combine_probs_TK: Tensor
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(TokenDispatcher):
     """Dispatch by all-gathering every token of the EP x ETP block (Megatron's "allgather").
 
     Tokens, combine weights and expert choices of all ``G = EP * ETP`` ranks are all-gathered
@@ -553,12 +556,14 @@ class AllGatherDispatcher:
     Args: as `AllToAllDispatcher`.
     """
 
-    # `MoELayer` may pass ``tail_unwritten=True`` and ``defer_permute=True`` to `dispatch`.
+    # `MoELayer` calls `prefetch` and may pass ``tail_unwritten=True`` and ``defer_permute=True`` to
+    # `dispatch`.
+    prefetches = True
     can_leave_tail_unwritten = True
     can_defer_permute = True
 
     def __init__(
-        self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: Optional[dist.ProcessGroup] = None
+        self, cfg: MoEConfig, ep_group: dist.ProcessGroup, etp_group: dist.ProcessGroup | None = None
     ) -> None:
         _init_groups(self, cfg, ep_group, etp_group)
         self.first_local_expert = group_rank(ep_group) * self.num_local_experts
@@ -590,7 +595,7 @@ class AllGatherDispatcher:
             x = all_gather_rows(x, group, self.transport)
         return x
 
-    def prefetch(self, x_TD: Tensor) -> "PrefetchedTokens":
+    def prefetch(self, x_TD: Tensor) -> PrefetchedTokens:
         """Start gathering the tokens before the router runs: they do not depend on the routing.
 
         On CUDA the gather runs on a side stream, so the transfer overlaps the router's kernels;
@@ -607,7 +612,7 @@ class AllGatherDispatcher:
         return PrefetchedTokens(x_all, side)
 
     def dispatch(
-        self, x_TD: Tensor, routing: RoutingResult, prefetched: Optional["PrefetchedTokens"] = None,
+        self, x_TD: Tensor, routing: RoutingResult, prefetched: PrefetchedTokens | None = None,
         tail_unwritten: bool = False, defer_permute: bool = False,
     ) -> tuple[Tensor | DeferredPermutation, Tensor, AllGatherDispatchState]:
         """``tail_unwritten``: the experts read only the rows their groups cover, so the rows

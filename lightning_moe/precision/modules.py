@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.nn.experts import GroupedGemmQuantization
 from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import DelayedState, delayed_state, ensure_delayed_state, register_delayed_buffers
 from lightning_moe.precision.gemm import (
@@ -102,22 +103,18 @@ def _fp8_class(cls: type) -> type:
 _PROJECTIONS = ("fc1", "fc2")
 
 
-@functools.lru_cache(maxsize=None)
-def swiglu_takes_combine(cls: type) -> bool:
-    """Whether ``cls.grouped_mm_swiglu`` accepts ``combine=`` (a subclass may override it with the
-    signature it had before the combine moved in). Worked out once per class: it is asked at
-    every forward."""
-    import inspect
-
-    return "combine" in inspect.signature(cls.grouped_mm_swiglu).parameters
-
-
-class FP8GroupedGemm(nn.Module):
-    """Quantized grouped GEMM for grouped experts (``experts.quantization = FP8GroupedGemm(...)``).
+class FP8GroupedGemm(nn.Module, GroupedGemmQuantization):
+    """Quantized grouped GEMM for grouped experts (``experts.quantization = FP8GroupedGemm(...)``),
+    implementing every member of ``nn.experts.GroupedGemmQuantization``.
 
     A module so that delayed-scaling buffers (non-persistent) follow ``.to(device)``; it
-    has no parameters and adds nothing to the state dict.
+    has no parameters and adds nothing to the state dict. A subclass that overrides
+    `grouped_mm_swiglu` without ``combine`` (its signature before the combine moved in) gets
+    ``swiglu_takes_combine = False`` from that signature, and the experts combine after it.
     """
+
+    swiglu_takes_combine = True
+    prefetches_weights = True
 
     def __init__(self, recipe: FP8Recipe | str = "tensorwise", backend: str = "emulated") -> None:
         super().__init__()
@@ -149,7 +146,7 @@ class FP8GroupedGemm(nn.Module):
         views[(projection, experts)] = (identity, (state.amax_history, state.scale), view)
         return view
 
-    def _state_and_key(self, projection: str, w_EKN: Tensor) -> tuple[Optional[DelayedState], Optional[tuple]]:
+    def _state_and_key(self, projection: str, w_EKN: Tensor) -> tuple[DelayedState | None, tuple | None]:
         """The projection's delayed-scaling state (None unless delayed) and weight-cache key."""
         state = self._delayed_state(projection, w_EKN.shape[0], w_EKN.device) if self.recipe.name == "delayed" else None
         return state, ((id(self), projection) if projection else None)
@@ -190,7 +187,7 @@ class FP8GroupedGemm(nn.Module):
         self.__dict__["_prefetched"] = started  # not module state: per forward, never saved
 
     @property
-    def graphed_weight_casts(self) -> "GraphedWeightCasts":
+    def graphed_weight_casts(self) -> GraphedWeightCasts:
         """The CUDA graph of this GEMM's prefetched weight casts (``FP8Recipe.graph_weight_casts``),
         made at first use; not module state (a copy of the module starts without one)."""
         graphed = self.__dict__.get("_graphed_weight_casts")
@@ -204,6 +201,14 @@ class FP8GroupedGemm(nn.Module):
         state = delayed_state(self)
         return state is not None and state.scale.shape[1] == len(_PROJECTIONS) * experts
 
+    def check_sharded_weights(self) -> None:
+        """The experts are sharded by FSDP (weights gathered only inside their forward), so nothing
+        is prefetched: refused under ``graph_weight_casts``, which needs the prefetch."""
+        if self.recipe.graph_weight_casts:
+            raise ValueError("FP8Recipe(graph_weight_casts=True) needs experts not sharded by FSDP (their weights "
+                             "are gathered only inside their forward); shard them with DDP or set "
+                             "graph_weight_casts=False.")
+
     def release_prefetched(self) -> None:
         """Drop copies `prefetch_weights` started that no GEMM took (a forward that stopped
         early), after making the current stream wait for them: their casts may still be
@@ -211,7 +216,7 @@ class FP8GroupedGemm(nn.Module):
         for leftover in self.__dict__.pop("_prefetched", {}).values():
             leftover.release()
 
-    def _take_prefetched(self, projection: str) -> Optional[PrefetchedWeight]:
+    def _take_prefetched(self, projection: str) -> PrefetchedWeight | None:
         """The projection's prefetched copies (None if none), removed from the pending ones."""
         return self.__dict__.get("_prefetched", {}).pop(projection, None)
 
@@ -232,8 +237,8 @@ class FP8GroupedGemm(nn.Module):
         recipe "delayed" on the "torch" backend with Triton on CUDA; `gathered_cast_runs`)."""
         return gathered_cast_runs(self.recipe, self.backend, tokens_TK)
 
-    def grouped_mm_gathered(self, tokens_TK: Tensor, plan: "PermutationPlan", w_EKN: Tensor, offsets_E: Tensor,
-                            projection: str = "") -> Optional[Tensor]:
+    def grouped_mm_gathered(self, tokens_TK: Tensor, plan: PermutationPlan, w_EKN: Tensor, offsets_E: Tensor,
+                            projection: str = "") -> Tensor | None:
         """``permute(tokens, plan) @ w`` with the permutation read inside the FP8 cast
         (`fp8_grouped_mm_gathered`), or None where that does not run (then the caller permutes
         the tokens and calls `grouped_mm`)."""
@@ -245,11 +250,10 @@ class FP8GroupedGemm(nn.Module):
         `takes_deferred_permutation`, in a training pass); where it then declines after all, the
         experts carry the combine out themselves."""
         # takes_deferred_permutation holds for the delayed recipe's native casts only
-        return (torch.is_grad_enabled() and swiglu_takes_combine(type(self))
-                and self.takes_deferred_permutation(tokens_TK))
+        return torch.is_grad_enabled() and self.swiglu_takes_combine and self.takes_deferred_permutation(tokens_TK)
 
     def grouped_mm_swiglu(self, h_RF2: Tensor, w_EFN: Tensor, offsets_E: Tensor,
-                          projection: str = "", combine: Optional["DeferredCombine"] = None) -> Optional[Tensor]:
+                          projection: str = "", combine: DeferredCombine | None = None) -> Tensor | None:
         """``swiglu(h) @ w`` with the SwiGLU fused into the FP8 cast (`fp8_grouped_mm_swiglu`),
         or None where that does not run (then the caller applies the SwiGLU and `grouped_mm`).
         ``combine``: end in that `DeferredCombine` (``[T, N]``, see `fp8_grouped_mm_swiglu`)."""
@@ -258,8 +262,8 @@ class FP8GroupedGemm(nn.Module):
             combine=combine))
 
     def _fused_delayed_call(self, projection: str, w: Tensor,
-                            run: Callable[[DelayedState, Optional[tuple], Optional["PrefetchedWeight"]],
-                                          Optional[Tensor]]) -> Optional[Tensor]:
+                            run: Callable[[DelayedState, tuple | None, PrefetchedWeight | None],
+                                          Tensor | None]) -> Tensor | None:
         """A delayed-scaling GEMM with a cast fused in, ``run(state, weight key, prefetched
         copies)``, or None (not delayed, or ``run`` declined). The projection's prefetched weight
         copies are handed over and dropped only when ``run`` used them; else `grouped_mm` takes

@@ -1,10 +1,10 @@
 """A stand-in quantization that takes deferred permutations on CPU, for testing the plumbing.
 
-`GatheringGemm` plays the role of ``FP8GroupedGemm`` with the native delayed casts: it accepts a
-`DeferredPermutation` (``takes_deferred_permutation``) and runs ``grouped_mm_gathered`` as the
-permutation followed by the plain grouped GEMM, in full precision. A layer using it must train
-exactly as with the permutation carried out by the dispatcher; ``gathered`` counts the calls
-that took the deferred path.
+`GatheringGemm` (a `GroupedGemmQuantization`) plays the role of ``FP8GroupedGemm`` with the
+native delayed casts: it accepts a `DeferredPermutation` (``takes_deferred_permutation``) and runs
+``grouped_mm_gathered`` as the permutation followed by the plain grouped GEMM, in full precision.
+A layer using it must train exactly as with the permutation carried out by the dispatcher;
+``gathered`` counts the calls that took the deferred path.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_moe.nn.experts import GroupedGemmQuantization
 from lightning_moe.nn.permutation import PermutationPlan, permute
 
 
-class GatheringGemm:
+class GatheringGemm(GroupedGemmQuantization):
     def __init__(self) -> None:
         self.gathered = 0
 
