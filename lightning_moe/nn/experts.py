@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
@@ -50,33 +48,14 @@ class GroupedGemmQuantization(ABC):
     and start nothing, so the experts then run the plain activation and `grouped_mm` per
     projection. ``projection`` ("fc1" / "fc2") names the weight (e.g. for a weight cache or
     per-projection scaling state). A plain mixin without state: a subclass may also be an
-    ``nn.Module``.
-
-    An object assigned to ``GroupedExperts.quantization`` that does not derive from this class
-    (a duck-typed hook) has its class extended with it at assignment (`adopt`), so the defaults
-    below fill in what it leaves out.
+    ``nn.Module``. A subclass that overrides `grouped_mm_swiglu` or `prefetch_weights` says so in
+    the flag beside it.
     """
 
     # Whether `grouped_mm_swiglu` takes ``combine=`` (else the experts apply the combine after it).
     swiglu_takes_combine: bool = True
     # Whether `prefetch_weights` does anything (else the experts do not gather their weights for it).
     prefetches_weights: bool = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass that overrides a member without setting its flag (in the same class or a
-        later one) gets the flag from the member, once, when the class is made:
-        ``swiglu_takes_combine`` from `grouped_mm_swiglu`'s signature, ``prefetches_weights`` True
-        for a `prefetch_weights` of its own."""
-        super().__init_subclass__(**kwargs)
-        mro = cls.__mro__
-
-        def defined_at(name: str) -> int:
-            return next(i for i, c in enumerate(mro) if name in c.__dict__)
-
-        if defined_at("grouped_mm_swiglu") < defined_at("swiglu_takes_combine"):
-            cls.swiglu_takes_combine = "combine" in inspect.signature(cls.grouped_mm_swiglu).parameters
-        if defined_at("prefetch_weights") < defined_at("prefetches_weights"):
-            cls.prefetches_weights = True
 
     @abstractmethod
     def grouped_mm(self, x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor, projection: str = "") -> Tensor:
@@ -118,43 +97,6 @@ class GroupedGemmQuantization(ABC):
         """(`prefetches_weights`) Called instead of `prefetch_weights` when FSDP shards the experts
         (their weights are gathered only inside their forward): raise if this quantization cannot
         run that way. Default: nothing."""
-
-    @staticmethod
-    def adopt(quantization: Any) -> GroupedGemmQuantization:
-        """``quantization`` itself, its class extended with this one where it does not derive from
-        it (the same object, as ``FP8Linear.convert`` and FSDP2's ``fully_shard`` do)."""
-        if isinstance(quantization, GroupedGemmQuantization):
-            return quantization
-        if not callable(getattr(quantization, "grouped_mm", None)):
-            raise TypeError(f"GroupedExperts.quantization needs a grouped_mm(x_RK, w_EKN, offsets_E, projection); "
-                            f"{type(quantization).__name__} has none. Derive from GroupedGemmQuantization.")
-        try:
-            quantization.__class__ = _adopted_class(type(quantization))
-        except TypeError as error:
-            raise TypeError(f"GroupedExperts.quantization: {type(quantization).__name__} does not derive from "
-                            "GroupedGemmQuantization and cannot be extended with it; derive from it.") from error
-        return quantization
-
-
-@functools.cache
-def _adopted_class(cls: type) -> type:
-    """``cls`` extended with `GroupedGemmQuantization` (made once per class). Its instances pickle
-    as a call that extends ``cls`` again, since the made class has no importable name."""
-
-    def __reduce_ex__(self: Any, protocol: int) -> tuple:
-        reduced = super(adopted, self).__reduce_ex__(max(protocol, 2))  # (__newobj__, (class,), state, ...)
-        return (_new_adopted, (cls,), *reduced[2:])
-
-    adopted = type(cls.__name__, (cls, GroupedGemmQuantization),
-                   {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__reduce_ex__": __reduce_ex__})
-    return adopted
-
-
-def _new_adopted(cls: type) -> Any:
-    """An empty instance of ``cls`` extended with `GroupedGemmQuantization` (unpickling)."""
-    adopted = _adopted_class(cls)
-    return adopted.__new__(adopted)
-
 
 class RoutedExperts(Protocol):
     """What ``MoELayer`` calls on its ``experts`` (`GroupedExperts` implements every member; a
@@ -208,7 +150,7 @@ class GroupedExperts(nn.Module):
     ``tail_unwritten=True`` (only where `reads_only_grouped_rows`) the rows past the sum may
     hold anything and come out unspecified, in the output and in the input gradient.
     A precision plugin may set ``quantization`` to a `GroupedGemmQuantization` to run quantized
-    GEMMs instead (an object that does not derive from it is extended with it, see its `adopt`). Where
+    GEMMs instead. Where
     `takes_deferred_permutation`, ``x_RD`` may be a `DeferredPermutation` (the tokens and the plan, not
     yet permuted): the quantization then reads the permutation inside its first cast. With
     ``combine=`` (a dispatcher's `DeferredCombine`) it returns the combined tokens [T, D]
@@ -245,8 +187,10 @@ class GroupedExperts(nn.Module):
         self.reset_parameters()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "quantization" and value is not None:
-            value = GroupedGemmQuantization.adopt(value)
+        if name == "quantization" and value is not None and not isinstance(value, GroupedGemmQuantization):
+            raise TypeError(f"GroupedExperts.quantization takes a GroupedGemmQuantization (lightning_moe.nn.experts); "
+                            f"{type(value).__name__} does not derive from it: derive from it (only grouped_mm is "
+                            "required).")
         super().__setattr__(name, value)
 
     def reset_parameters(self) -> None:

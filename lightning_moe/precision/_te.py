@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
+from lightning_moe.nn.experts import GroupedGemmQuantization
+
 if TYPE_CHECKING:
     from lightning_moe.precision.recipes import FP8Recipe
 
@@ -157,7 +159,7 @@ def run_under_expert_autocast(module: torch.nn.Module, make_context: Callable[[]
     module._lightning_moe_expert_autocast_hooks = True
 
 
-class HighPrecisionGroupedGemm(torch.nn.Module):
+class HighPrecisionGroupedGemm(torch.nn.Module, GroupedGemmQuantization):
     """``GroupedExperts.quantization`` for "te" experts kept in high precision.
 
     The plugin's ``te.autocast`` covers the whole forward, so it would quantize these experts'

@@ -109,8 +109,8 @@ class FP8GroupedGemm(nn.Module, GroupedGemmQuantization):
 
     A module so that delayed-scaling buffers (non-persistent) follow ``.to(device)``; it
     has no parameters and adds nothing to the state dict. A subclass that overrides
-    `grouped_mm_swiglu` without ``combine`` (its signature before the combine moved in) gets
-    ``swiglu_takes_combine = False`` from that signature, and the experts combine after it.
+    `grouped_mm_swiglu` without ``combine`` declares ``swiglu_takes_combine = False``; the experts
+    then combine after it.
     """
 
     swiglu_takes_combine = True

@@ -38,7 +38,7 @@ def test_rowwise_quantize_is_bit_exact(dtype):
 
 
 def test_both_copies_of_an_operand_are_bit_exact():
-    from lightning_moe.precision.native_casts import fused_both, per_group_rows, per_row
+    from lightning_moe.precision.native_casts import fused_both, per_group_rows
 
     x = _awkward(200, 96, torch.bfloat16)
     offsets = torch.tensor([48, 48, 160, 192], device="cuda", dtype=torch.int32)  # one empty group, 8 rows after

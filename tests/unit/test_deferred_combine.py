@@ -54,11 +54,13 @@ def test_cpu_experts_do_not_ask_for_the_combine():
 
 
 def test_fp8_experts_whose_swiglu_gemm_predates_the_combine_do_not_take_it(monkeypatch):
-    """A subclass overriding ``grouped_mm_swiglu`` without ``combine=`` is never handed the combine
-    (it would fail on the keyword); the library's own class would be, where its casts run."""
+    """A subclass overriding ``grouped_mm_swiglu`` without ``combine=`` (declared by its flag) is never
+    handed the combine (it would fail on the keyword); the library's own class would be, where its casts run."""
     from lightning_moe.precision import FP8GroupedGemm
 
     class OldSwiGLU(FP8GroupedGemm):
+        swiglu_takes_combine = False
+
         def grouped_mm_swiglu(self, h_RF2, w_EFN, offsets_E, projection=""):
             return None
 
@@ -77,6 +79,8 @@ def test_experts_handed_the_combine_directly_keep_an_old_signature_swiglu_gemm_w
     calls = []
 
     class OldSwiGLU(FP8GroupedGemm):
+        swiglu_takes_combine = False
+
         def grouped_mm_swiglu(self, h_RF2, w_EFN, offsets_E, projection=""):
             calls.append(projection)
             return None  # declines: the experts apply the SwiGLU and fc2 themselves
