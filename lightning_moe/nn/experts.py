@@ -184,6 +184,9 @@ class GroupedExperts(nn.Module):
         self.fc1_weight = nn.Parameter(torch.empty(fc1_shape, **factory))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **factory))
         self.quantization: GroupedGemmQuantization | None = None
+        # (dtype,): what FSDP2 casts this module's forward inputs to (None: nothing), as declared by
+        # whoever sharded it (`declare_fsdp_input_cast`); None: undeclared
+        self._fsdp_input_cast: tuple[torch.dtype | None] | None = None
         self.reset_parameters()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -259,20 +262,24 @@ class GroupedExperts(nn.Module):
                 and quantization.takes_deferred_combine(tokens_TD)
                 and not (self._fsdp_casts_inputs(tokens_TD.dtype) or self._fsdp_casts_inputs(torch.float32)))
 
+    def declare_fsdp_input_cast(self, dtype: torch.dtype | None) -> None:
+        """Declare the dtype FSDP2's mixed-precision policy casts this module's forward inputs to
+        (None: no cast): whoever calls ``fully_shard`` on it says so (`parallel.fsdp.shard_experts`)."""
+        self._fsdp_input_cast = (dtype,)
+
     def _fsdp_casts_inputs(self, dtype: torch.dtype) -> bool:
         """Whether FSDP2 (sharding this module) casts its forward inputs away from ``dtype``. It
         would cast the deferred tokens, not the permuted rows, and the token gradient would then
-        be summed over the assignments in the cast dtype instead of in ``dtype``. A policy that
-        cannot be read counts as casting."""
+        be summed over the assignments in the cast dtype instead of in ``dtype``. Sharded without
+        a declaration (`declare_fsdp_input_cast`) counts as casting."""
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(self, FSDPModule):
             return False
-        get_state = getattr(self, "_get_fsdp_state", None)  # FSDP2 keeps its policy there
-        policy = getattr(get_state(), "_mp_policy", None) if get_state is not None else None
-        if policy is None:
+        if self._fsdp_input_cast is None:
             return True
-        return bool(policy.cast_forward_inputs) and policy.param_dtype not in (None, dtype)
+        (cast,) = self._fsdp_input_cast
+        return cast is not None and cast != dtype
 
     def forward(self, x_RD: Tensor | DeferredPermutation, group_sizes_E: Tensor,
                 tail_unwritten: bool = False, combine: DeferredCombine | None = None) -> Tensor:

@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from lightning_moe.nn.experts import GroupedExperts
 from lightning_moe.nn.moe_layer import MoELayer
 
 
@@ -70,6 +71,8 @@ def shard_experts(root: nn.Module, edp_mesh, mp_policy, reshard_after_forward: b
             reshard_after_forward=reshard_after_forward,
             shard_placement_fn=placement,
         )
+        if isinstance(layer.experts, GroupedExperts):  # its fused combine depends on the input cast
+            layer.experts.declare_fsdp_input_cast(mp_policy.param_dtype if mp_policy.cast_forward_inputs else None)
 
 
 def _blocks(root: nn.Module) -> list[nn.Module]:

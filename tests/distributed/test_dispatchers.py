@@ -455,16 +455,21 @@ def test_deferred_permutation_trains_identically(dispatcher, world_size):
 def _fsdp_input_casts(rank, world_size):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from lightning_moe.nn.experts import GroupedExperts
+    from lightning_moe.nn.experts import GroupedExperts, GroupedGemmQuantization
 
     mesh = init_device_mesh("cpu", (world_size,))
-    casting, plain, unwrapped = (GroupedExperts(4, 16, 8) for _ in range(3))
-    fully_shard(casting, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    casting, plain, unwrapped, undeclared = (GroupedExperts(4, 16, 8) for _ in range(4))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(casting, mesh=mesh, mp_policy=policy)
+    casting.declare_fsdp_input_cast(torch.bfloat16)  # what parallel.fsdp.shard_experts declares
     fully_shard(plain, mesh=mesh)
+    plain.declare_fsdp_input_cast(None)
+    fully_shard(undeclared, mesh=mesh, mp_policy=policy)  # sharded by someone else: counts as casting
     casts = [casting._fsdp_casts_inputs(torch.float32), casting._fsdp_casts_inputs(torch.bfloat16),
-             plain._fsdp_casts_inputs(torch.float32), unwrapped._fsdp_casts_inputs(torch.float32)]
+             plain._fsdp_casts_inputs(torch.float32), unwrapped._fsdp_casts_inputs(torch.float32),
+             undeclared._fsdp_casts_inputs(torch.bfloat16)]
 
-    class TakesCombine:  # a quantization that would fuse the combine
+    class TakesCombine(GroupedGemmQuantization):  # a quantization that would fuse the combine
         def grouped_mm(self, *args):
             raise AssertionError("not called")
 
@@ -482,4 +487,4 @@ def test_fsdp_input_casts_turn_the_deferred_permutation_off():
     gradient would be summed over assignments in bf16: such experts do not take the deferred
     permutation of fp32 tokens (bf16 tokens are not cast, so they still do). Nor the deferred
     combine, even of bf16 tokens: its probabilities (fp32) would be cast."""
-    assert run_distributed(_fsdp_input_casts, 1) == [[True, False, False, False, False, True]]
+    assert run_distributed(_fsdp_input_casts, 1) == [[True, False, False, False, True, False, True]]
