@@ -9,9 +9,11 @@ LightningModule configures, bf16 autocast with fp32 master weights, random token
 zeros), and time each optimizer step (``--accumulate`` micro-batches, then the optimizer) from
 one step's end to the next, each end marked by a CUDA synchronize (the same in both runs, so
 data loading between micro-batches is inside the time). Reports median step time, tokens/s,
-TFLOP/s and MFU = model FLOPs per step
-(``model_flops_per_token``: active parameters + attention, fwd+bwd) / (time x 787e12), and
-the Lightning overhead = trainer median / bare median - 1. Writes
+TFLOP/s per GPU (model FLOPs per step, ``model_flops_per_token``: active parameters + attention,
+fwd+bwd, over time and GPUs) and MFU against the GPU's dense spec peak (``MoEThroughput``'s
+table: 989.4 TFLOP/s bf16, 1978.9 FP8 on H100 / H200 SXM; the FP8 peak for an FP8 run), as
+Megatron-Core and the peers report it, with the ratio to a measured H200 bf16 GEMM rate (787e12)
+as a second, labelled figure; and the Lightning overhead = trainer median / bare median - 1. Writes
 ``benchmarks/results/train_step_<tag>.json``.
 
 Several GPUs (the Lightning run only, ``--skip-bare``): ``--devices N`` with the folded layout's
@@ -20,7 +22,7 @@ EDP2 over the same ranks). Lightning starts one process per device. Each data-pa
 its own micro-batches (tensor-parallel peers the same ones) through Lightning's distributed
 sampler, which also shuffles them, so the loss curve is not the one-device stream's. An optimizer
 step covers ``micro_batch x seq x accumulate x DP`` tokens; tokens/s and TFLOP/s are the whole
-job's, MFU is per GPU (divided by N x 787e12). Rank 0 writes the results; the losses and the peak
+job's, TFLOP/s and MFU per GPU. Rank 0 writes the results; the losses and the peak
 memory in them are rank 0's own. ``--accelerator cpu`` runs the same on CPU processes (gloo), a
 plumbing check: its MFU means nothing.
 """
@@ -41,7 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import write_results  # noqa: E402
 from benchmarks.moe_block import expert_alignment  # noqa: E402
 
-H200_BF16_PEAK = 787e12  # measured dense bf16 GEMM rate on one H200 (BENCHMARKS.md)
+MEASURED_H200_BF16_GEMM = 787e12  # dense bf16 GEMM rate measured on one H200 (a second, labelled ratio)
+
+
+def spec_peak_flops(args) -> Optional[float]:
+    """The GPU's dense spec peak FLOP/s for this run's precision (``MoEThroughput``'s table), or None
+    (CPU, or a GPU the table lacks)."""
+    if args.accelerator != "cuda":
+        return None
+    from lightning_moe.callbacks.throughput import device_peak_flops
+
+    dtype = "bf16" if args.precision == "bf16" else "fp4" if args.precision == "nvfp4" else "fp8"
+    return device_peak_flops(torch.cuda.get_device_name(), dtype)
 
 
 def sync(args) -> None:
@@ -263,6 +276,7 @@ def main(argv=None) -> None:
     elif args.precision != "bf16":
         raise SystemExit("--precision applies to the Lightning run only: add --skip-bare")
     cuda = args.accelerator == "cuda"
+    peak_flops = spec_peak_flops(args)
     for name, fn in runs:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -275,8 +289,11 @@ def main(argv=None) -> None:
         results[name] = {
             "median_step_s": median,
             "tokens_per_s": tokens / median,
+            "tflops_per_gpu": flops_per_step / median / 1e12 / args.devices,
             "tflops": flops_per_step / median / 1e12,
-            "mfu": flops_per_step / (median * H200_BF16_PEAK * args.devices),
+            "spec_peak_tflops": None if peak_flops is None else peak_flops / 1e12,
+            "mfu": None if peak_flops is None else flops_per_step / (median * peak_flops * args.devices),
+            "ratio_to_measured_h200_bf16_gemm": flops_per_step / (median * MEASURED_H200_BF16_GEMM * args.devices),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "final_loss": final_loss,
             "step_times_s": times,
@@ -284,8 +301,10 @@ def main(argv=None) -> None:
         }
         r = results[name]
         peak = "" if r["peak_gib"] is None else f" peak {r['peak_gib']:.1f} GiB"
-        print(f"{name:11s} {median*1e3:8.1f} ms/step {r['tokens_per_s']:9.0f} tok/s {r['tflops']:6.1f} TFLOP/s "
-              f"MFU {r['mfu']*100:5.1f}%{peak} loss {final_loss:.3f}", flush=True)
+        mfu = "MFU n/a" if r["mfu"] is None else f"MFU {r['mfu']*100:5.1f}% of {r['spec_peak_tflops']:.0f} spec"
+        print(f"{name:11s} {r['tflops_per_gpu']:6.1f} TFLOP/s per GPU, {mfu} "
+              f"({r['ratio_to_measured_h200_bf16_gemm']*100:.1f}% of a measured H200 bf16 GEMM), "
+              f"{median*1e3:8.1f} ms/step {r['tokens_per_s']:9.0f} tok/s{peak} loss {final_loss:.3f}", flush=True)
     overhead = None
     if "bare_torch" in results:
         overhead = results["lightning"]["median_step_s"] / results["bare_torch"]["median_step_s"] - 1
