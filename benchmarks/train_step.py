@@ -57,6 +57,27 @@ def spec_peak_flops(args) -> Optional[float]:
     return device_peak_flops(torch.cuda.get_device_name(), dtype)
 
 
+def marginal_layer(step_s: tuple[float, float], flops: tuple[float, float], layers: tuple[int, int],
+                   full_layers: int, full_flops: float, devices: int) -> dict:
+    """What one more layer costs, from the same model timed at two layer counts: the step time and
+    FLOPs per added layer, their TFLOP/s per GPU, and the step time and TFLOP/s per GPU projected
+    for ``full_layers`` layers (``full_flops`` FLOPs per step): the shorter model's time plus a
+    marginal layer's for each missing layer. The embedding, the LM head and the optimizer weigh
+    far more in a 4-layer model than in the preset's full depth; this takes them out."""
+    (t1, t2), (f1, f2), (l1, l2) = step_s, flops, layers
+    if l2 == l1:
+        raise ValueError("marginal_layer needs two different layer counts")
+    dt, df = (t2 - t1) / (l2 - l1), (f2 - f1) / (l2 - l1)
+    full_s = t1 + (full_layers - l1) * dt
+    return {
+        "layers": [l1, l2], "step_s": [t1, t2], "flops_per_step": [f1, f2],
+        "step_s_per_layer": dt, "flops_per_layer": df,
+        "tflops_per_gpu_per_layer": df / dt / 1e12 / devices if dt > 0 else None,
+        "full_layers": full_layers, "projected_full_step_s": full_s,
+        "projected_full_tflops_per_gpu": full_flops / full_s / 1e12 / devices if full_s > 0 else None,
+    }
+
+
 def sync(args) -> None:
     """Wait for the device's queued work (a host sync; nothing to wait for on CPU)."""
     if args.accelerator == "cuda":
@@ -256,6 +277,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default=None,
                         help="token dispatcher under expert parallelism (default: the strategy's)")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    parser.add_argument("--marginal-layers", type=int, default=None,
+                        help="also time the Lightning run with this many layers: the cost of a layer and the "
+                             "TFLOP/s per GPU projected for the preset's full depth (`marginal_layer`)")
     args = parser.parse_args(argv)
     if args.devices < 1 or args.tensor_parallel < 1 or args.devices % args.tensor_parallel:
         raise SystemExit(f"--devices {args.devices} must be a positive multiple of --tensor-parallel "
@@ -305,6 +329,26 @@ def main(argv=None) -> None:
         print(f"{name:11s} {r['tflops_per_gpu']:6.1f} TFLOP/s per GPU, {mfu} "
               f"({r['ratio_to_measured_h200_bf16_gemm']*100:.1f}% of a measured H200 bf16 GEMM), "
               f"{median*1e3:8.1f} ms/step {r['tokens_per_s']:9.0f} tok/s{peak} loss {final_loss:.3f}", flush=True)
+    marginal = None
+    if args.marginal_layers is not None:
+        if args.marginal_layers == args.layers:
+            raise SystemExit("--marginal-layers must differ from --layers")
+        other = argparse.Namespace(**{**vars(args), "layers": args.marginal_layers})
+        outcome = lightning_run(other)
+        if outcome is None:
+            return
+        other_flops = model_flops_per_token(get_preset(args.preset, num_layers=args.marginal_layers,
+                                                       max_seq_length=args.seq), args.seq) * tokens
+        full = get_preset(args.preset, max_seq_length=args.seq)
+        marginal = marginal_layer((results["lightning"]["median_step_s"], statistics.median(outcome[0])),
+                                  (flops_per_step, other_flops), (args.layers, args.marginal_layers),
+                                  full.num_layers, model_flops_per_token(full, args.seq) * tokens, args.devices)
+        per_layer = marginal["tflops_per_gpu_per_layer"]
+        projected = marginal["projected_full_tflops_per_gpu"]
+        print(f"marginal layer: {marginal['step_s_per_layer']*1e3:.2f} ms, "
+              f"{'n/a' if per_layer is None else f'{per_layer:.1f}'} TFLOP/s per GPU; "
+              f"projected at {full.num_layers} layers: {marginal['projected_full_step_s']*1e3:.1f} ms/step, "
+              f"{'n/a' if projected is None else f'{projected:.1f}'} TFLOP/s per GPU", flush=True)
     overhead = None
     if "bare_torch" in results:
         overhead = results["lightning"]["median_step_s"] / results["bare_torch"]["median_step_s"] - 1
@@ -314,6 +358,7 @@ def main(argv=None) -> None:
         "config": {**vars(args), "tokens_per_step": tokens, "model_flops_per_step": flops_per_step,
                    "data_parallel_size": data_parallel_size(args)},
         "results": results,
+        "marginal_layer": marginal,
         "lightning_overhead": overhead,
     }, results_dir=args.results_dir)
 

@@ -105,3 +105,20 @@ def test_best_cast_launch_reads_rows_without_register_options_as_unfolded_and_un
     assert best_tiles(results, margin=0.03) == {}
     results["qwen3_plain"][0].update(amax_rows=16, max_registers=0)  # now the library's launch
     assert best_tiles(results, margin=0.03) == {"plain": (128, 64, 8, 0, 0)}
+
+
+def test_marginal_layer_projects_the_full_depth_from_two_layer_counts():
+    from benchmarks.train_step import marginal_layer
+
+    # 4 layers: 100 ms, 4e15 FLOPs; 8 layers: 160 ms, 6e15 FLOPs -> 15 ms and 5e14 FLOPs a layer
+    m = marginal_layer((0.100, 0.160), (4e15, 6e15), (4, 8), full_layers=48, full_flops=26e15, devices=2)
+    assert m["step_s_per_layer"] == pytest.approx(0.015)
+    assert m["flops_per_layer"] == pytest.approx(5e14)
+    assert m["tflops_per_gpu_per_layer"] == pytest.approx(5e14 / 0.015 / 1e12 / 2)
+    assert m["projected_full_step_s"] == pytest.approx(0.100 + 44 * 0.015)
+    assert m["projected_full_tflops_per_gpu"] == pytest.approx(26e15 / (0.100 + 44 * 0.015) / 1e12 / 2)
+    # the same two runs given the other way round project the same
+    swapped = marginal_layer((0.160, 0.100), (6e15, 4e15), (8, 4), full_layers=48, full_flops=26e15, devices=2)
+    assert swapped["projected_full_step_s"] == pytest.approx(m["projected_full_step_s"])
+    with pytest.raises(ValueError, match="two different layer counts"):
+        marginal_layer((0.1, 0.1), (1.0, 1.0), (4, 4), full_layers=48, full_flops=1.0, devices=1)
