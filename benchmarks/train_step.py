@@ -277,6 +277,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default=None,
                         help="token dispatcher under expert parallelism (default: the strategy's)")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    parser.add_argument("--peer", choices=["hf"], default=None,
+                        help="hf: also time HF transformers' Qwen3MoeForCausalLM of the same shape, trained the same "
+                             "way (benchmarks/hf_peer.py), its TFLOP/s from the same FLOP count")
     parser.add_argument("--marginal-layers", type=int, default=None,
                         help="also time the Lightning run with this many layers: the cost of a layer and the "
                              "TFLOP/s per GPU projected for the preset's full depth (`marginal_layer`)")
@@ -297,6 +300,13 @@ def main(argv=None) -> None:
     runs = (("bare_torch", bare_loop), ("lightning", lightning_run))
     if args.skip_bare:
         runs = runs[1:]
+    if args.peer == "hf":
+        if args.devices != 1 or args.accelerator != "cuda":
+            raise SystemExit("--peer hf runs on one GPU: drop --devices / --accelerator cpu")
+        from benchmarks.hf_peer import hf_config, hf_loop
+
+        hf_config(cfg)  # refuses a shape HF's Qwen3-MoE cannot express, before anything runs
+        runs = (*runs, ("hf_transformers", lambda a: hf_loop(a, cfg, batches)))
     elif args.precision != "bf16":
         raise SystemExit("--precision applies to the Lightning run only: add --skip-bare")
     cuda = args.accelerator == "cuda"
@@ -349,6 +359,9 @@ def main(argv=None) -> None:
               f"{'n/a' if per_layer is None else f'{per_layer:.1f}'} TFLOP/s per GPU; "
               f"projected at {full.num_layers} layers: {marginal['projected_full_step_s']*1e3:.1f} ms/step, "
               f"{'n/a' if projected is None else f'{projected:.1f}'} TFLOP/s per GPU", flush=True)
+    if "hf_transformers" in results:
+        ratio = results["hf_transformers"]["median_step_s"] / results["lightning"]["median_step_s"]
+        print(f"lightning_moe (Trainer) against HF transformers: {ratio:.2f}x the speed")
     overhead = None
     if "bare_torch" in results:
         overhead = results["lightning"]["median_step_s"] / results["bare_torch"]["median_step_s"] - 1

@@ -122,3 +122,25 @@ def test_marginal_layer_projects_the_full_depth_from_two_layer_counts():
     assert swapped["projected_full_step_s"] == pytest.approx(m["projected_full_step_s"])
     with pytest.raises(ValueError, match="two different layer counts"):
         marginal_layer((0.1, 0.1), (1.0, 1.0), (4, 4), full_layers=48, full_flops=1.0, devices=1)
+
+
+def test_the_hf_peer_is_the_same_model_shape_and_trains():
+    """`train_step.py --peer hf`: HF's Qwen3-MoE built from a preset has exactly our parameter count,
+    trains (finite losses on CPU), and a shape it cannot express is refused."""
+    pytest.importorskip("transformers")
+    import argparse
+
+    from benchmarks.hf_peer import hf_config, hf_loop, hf_model
+    from benchmarks.train_step import batches
+    from lightning_moe.models import get_preset
+    from lightning_moe.models.flops import total_parameters
+
+    cfg = get_preset("qwen3_30b_a3b", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     head_dim=16, vocab_size=512, ffn_hidden_size=128,
+                     moe={"ffn_hidden_size": 32, "num_experts": 8, "router_topk": 2})
+    assert sum(p.numel() for p in hf_model(cfg, "cpu").parameters()) == total_parameters(cfg)
+    args = argparse.Namespace(steps=2, warmup=1, accumulate=2, clip=1.0, micro_batch=2, seq=16, data="random")
+    times, losses = hf_loop(args, cfg, batches, "cpu")
+    assert len(times) == 2 and len(losses) == 3 and all(0 < loss < 10 for loss in losses)
+    with pytest.raises(ValueError, match="qk-norm"):
+        hf_config(get_preset("mixtral_8x7b", num_layers=1))
