@@ -251,7 +251,7 @@ class _ForwardOperands(NamedTuple):
     sx_t: Optional[Tensor]
     qw_ENK: Tensor
     sw_EN: Tensor
-    saved_dgrad: tuple[Tensor, Tensor]
+    saved_dgrad: Optional[tuple[Tensor, Tensor]]  # fused path only
     kept_dgrad: Optional[tuple[Tensor, Tensor]]
     aligned_ends: Optional[Tensor]
     quantizer: Optional[FusedGroupedOperands]
@@ -318,9 +318,7 @@ def _generic_forward_operands(x: Tensor, w: Tensor, offsets: Tensor, call: _Grou
         return qw.view(experts, n, k), per_row(sw, rw).view(experts, n)
 
     qw_ENK, sw_EN = cached(call.cache, call.weight_key, w, "grouped_fprop", weight_fprop)
-    placeholder = torch.empty(0, device=w.device)
-    return _ForwardOperands(qx, per_row(sx, rx), None, None, qw_ENK, sw_EN, (placeholder, placeholder), None, None,
-                            None)
+    return _ForwardOperands(qx, per_row(sx, rx), None, None, qw_ENK, sw_EN, None, None, None, None)
 
 
 class _ScaledGroupedMM(torch.autograd.Function):

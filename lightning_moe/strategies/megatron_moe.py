@@ -34,9 +34,10 @@ from lightning_moe.parallel.gradients import (
     all_reduce_grads,
     scale_grads,
 )
+from lightning_moe.parallel.param_groups import GroupsByTensorKind, init_state_by_tensor_kind, mixes_tensor_kinds
 from lightning_moe.parallel.tensor_parallel import apply_dense_tensor_parallel, apply_moe_token_split
-from lightning_moe.resume import record_mid_epoch_stop
 from lightning_moe.precision import clipping as moe_precision
+from lightning_moe.resume import record_mid_epoch_stop
 
 ShardingMode = Literal["fsdp", "ddp"]
 
@@ -336,10 +337,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        from lightning_moe.parallel.param_groups import GroupsByTensorKind
-
-        by_kind = any(optimizer is split for split in self._steps_by_tensor_kind)
-        with GroupsByTensorKind(optimizer) if by_kind else contextlib.nullcontext() as groups:
+        with GroupsByTensorKind(optimizer) if self._steps_by_kind(optimizer) else contextlib.nullcontext() as groups:
 
             def closure_then_reduce() -> Any:
                 result = closure()
@@ -396,6 +394,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         for layer in moe_layers(model):
             layer.router.reset_step_state()
 
+    def _steps_by_kind(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s mixed param groups step kind by kind (`_avoid_mixed_foreach`)."""
+        return any(optimizer is split for split in self._steps_by_tensor_kind)
+
     def _avoid_mixed_foreach(self) -> None:
         """Let foreach kernels step param groups that mix DTensors and plain tensors.
 
@@ -410,7 +412,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         """
         from torch.optim.optimizer import _default_to_fused_or_foreach
 
-        from lightning_moe.parallel.param_groups import mixes_tensor_kinds
 
         def uses_foreach(group: dict[str, Any]) -> bool:
             if group.get("foreach") is None and not group.get("fused"):
@@ -500,8 +501,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        from lightning_moe.parallel.param_groups import init_state_by_tensor_kind
-
         path = ckpt.resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
         assert self.model is not None
         options = StateDictOptions(strict=self.lightning_module.strict_loading)
@@ -517,7 +516,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 )
         sharded: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for idx, optimizer in enumerate(optimizers):
-            if any(optimizer is split for split in self._steps_by_tensor_kind):
+            if self._steps_by_kind(optimizer):
                 # the state dict's template needs the optimizer's state: made by a step (of zero
                 # gradients), which for mixed groups must run kind by kind
                 init_state_by_tensor_kind(optimizer)
@@ -548,12 +547,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         from lightning.pytorch.core.optimizer import LightningOptimizer
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        from lightning_moe.parallel.param_groups import init_state_by_tensor_kind
-
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
-        if any(optimizer is split for split in self._steps_by_tensor_kind):
+        if self._steps_by_kind(optimizer):
             init_state_by_tensor_kind(optimizer)  # as in `load_checkpoint` (a save before the first step)
         return get_optimizer_state_dict(self.model, optimizer)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _float8 import relative_error as _relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -14,9 +15,6 @@ pytestmark = [
                        reason="needs a Hopper GPU"),
 ]
 
-
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _operands(experts: int = 8, tokens_per_expert: int = 64, k: int = 128, f: int = 128):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _float8 import relative_error as _relative_error
 from _float8 import same_bits
 
 pytestmark = [
@@ -15,9 +16,6 @@ pytestmark = [
 ]
 
 
-
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
