@@ -16,7 +16,6 @@ pytestmark = [
 ]
 
 
-
 def _operands(experts: int = 8, tokens_per_expert: int = 64, k: int = 128, f: int = 128):
     torch.manual_seed(0)
     offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * tokens_per_expert
