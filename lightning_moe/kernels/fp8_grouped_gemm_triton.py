@@ -17,8 +17,12 @@ every group in turn; operands come in by TMA descriptors (rows of the next group
 last rows are read and never stored, rows past ``R`` read as zeros); the epilogue applies both
 scales and stores the group's rows only.
 
-Accumulation: fast (the tensor cores' own fp32 accumulator, no periodic promotion), as
-``use_fast_accum=True``; the recipe's split accumulation is torch's kernel's job (callers check).
+Accumulation: fast (``precise=False``: the tensor cores' own accumulator for the whole
+contraction, as ``use_fast_accum=True``) or split (``precise=True``: each ``BLOCK_K`` slice of the
+contraction is summed by the tensor cores and then added to an fp32 accumulator in registers, as
+cuBLAS's split accumulator and Transformer Engine's default data and weight gradients; Hopper's
+FP8 tensor-core accumulator keeps fewer mantissa bits than fp32, which a long contraction such as a
+weight gradient over thousands of tokens would feel).
 """
 
 from __future__ import annotations
@@ -36,12 +40,23 @@ from lightning_moe.kernels.launch import launch, next_power_of_2
 
 
 @triton.jit
+def _accumulate(a, b, acc, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr):
+    """``acc + a @ b^T``: fast (one tensor-core accumulation over the whole contraction) or split
+    (the tensor cores sum this ``BLOCK_K`` slice, which is then promoted into ``acc`` in fp32)."""
+    if PRECISE:
+        acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
 def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr,
                           E, R, N_OUT, stride_out,
                           K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                           NUM_STAGES: tl.constexpr, FLATTEN: tl.constexpr = True,
-                          WARP_SPECIALIZE: tl.constexpr = False):
+                          WARP_SPECIALIZE: tl.constexpr = False, PRECISE: tl.constexpr = False):
     """Tiles are dealt round-robin to the persistent programs: group by group, each group's tiles
     row block fastest (the tiles running together share ``b``'s block). One loop over all tiles,
     a tile's group found from the groups' tile counts held in registers, which the compiler
@@ -72,7 +87,7 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         for ki in tl.range(0, k_tiles, num_stages=NUM_STAGES):
             a = a_desc.load([row0, ki * BLOCK_K])
             b = b_desc.load([g * N_OUT + col0, ki * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+            acc = _accumulate(a, b, acc, BLOCK_K, PRECISE)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
         row_ok = rows < end
@@ -106,12 +121,14 @@ def _multiprocessors(device_index: int) -> int:
 def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO: Tensor, ends_E: Tensor,
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
                      num_stages: Optional[int] = None, programs: Optional[int] = None,
-                     out: Optional[Tensor] = None, warp_specialize: bool = False) -> Tensor:
+                     out: Optional[Tensor] = None, warp_specialize: bool = False,
+                     precise: bool = False) -> Tensor:
     """bf16 ``[R, O]``: ``(a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``; rows past
     the last group end are left unwritten (uninitialized unless ``out``, a bf16 ``[R, O]`` view
     with unit column stride, is given). ``programs``: persistent programs (default one per
     multiprocessor). ``warp_specialize``: the compiler's automatic warp specialization of the tile
-    loop instead of its flattening (a tuning option; the same sums either way)."""
+    loop instead of its flattening (a tuning option; the same sums either way). ``precise``: split
+    accumulation (see the module's header), else fast."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows, k = a_RK.shape
@@ -133,11 +150,8 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
            a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, rows, o, out.stride(0),
            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=next_power_of_2(experts),
            NUM_PROGRAMS=programs, NUM_STAGES=num_stages, FLATTEN=not warp_specialize,
-           WARP_SPECIALIZE=warp_specialize, num_warps=num_warps)
+           WARP_SPECIALIZE=warp_specialize, PRECISE=precise, num_warps=num_warps)
     return out
-
-
-
 
 
 
@@ -145,7 +159,8 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
 def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr, E, M, N,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
-                          out_desc=None, FLATTEN: tl.constexpr = True, WARP_SPECIALIZE: tl.constexpr = False):
+                          out_desc=None, FLATTEN: tl.constexpr = True, WARP_SPECIALIZE: tl.constexpr = False,
+                          PRECISE: tl.constexpr = False):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
@@ -166,7 +181,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         for k0 in tl.range(start, end, BLOCK_K, num_stages=NUM_STAGES):
             a = a_desc.load([row0, k0])
             b = b_desc.load([col0, k0])
-            acc = tl.dot(a, b.T, acc)
+            acc = _accumulate(a, b, acc, BLOCK_K, PRECISE)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
         row_ok = rows < M
@@ -192,7 +207,7 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
                      num_stages: int = 4, programs: Optional[int] = None,
                      out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False,
-                     warp_specialize: bool = False) -> Tensor:
+                     warp_specialize: bool = False, precise: bool = False) -> Tensor:
     """``out_dtype`` (bf16 or fp32) ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
@@ -203,7 +218,7 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     ``[E, N]``. fp32 output is for fp32 master weights: their gradient is written once, not
     rounded to bf16 and widened by a second pass. ``tma_store``: the tiles leave by TMA (see the
     kernel; needs ``N`` times the element size a multiple of 16 bytes). ``programs`` and
-    ``warp_specialize`` as in `grouped_mm_fprop`."""
+    ``warp_specialize`` and ``precise`` as in `grouped_mm_fprop`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, r = a_MR.shape
@@ -229,5 +244,5 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
            a_desc, b_desc, out, scale_a_EM, scale_b_EN, aligned_ends_E, experts, m, n,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
            NUM_STAGES=num_stages, TMA_STORE=tma_store, out_desc=out_desc, FLATTEN=not warp_specialize,
-           WARP_SPECIALIZE=warp_specialize, num_warps=num_warps)
+           WARP_SPECIALIZE=warp_specialize, PRECISE=precise, num_warps=num_warps)
     return out

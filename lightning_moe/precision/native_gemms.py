@@ -57,11 +57,12 @@ def scaled_mm_rows(a: Tensor, sa: Tensor, b_rows: Tensor, sb: Tensor, out_dtype:
 # launches then dominate.
 PER_EXPERT_MAX_EXPERTS = 32
 
-# Our Triton grouped GEMMs (``kernels.fp8_grouped_gemm_triton``) for the products with fast
-# accumulation on Hopper, without the per-expert products' host sync: forward and data gradient
-# 1.2-1.5x torch's grouped kernel at 128 small experts and about even with the per-expert products
-# at 8 large ones; weight gradient 1.07-1.29x torch's grouped kernel. Benchmarks comparing against
-# torch's kernels set this False.
+# Our Triton grouped GEMMs (``kernels.fp8_grouped_gemm_triton``) for the grouped products on
+# Hopper, with fast or split accumulation, without the per-expert products' host sync: forward and
+# data gradient 1.2-1.5x torch's grouped kernel at 128 small experts and about even with the
+# per-expert products at 8 large ones; weight gradient 1.07-1.29x torch's grouped kernel (fast
+# accumulation; torch's grouped kernel with split accumulation is about 3x slower than with fast).
+# Benchmarks comparing against torch's kernels set this False.
 TRITON_GROUPED_GEMM = True
 
 # The Triton weight-gradient kernel stores its tiles by TMA where the rows allow it (a few percent
@@ -69,13 +70,13 @@ TRITON_GROUPED_GEMM = True
 WGRAD_TMA_STORE = True
 
 
-def triton_grouped(t: Tensor, fast: bool) -> bool:
-    """Whether a grouped product on ``t``'s device takes the Triton kernel: fast accumulation (the
-    kernel's only mode), a Hopper GPU (sm90: the FP8 tensor-core path it was built and measured
-    on), a Triton with host-side TMA descriptors, and not switched off."""
+def triton_grouped(t: Tensor) -> bool:
+    """Whether the grouped products on ``t``'s device take the Triton kernels: a Hopper GPU (sm90:
+    the FP8 tensor-core path they were built and measured on), a Triton with host-side TMA
+    descriptors, and not switched off."""
     from lightning_moe.kernels import use_triton
 
-    return (fast and TRITON_GROUPED_GEMM and use_triton(t)
+    return (TRITON_GROUPED_GEMM and use_triton(t)
             and triton_grouped_device(t.device.index))  # a CUDA tensor's device always has an index
 
 
@@ -117,7 +118,7 @@ def group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offse
         from lightning_moe.kernels.fp8_grouped_gemm_triton import MAX_EXPERTS, grouped_mm_fprop, tma_operands
 
         if qb_EOK.shape[0] <= MAX_EXPERTS and tma_operands(qa_RK, qb_EOK):
-            return grouped_mm_fprop(qa_RK, sa_R.contiguous(), qb_EOK, sb_EO.contiguous(), offsets_E)
+            return grouped_mm_fprop(qa_RK, sa_R.contiguous(), qb_EOK, sb_EO.contiguous(), offsets_E, precise=not fast)
     return torch_group_gemm(qa_RK, sa_R, qb_EOK, sb_EO, offsets_E, ends, fast)
 
 
@@ -149,20 +150,18 @@ def group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Te
     torch's grouped kernel writes bf16 only, and its row-scaled ``_scaled_mm`` writes fp32 only on
     sm90 with cuBLAS >= 12.9, so those paths write bf16, widened after (`kernels.widened`). So fp32
     master weights get an unrounded gradient from the Triton kernel and a bf16-rounded one
-    otherwise (the Triton kernel switched off, split accumulation, the generic quantizers, off
-    sm90). ``aligned_ends``: the
-    operands are in the aligned group layout (`wgrad_aligned_ends`), for our Triton kernel (fast
-    accumulation only)."""
+    otherwise (the Triton kernel switched off, the generic quantizers, off sm90). ``aligned_ends``:
+    the operands are in the aligned group layout (`wgrad_aligned_ends`), for our Triton kernel."""
     if aligned_ends is not None:
         from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
 
-        assert fast, "the Triton weight-gradient kernel accumulates fast only"
         kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
         # fp32 tiles take 3 stages: 4 and their staging buffer exceed shared memory.
         tma_store = WGRAD_TMA_STORE and qb_NR.shape[0] * kernel_dtype.itemsize % 16 == 0
         stages = 3 if tma_store and kernel_dtype == torch.float32 else 4
         return grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends,
-                                out_dtype=kernel_dtype, tma_store=tma_store, num_stages=stages).to(out_dtype)
+                                out_dtype=kernel_dtype, tma_store=tma_store, num_stages=stages,
+                                precise=not fast).to(out_dtype)
     experts = sa_EK.shape[0]
     if ends is None:
         # torch's FP8 grouped GEMM writes bf16 only

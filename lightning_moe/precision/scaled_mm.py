@@ -270,7 +270,7 @@ def _fused_forward_operands(x: Tensor, w: Tensor, offsets: Tensor, row_probs: Op
     # Our weight-gradient kernel where it runs: the transposed copies (this input's now, the
     # gradient's in the backward) are then cast into its aligned group layout.
     aligned_ends = None
-    if call.needs_backward and triton_here and recipe.fast("wgrad"):
+    if call.needs_backward and triton_here:
         # The aligned layout's buffer bound holds for 16-row groups only: checked on the device
         # before the first cast writes it (once per offsets tensor and version; with Triton the
         # ends' kernel makes the check's flag, so it comes first).
@@ -345,19 +345,17 @@ class _ScaledGroupedMM(torch.autograd.Function):
                 row_probs = gather_row_probs(probs, call.combine).float()
             if call.prefetched is not None and not fused:
                 call.prefetched.release()
-            # Whether our Triton grouped GEMMs can run here; each product also needs fast accumulation.
-            triton_here = triton_grouped(x, True)
+            # Whether our Triton grouped GEMMs run here (fast or split accumulation, as the recipe says).
+            triton_here = triton_grouped(x)
             operands = (_fused_forward_operands(x, w, offsets, row_probs, call, triton_here, out_dtype) if fused
                         else _generic_forward_operands(x, w, offsets, call))
-            triton_fprop = triton_here and recipe.fast("fprop")
-            triton_dgrad = call.needs_backward and triton_here and recipe.fast("dgrad")
-            # The host list of group ends only where a product will run per expert: none when the
-            # Triton kernels take the forward and, in training, the data gradient (the weight
-            # gradient then takes ours or torch's grouped kernel, with no host sync at all).
-            per_expert_products = not (triton_fprop and (triton_dgrad or not call.needs_backward))
-            ends = host_group_ends(offsets, w.shape[0]) if per_expert_products else None
+            triton_dgrad = call.needs_backward and triton_here
+            # The host list of group ends only where products run per expert: none when the Triton
+            # kernels take them (the weight gradient then takes ours or torch's grouped kernel, with
+            # no host sync at all).
+            ends = None if triton_here else host_group_ends(offsets, w.shape[0])
             y = group_gemm(operands.qx, operands.sx_R, operands.qw_ENK, operands.sw_EN, offsets, ends,
-                           fast=recipe.fast("fprop"), triton=triton_fprop)
+                           fast=recipe.fast("fprop"), triton=triton_here)
         if fused:
             # Same tensors with and without the cache (see _ScaledLinear.forward). Under
             # input_swiglu h is kept for the SwiGLU's backward (the unfused SwiGLU keeps it too).

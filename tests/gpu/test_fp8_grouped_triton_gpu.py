@@ -229,6 +229,74 @@ def test_weight_gradient_tiles_stored_by_tma_are_the_same(ends, m, n, out_dtype,
         grouped_mm_wgrad(a, sa, b[:100 - 3], sb[:, :100 - 3].contiguous(), aligned_ends, tma_store=True)
 
 
+def _relative_error(got, exact):
+    return float((got.float() - exact).norm() / exact.norm())
+
+
+@pytest.mark.parametrize("ends, k, o", [
+    ([1040 * (e + 1) for e in range(9)], 768, 2048),
+    ([512, 1536], 8192, 256),  # a long contraction, where the accumulators differ most
+])
+def test_split_accumulation_forward_product(ends, k, o):
+    """``precise=True`` (the recipe's split accumulation): close to torch's split-accumulation
+    kernel, and at least as close to fp32 products as fast accumulation."""
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
+
+    a, sa, b, sb, ends_t = _operands(ends, k, o, seed=2)
+    split_ref = torch._scaled_grouped_mm(a, b.transpose(1, 2), sa, sb, offs=ends_t, out_dtype=torch.bfloat16,
+                                         use_fast_accum=False)
+    precise = grouped_mm_fprop(a, sa, b, sb, ends_t, precise=True)
+    fast = grouped_mm_fprop(a, sa, b, sb, ends_t)
+    start = 0
+    for e, end in enumerate(ends):
+        exact = (a[start:end].float() @ b[e].float().t()) * sa[start:end, None] * sb[e][None]
+        assert _relative_error(precise[start:end], split_ref[start:end].float()) < 2e-3
+        assert _relative_error(precise[start:end], exact) <= _relative_error(fast[start:end], exact) * 1.001 + 1e-5
+        start = end
+
+
+@pytest.mark.parametrize("ends, m, n", [
+    ([1040 * (e + 1) for e in range(9)], 768, 2048),
+    ([8192, 8192 + 4096], 256, 384),  # thousands of tokens per expert: the contraction of a weight gradient
+])
+def test_split_accumulation_weight_gradient(ends, m, n):
+    from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
+
+    a, sa, b, sb, ends_t, a_aligned, b_aligned, aligned_ends = _wgrad_operands(ends, m, n)
+    split_ref = torch._scaled_grouped_mm(a, b.t(), sa.reshape(-1), sb.reshape(-1), offs=ends_t,
+                                         out_dtype=torch.bfloat16, use_fast_accum=False)
+    precise = grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, out_dtype=torch.float32, precise=True)
+    fast = grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, out_dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(ends):
+        exact = (a[:, start:end].float() @ b[:, start:end].float().t()) * sa[e][:, None] * sb[e][None]
+        assert _relative_error(precise[e], split_ref[e].float()) < 2e-3
+        assert _relative_error(precise[e], exact) <= _relative_error(fast[e], exact) * 1.001 + 1e-6
+        start = end
+
+
+def test_grouped_layer_with_the_default_recipe_takes_the_triton_kernels(monkeypatch):
+    """FP8Recipe's default (fast forward, split data and weight gradients) runs all three grouped
+    products on the Triton kernels, the gradients with split accumulation."""
+    import lightning_moe.kernels.fp8_grouped_gemm_triton as kernels
+    from lightning_moe.precision import FP8Recipe
+    from lightning_moe.precision.gemm import fp8_grouped_mm
+
+    def logged(name):
+        calls, real = [], getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+        return calls
+
+    calls, wgrad_calls = logged("grouped_mm_fprop"), logged("grouped_mm_wgrad")
+    offsets = torch.tensor([64, 64, 208, 400, 512], device="cuda", dtype=torch.int32)
+    x = torch.randn(528, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(5, 256, 384, device="cuda") / 16).requires_grad_(True)
+    y = fp8_grouped_mm(x, w, offsets, recipe=FP8Recipe("rowwise"), backend="torch")
+    y[:512].float().square().sum().backward()
+    assert [c[1].get("precise", False) for c in calls] == [False, True]
+    assert len(wgrad_calls) == 1 and wgrad_calls[0][1].get("precise") is True
+
+
 @pytest.mark.parametrize("groups", ["uneven", "full"])
 @pytest.mark.parametrize("kind", ["delayed", "swiglu", "gather", "rowwise"])
 def test_casts_write_the_aligned_group_layout(kind, groups):

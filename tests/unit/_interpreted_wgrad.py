@@ -1,6 +1,6 @@
 """The FP8 weight-gradient kernel (`kernels.fp8_grouped_gemm_triton.grouped_mm_wgrad`) run on CPU
 under Triton's interpreter: its tiles stored by TMA (``tma_store=True``) against the plain masked
-stores, in bf16 and fp32, with an expert without tokens and ``M``, ``N`` no multiples of the tile
+stores and with split accumulation, in bf16 and fp32, with an expert without tokens and ``M``, ``N`` no multiples of the tile
 (the descriptor must clip each tile at its expert's rows and the output's columns). Run as a
 script with ``TRITON_INTERPRET=1`` (see `_interpreted_casts.py`); prints one line per case and
 exits non-zero on the first mismatch.
@@ -27,7 +27,11 @@ def check(m: int, n: int, out_dtype: torch.dtype) -> bool:
     outs = [kernels.grouped_mm_wgrad(a, sa, b, sb, aligned_ends, block_m=32, block_n=64, block_k=128, num_warps=4,
                                      num_stages=2, programs=3, out_dtype=out_dtype, tma_store=tma)
             for tma in (False, True)]
-    return torch.equal(*outs) and bool((outs[1][1] == 0).all())
+    # Split accumulation (the recipe's default for weight gradients) takes the same tiles; the
+    # interpreter sums in fp32 either way, so the bits match.
+    outs.append(kernels.grouped_mm_wgrad(a, sa, b, sb, aligned_ends, block_m=32, block_n=64, block_k=128,
+                                         num_warps=4, num_stages=2, programs=3, out_dtype=out_dtype, precise=True))
+    return torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and bool((outs[1][1] == 0).all())
 
 
 def main() -> None:

@@ -202,29 +202,25 @@ def test_fused_quantizers_leave_dtensor_operands_to_the_generic_path(monkeypatch
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fast, triton_calls, grouped_calls, host_lists", [
-    (("fprop", "dgrad", "wgrad"), 2, 1, 0),  # the Triton kernel takes both; no host list at all
-    (("fprop",), 1, 0, 1),  # split data gradient: the host list for its per-expert products
-])
-def test_the_triton_grouped_gemm_takes_the_fast_products(monkeypatch, fast, triton_calls, grouped_calls,
-                                                         host_lists):
-    """Where ``_triton_grouped`` holds (CUDA Hopper with Triton; forced here), the forward and
-    data-gradient products with fast accumulation go to ``kernels.fp8_grouped_gemm_triton`` (a
-    stand-in module: CPU CI has no Triton); a layer whose two products both go there makes no
-    host list of group ends, and its weight gradient takes the grouped kernel."""
+@pytest.mark.parametrize("fast", [("fprop", "dgrad", "wgrad"), ("fprop",), ()])
+def test_the_triton_grouped_gemm_takes_the_grouped_products(monkeypatch, fast):
+    """Where ``triton_grouped`` holds (CUDA Hopper with Triton; forced here), the forward and
+    data-gradient products go to ``kernels.fp8_grouped_gemm_triton`` (a stand-in module: CPU CI has
+    no Triton) with fast or split accumulation as the recipe says; the layer makes no host list of
+    group ends, and its weight gradient takes the grouped kernel."""
     triton_log, grouped_log, host_log = [], [], []
     fake_grouped = _fake_grouped(grouped_log)
     kernel = types.ModuleType("lightning_moe.kernels.fp8_grouped_gemm_triton")
     kernel.MAX_EXPERTS = 4096
     kernel.tma_operands = lambda *tensors: True
 
-    def grouped_mm_fprop(a, sa, b_EOK, sb, ends):
-        triton_log.append(a.shape)
+    def grouped_mm_fprop(a, sa, b_EOK, sb, ends, precise):
+        triton_log.append(precise)
         return _fake_grouped([])(a, b_EOK.transpose(1, 2), sa, sb, ends, torch.bfloat16, True)
 
     kernel.grouped_mm_fprop = grouped_mm_fprop
     monkeypatch.setitem(sys.modules, kernel.__name__, kernel)
-    monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t, fast_accumulation: fast_accumulation)
+    monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t: True)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_grouped)
     host_group_ends = native_gemms.host_group_ends
     monkeypatch.setattr(scaled_mm, "host_group_ends", lambda *a: host_log.append(1) or host_group_ends(*a))
@@ -232,14 +228,15 @@ def test_the_triton_grouped_gemm_takes_the_fast_products(monkeypatch, fast, trit
     recipe = FP8Recipe("rowwise", fast_accumulation=fast)
     offsets = torch.tensor([32, 32, 80], dtype=torch.int32)
     got = _step(recipe, offsets)
-    assert len(triton_log) == triton_calls and len(grouped_log) == grouped_calls
-    assert len(host_log) == host_lists
+    # forward then data gradient, each split unless the recipe accumulates it fast
+    assert triton_log == ["fprop" not in fast, "dgrad" not in fast] and len(grouped_log) == 1
+    assert len(host_log) == 0
     with torch.no_grad():  # evaluation: the forward alone, on the Triton kernel; no host list either
         host_log.clear()
         scaled_mm.scaled_grouped_mm(torch.randn(80, 64, dtype=torch.bfloat16), _weight(), offsets.clone(), recipe,
                                     None)
-        assert len(host_log) == 0 and len(triton_log) == triton_calls + 1
-    monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t, fast_accumulation: False)
+        assert len(host_log) == 0 and len(triton_log) == 3
+    monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t: False)
     monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 0)
     reference = _step(recipe, offsets)
     for a, b in zip(got, reference):
