@@ -30,6 +30,7 @@ plumbing check: its MFU means nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -131,19 +132,25 @@ def bare_loop(args) -> list[float]:
     vocab = module.model_config.vocab_size
     data = batches(args, vocab, (args.warmup + args.steps) * args.accumulate, "cuda")
     losses: list[torch.Tensor] = []
+    from lightning_moe.nn.compute_weights import ComputeWeightCache
+
+    # the weight casts of one optimizer step shared by its micro-batches, as the strategy does
+    weight_casts = ComputeWeightCache()
+    casts_active = weight_casts.active if args.cache_weight_casts == "on" else contextlib.nullcontext
     torch.cuda.synchronize()  # host sync: the first step's start
     last_end = time.perf_counter()
     for _ in range(args.warmup + args.steps):
         window_loss = 0.0  # the optimizer step's mean loss over its micro-batches
         for _ in range(args.accumulate):
             batch = next(data)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with casts_active(), torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = module.model.loss(batch["input_ids"], batch["labels"]) / args.accumulate
             loss.backward()
             window_loss = window_loss + loss.detach()
         if args.clip:
             torch.nn.utils.clip_grad_norm_(module.model.parameters(), args.clip)
         optimizer.step()
+        weight_casts.clear()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()  # host sync: end of the timed step (same in the Lightning run)
@@ -222,6 +229,7 @@ def lightning_run(args) -> Optional[tuple[list[float], list[float]]]:
         tensor_parallel_size=args.tensor_parallel, expert_parallel_size=args.expert_parallel,
         expert_tensor_parallel_size=args.expert_tensor_parallel, sharding=args.sharding,
         expert_sharding=args.expert_sharding, token_dispatcher=args.dispatcher, print_layout=False,
+        cache_weight_casts=args.cache_weight_casts == "on",
     )
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy,
@@ -262,6 +270,10 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-fp8-weights", action="store_true", help="FP8Precision(cache_fp8_weights=True)")
     parser.add_argument("--graph-weight-casts", action="store_true", help="FP8Recipe(graph_weight_casts=True)")
     parser.add_argument("--expert-backend", default="auto", help="grouped GEMM backend: auto, grouped_mm, te")
+    parser.add_argument("--cache-weight-casts", choices=["on", "off"], default="on",
+                        help="MegatronMoEStrategy(cache_weight_casts=...): bf16 weight casts once per optimizer step")
+    parser.add_argument("--fused-cross-entropy", choices=["on", "off"], default="on",
+                        help="off: the LM loss through F.cross_entropy on fp32 logits (nn.cross_entropy.FUSED_KERNEL)")
     parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one bare step")
@@ -284,6 +296,10 @@ def main(argv=None) -> None:
                         help="also time the Lightning run with this many layers: the cost of a layer and the "
                              "TFLOP/s per GPU projected for the preset's full depth (`marginal_layer`)")
     args = parser.parse_args(argv)
+    if args.fused_cross_entropy == "off":
+        import lightning_moe.nn.cross_entropy as cross_entropy
+
+        cross_entropy.FUSED_KERNEL = False
     if args.devices < 1 or args.tensor_parallel < 1 or args.devices % args.tensor_parallel:
         raise SystemExit(f"--devices {args.devices} must be a positive multiple of --tensor-parallel "
                          f"{args.tensor_parallel}")

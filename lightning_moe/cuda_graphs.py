@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_moe._capture import collector_held_off
+from lightning_moe.nn.compute_weights import uncached_weights
 
 
 def _check_capturable(layer: nn.Module, sample_x: Tensor) -> None:
@@ -188,7 +189,10 @@ def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int 
     with torch.no_grad():
         before = [b.clone() for b in buffers]
     try:
-        graphed = _capture(layer, sample_x, num_warmup_iters)
+        # The graphs cast the weights themselves at every replay: a weight cast kept outside them
+        # (an active ComputeWeightCache) would freeze the weights of the capture.
+        with uncached_weights():
+            graphed = _capture(layer, sample_x, num_warmup_iters)
     finally:
         with torch.no_grad():
             for buffer, value in zip(buffers, before):

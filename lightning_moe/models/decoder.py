@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.nn.compute_weights import CachedCastLinear, autocast_dtype, compute_weight
+from lightning_moe.nn.cross_entropy import cross_entropy_mean
 from lightning_moe.nn.moe_layer import MoELayer
 
 if TYPE_CHECKING:
@@ -33,8 +35,9 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (no bias by default) initialised from Normal(0, ``init_std``)."""
+class Linear(CachedCastLinear):
+    """``nn.Linear`` (no bias by default) initialised from Normal(0, ``init_std``); its weight is
+    cast once per optimizer step under the strategy (`CachedCastLinear`)."""
 
     def __init__(self, in_features: int, out_features: int, init_std: float, bias: bool = False) -> None:
         self.init_std = init_std  # read by reset_parameters, which nn.Linear.__init__ calls
@@ -250,7 +253,7 @@ class MoEDecoder(nn.Module):
         (default ``0..S-1``)."""
         h_BSD = self.hidden_states(input_ids, position_ids)
         if self.lm_head is None:
-            return F.linear(h_BSD, self.embed_tokens.weight)
+            return F.linear(h_BSD, compute_weight(self.embed_tokens.weight, autocast_dtype(h_BSD)))
         return self.lm_head(h_BSD)
 
     def loss(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
@@ -321,17 +324,10 @@ class MoEDecoder(nn.Module):
 
 
 def causal_lm_loss(logits_BSV: Tensor, labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """Mean fp32 cross-entropy over non-ignored tokens; 0 (not NaN) when every label is ignored.
-
-    The token count stays on the device (no host sync).
+    """Mean fp32 cross-entropy over non-ignored tokens; 0 (not NaN) when every label is ignored
+    (`lightning_moe.nn.cross_entropy.cross_entropy_mean`: one kernel for the loss and its gradient
+    on a GPU). The token count stays on the device (no host sync).
     """
     if logits_BSV.shape[:-1] != labels_BS.shape:
         raise ValueError(f"labels {tuple(labels_BS.shape)} do not match logits {tuple(logits_BSV.shape[:-1])}.")
-    total = F.cross_entropy(
-        logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(),
-        labels_BS.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
-    count = (labels_BS != ignore_index).sum().clamp(min=1)
-    return total / count
+    return cross_entropy_mean(logits_BSV.reshape(-1, logits_BSV.shape[-1]), labels_BS.reshape(-1), ignore_index)

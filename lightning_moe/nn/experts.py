@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.kernels import use_triton
+from lightning_moe.nn.compute_weights import CachedCastLinear, compute_weight
 from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
 from lightning_moe.nn.permutation import DeferredCombine, DeferredPermutation, PermutationPlan
 
@@ -308,6 +309,11 @@ class GroupedExperts(nn.Module):
                 x_RD = x_RD.to(torch.get_autocast_dtype(device_type))
         fc1 = fc1_matrix(local_tensor(self.fc1_weight))
         fc2 = local_tensor(self.fc2_weight)
+        if self.quantization is None:
+            # The GEMMs' operands in the tokens' dtype (the quantization casts fp32 weights itself);
+            # made once per optimizer step where a ComputeWeightCache is active.
+            fc1 = compute_weight(fc1, x_RD.dtype, source=self.fc1_weight)
+            fc2 = compute_weight(fc2, x_RD.dtype, source=self.fc2_weight)
         if group_sizes_E.shape[0] != fc1.shape[0]:
             raise ValueError(f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts")
         offsets_E = None
@@ -372,7 +378,7 @@ class GroupedExperts(nn.Module):
         )
 
 
-class _NormalInitLinear(nn.Linear):
+class _NormalInitLinear(CachedCastLinear):
     """Bias-free linear whose ``reset_parameters`` draws N(0, std) (Megatron's init), so that
     materializing a meta-device model (which calls every module's ``reset_parameters``) keeps
     the MoE initialisation instead of nn.Linear's Kaiming default."""

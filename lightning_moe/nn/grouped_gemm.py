@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_moe.kernels import use_triton, widened
+from lightning_moe.kernels import use_triton
+from lightning_moe.nn.compute_weights import compute_weight
 
 
 def group_offsets(group_sizes_E: Tensor, num_rows: int) -> Tensor:
@@ -158,32 +159,6 @@ def loop_covered_rows(x_RK: Tensor, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     outs = [x_RK[start:end] @ w_EKN[e].to(x_RK.dtype) for e, (start, end) in enumerate(zip(starts, ends))]
     y_UN = torch.cat(outs)
     return F.pad(y_UN, (0, 0, 0, x_RK.shape[0] - y_UN.shape[0]))
-
-
-class _MasterWeightCast(torch.autograd.Function):
-    """fp32 master weight -> bf16 for the GEMM; the bf16 gradient widened back by
-    `kernels.widened` (torch's bf16 -> fp32 copy runs at about half the bandwidth). The same
-    values as ``w.to(torch.bfloat16)`` and its autograd for a defined gradient (None stays None);
-    first order only, as the grouped GEMM that consumes it."""
-
-    @staticmethod
-    def forward(ctx, w_fp32: Tensor) -> Tensor:
-        ctx.set_materialize_grads(False)  # no gradient must stay None, not become fp32 zeros
-        return w_fp32.to(torch.bfloat16)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_bf16: Optional[Tensor]) -> Optional[Tensor]:
-        return None if grad_bf16 is None else widened(grad_bf16, torch.float32)
-
-
-def compute_weight(w: Tensor, dtype: torch.dtype) -> Tensor:
-    """``w`` in the GEMM's ``dtype`` (autograd-tracked). An fp32 master weight going to bf16 on
-    CUDA with Triton (bf16-mixed training) takes `_MasterWeightCast`; everything else ``w.to``."""
-    if w.dtype == torch.float32 and dtype == torch.bfloat16 and w.requires_grad and torch.is_grad_enabled() \
-            and use_triton(w):
-        return _MasterWeightCast.apply(w)
-    return w.to(dtype)
 
 
 def loop_mm(x_RK: Tensor, w_EKN: Tensor, group_sizes_E: Tensor) -> Tensor:

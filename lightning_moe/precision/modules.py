@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.nn.compute_weights import CachedCastLinear
 from lightning_moe.nn.experts import GroupedGemmQuantization
 from lightning_moe.precision import _te
 from lightning_moe.precision.delayed import DelayedState, delayed_state, ensure_delayed_state, register_delayed_buffers
@@ -475,8 +476,9 @@ def _non_te_backend(recipe: FP8Recipe, device: Optional[str], grouped: bool) -> 
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` (or a subclass that only changes initialization) not yet converted."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    """An ``nn.Linear`` (or a subclass that only changes initialization, or whose forward only
+    casts its weight once per step, `CachedCastLinear`) not yet converted."""
+    return isinstance(module, nn.Linear) and type(module).forward in (nn.Linear.forward, CachedCastLinear.forward)
 
 
 def _is_te_grouped_linear(module: nn.Module) -> bool:

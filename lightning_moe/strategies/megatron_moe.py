@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_moe.layout import ParallelLayout
+from lightning_moe.nn.compute_weights import ComputeWeightCache
 from lightning_moe.parallel import checkpoint as ckpt
 from lightning_moe.parallel.fsdp import (
     expert_params,
@@ -73,6 +74,11 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             rows (``MoEConfig.dispatch_transport``; None: each layer's config decides).
             "copy_engine" (peer copies, no NCCL kernel) needs CUDA GPUs of one host.
         reshard_after_forward: FSDP2 ``reshard_after_forward`` for transformer blocks and experts.
+        cache_weight_casts: cast fp32 master weights to the compute dtype once per optimizer step,
+            not in every micro-batch (`lightning_moe.nn.compute_weights.ComputeWeightCache`, for
+            the weights taken through ``compute_weight``: the experts and the reference model's
+            linears). The same gradients either way; the casts live from the first micro-batch of a
+            step to its optimizer step, as the per-micro-batch casts that backward keeps do.
         print_layout: print the layout/backends table once on rank 0.
         process_group_backend / timeout: passed to ``init_process_group``.
 
@@ -99,6 +105,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         token_dispatcher: Literal["alltoall", "allgather"] | None = None,
         dispatch_transport: Literal["nccl", "copy_engine"] | None = None,
         reshard_after_forward: bool = True,
+        cache_weight_casts: bool = True,
         print_layout: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
@@ -131,6 +138,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self.token_dispatcher = token_dispatcher
         self.dispatch_transport = dispatch_transport
         self.reshard_after_forward = reshard_after_forward
+        self.cache_weight_casts = cache_weight_casts
+        self._weight_casts = ComputeWeightCache()
         self.print_layout = print_layout
         self._layout: ParallelLayout | None = None
         self._parallelized = False
@@ -329,6 +338,20 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         out["precision"] = precision_description(self.precision_plugin)
         return out
 
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.cache_weight_casts:
+            return super().training_step(*args, **kwargs)
+        # The weight casts made here serve every micro-batch until the optimizer step (cleared there).
+        with self._weight_casts.active():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        self._weight_casts.clear()  # a last window without its optimizer step leaves casts behind
+        super().on_train_end()
+
     # ------------------------------------------------------------------ gradients
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -350,7 +373,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                     groups.split()  # the step itself on groups of one tensor kind (`_avoid_mixed_foreach`)
                 return result
 
-            return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+            try:
+                return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+            finally:
+                self._weight_casts.clear()  # the weights changed: the next micro-batch casts them anew
 
     def finalize_gradients(self) -> None:
         """After the step's last backward: reduce what FSDP did not, scale experts, update biases."""

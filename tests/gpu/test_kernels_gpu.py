@@ -146,7 +146,7 @@ def test_widen_to_fp32_is_exact(n):
 
 def test_torch_grouped_mm_writes_only_its_operands_dtype():
     """Why bf16 experts on fp32 master weights widen their weight gradient in a pass of its own
-    (`grouped_gemm._MasterWeightCast`) while the FP8 kernel writes it in fp32: torch's grouped
+    (`compute_weights._MasterWeightCast`) while the FP8 kernel writes it in fp32: torch's grouped
     GEMM (2.11) refuses an fp32 output for bf16 operands. If this fails, torch writes it: pass
     ``out_dtype`` in `_GroupedMMCoveredRows`' weight gradient instead."""
     x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)

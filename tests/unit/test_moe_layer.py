@@ -209,7 +209,7 @@ def test_master_weight_cast_leaves_a_missing_gradient_missing():
     """`_MasterWeightCast` (fp32 master weight -> bf16, gradient widened back) gives a weight no
     gradient when none reaches it, as ``w.to(torch.bfloat16)`` does, instead of fp32 zeros that an
     optimizer would decay."""
-    from lightning_moe.nn.grouped_gemm import _MasterWeightCast
+    from lightning_moe.nn.compute_weights import _MasterWeightCast
 
     class DropsGradient(torch.autograd.Function):
         @staticmethod

@@ -1,7 +1,8 @@
 """The delayed FP8 tile cast under Triton's interpreter on CPU (`_interpreted_casts.py`): the
 library's launch shape and others against a 16 x 16 reference launch and against the plain cast,
 per operand kind (and the fused SwiGLU-backward cast against the backward then the cast), and the FP8
-weight-gradient kernel's TMA-stored tiles against its plain stores (`_interpreted_wgrad.py`), and delayed
+weight-gradient kernel's TMA-stored tiles against its plain stores (`_interpreted_wgrad.py`), the
+cross-entropy kernel against autograd (`_interpreted_cross_entropy.py`), and delayed
 scaling's update kernel against the torch update (`_interpreted_scale_update.py`). Where
 Triton is not installed these skip; CI installs it (see ``.ci/run``)."""
 
@@ -59,6 +60,13 @@ def test_weight_gradient_tiles_stored_by_tma_match_the_plain_stores():
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("wgrad tma")]
     assert len(lines) == 3 and all(line.endswith("equal") for line in lines), result.stdout
+
+
+def test_cross_entropy_kernel_matches_autograd():
+    result = _interpreted("_interpreted_cross_entropy.py")
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("cross_entropy")]
+    assert len(lines) == 4 and all(line.endswith("equal") for line in lines), result.stdout
 
 
 def test_delayed_scaling_update_kernel_matches_the_torch_update():

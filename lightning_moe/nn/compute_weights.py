@@ -1,0 +1,149 @@
+"""Weights in the GEMMs' dtype: fp32 master weights cast for bf16 products, once per optimizer step.
+
+Mixed-precision training keeps fp32 parameters (the optimizer's main weights) and multiplies in
+bf16. Autocast casts every weight in every forward, so gradient accumulation over N micro-batches
+casts the whole model N times between two optimizer steps whose weights do not change.
+`ComputeWeightCache` keeps each weight's cast while it is active, so the N micro-batches of one
+optimizer step share one cast, as Megatron-Core's optimizer makes the bf16 model weights once per
+step from its fp32 main weights:
+
+    cache = ComputeWeightCache()
+    for step in range(steps):
+        for micro_batch in window:
+            with cache.active(), torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(micro_batch)
+            loss.backward()
+        optimizer.step()
+        cache.clear()  # after every update of the weights
+
+``MegatronMoEStrategy`` does this around the training steps it runs. Every micro-batch's graph
+runs through the same cast node, whose backward keeps nothing, so each backward widens its own
+gradient into the fp32 ``.grad`` as before: the gradients are the same bits as with a cast per
+micro-batch. A weight changed in place (its version moved) is cast again; the cache only serves
+autograd-recorded leaves (no-grad evaluation casts as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_moe.kernels import use_triton, widened
+
+_active: Optional["ComputeWeightCache"] = None
+
+
+class ComputeWeightCache:
+    """The compute-dtype copies of master weights made while `active`, kept until `clear`."""
+
+    def __init__(self) -> None:
+        # (id(parameter), shape, dtype) -> (parameter, its version at the cast, the cast)
+        self._casts: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[Tensor, int, Tensor]] = {}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["ComputeWeightCache"]:
+        """`compute_weight` serves and records casts in this cache inside the block."""
+        global _active
+        previous, _active = _active, self
+        try:
+            yield self
+        finally:
+            _active = previous
+
+    def clear(self) -> None:
+        """Forget every cast (after an optimizer step: the next forward casts the new weights)."""
+        self._casts.clear()
+
+    def __len__(self) -> int:
+        return len(self._casts)
+
+    def cast(self, w: Tensor, dtype: torch.dtype, source: Tensor) -> Tensor:
+        """``w`` (``source`` or derived from it) in ``dtype``: kept from an earlier call while
+        ``source`` is the same tensor in the same version."""
+        key = (id(source), tuple(w.shape), dtype)
+        kept = self._casts.get(key)
+        if kept is not None and kept[0] is source and kept[1] == source._version:
+            return kept[2]
+        copy = _cast(w, dtype)
+        self._casts[key] = (source, source._version, copy)
+        return copy
+
+
+@contextlib.contextmanager
+def uncached_weights() -> Iterator[None]:
+    """No `ComputeWeightCache` serves inside the block (CUDA-graph capture: the graph must cast the
+    weights it replays with)."""
+    global _active
+    previous, _active = _active, None
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+class _MasterWeightCast(torch.autograd.Function):
+    """fp32 master weight -> bf16 for the GEMM; the bf16 gradient widened back by
+    `kernels.widened` (torch's bf16 -> fp32 copy runs at about half the bandwidth). The same
+    values as ``w.to(torch.bfloat16)`` and its autograd for a defined gradient (None stays None);
+    first order only, as the GEMMs that consume it. Its backward keeps no tensors, so several
+    backward passes may run through one node (`ComputeWeightCache`)."""
+
+    @staticmethod
+    def forward(ctx, w_fp32: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)  # no gradient must stay None, not become fp32 zeros
+        return w_fp32.to(torch.bfloat16)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_bf16: Optional[Tensor]) -> Optional[Tensor]:
+        return None if grad_bf16 is None else widened(grad_bf16, torch.float32)
+
+
+def _cast(w: Tensor, dtype: torch.dtype) -> Tensor:
+    # Our widening kernel takes plain CUDA tensors; tensor subclasses (DTensor weights under tensor
+    # parallelism) take their own ``to``.
+    if w.dtype == torch.float32 and dtype == torch.bfloat16 and type(w.data) is Tensor and use_triton(w):
+        return _MasterWeightCast.apply(w)
+    return w.to(dtype)
+
+
+def compute_weight(w: Tensor, dtype: torch.dtype, source: Optional[Tensor] = None) -> Tensor:
+    """``w`` in the GEMM's ``dtype`` (autograd-tracked): from the active `ComputeWeightCache` for a
+    weight that autograd records, else cast now. An fp32 master weight going to bf16 on CUDA
+    with Triton (bf16-mixed training) takes `_MasterWeightCast`; everything else ``w.to``. Tensor
+    subclasses (DTensor) are cast as they are.
+
+    ``source``: the parameter ``w`` was derived from (a view of it, a DTensor's local shard) by
+    operations whose backward keeps no tensors, so that every micro-batch's backward can run
+    through them; the cache keys and checks its entry on it. Default: ``w`` itself, cached only if
+    it is a leaf."""
+    if w.dtype == dtype:
+        return w
+    source = w if source is None else source
+    if _active is not None and source.is_leaf and source.requires_grad and torch.is_grad_enabled():
+        return _active.cast(w, dtype, source)
+    if w.requires_grad and torch.is_grad_enabled():
+        return _cast(w, dtype)
+    return w.to(dtype)
+
+
+def autocast_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a linear on ``x`` multiplies in: autocast's for ``x``'s device when it is on (the
+    cast `compute_weight` makes in its place), else ``x``'s own."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class CachedCastLinear(nn.Linear):
+    """``nn.Linear`` whose weight reaches the product through `compute_weight`: under autocast the
+    same values as autocast's own cast, made once per optimizer step while a `ComputeWeightCache`
+    is active. The same module as ``nn.Linear`` otherwise (FP8 conversion treats it as one)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, compute_weight(self.weight, autocast_dtype(x)), self.bias)
