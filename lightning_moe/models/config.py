@@ -13,6 +13,8 @@ from typing import Any, Optional, Union
 
 from lightning_moe.nn.config import MoEConfig, check_field_names
 
+QK_NORM_SCOPES = ("head", "projection")
+
 
 @dataclass
 class ModelConfig:
@@ -43,7 +45,12 @@ class ModelConfig:
         init_method_std: std of the normal initialisation of every weight matrix; the output
             projections of each block (``o_proj``, ``down_proj``, expert ``fc2``) use
             ``init_method_std / sqrt(2 * num_layers)`` (Megatron's ``output_layer_init_method``).
-        qk_norm: RMSNorm over each query and key head before rotary embedding (Qwen3).
+        qk_norm: RMSNorm over the queries and keys before rotary embedding (Qwen3, OLMoE).
+        qk_norm_scope: what one qk-norm normalises: "head" (each head of width ``head_dim``, Qwen3,
+            Megatron's ``qk_layernorm``) or "projection" (the whole query / key projection, all heads
+            at once, OLMoE; its weights are ``[H * head_dim]`` and ``[G * head_dim]``).
+        add_qkv_bias: a bias on the query, key and value projections (Megatron's ``add_qkv_bias``;
+            Qwen2-MoE).
     """
 
     vocab_size: int
@@ -62,6 +69,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    add_qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_seq_length"):
@@ -87,6 +96,8 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps", "init_method_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)!r}.")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"ModelConfig.qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}.")
         self._resolve_moe()
         self._validate_layer_pattern()
 

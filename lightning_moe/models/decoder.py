@@ -103,7 +103,8 @@ class Attention(nn.Module):
 
     The number of heads is read from the projected tensors at forward time (``view(B, S, -1, hd)``),
     so after column-parallel sharding of ``q_proj``/``k_proj``/``v_proj`` each rank runs its local
-    heads with no change here. ``qk_norm`` normalises each head before the rotary embedding.
+    heads with no change here. ``qk_norm`` normalises each head (``qk_norm_scope="head"``) or the
+    whole query / key projection (``"projection"``, OLMoE) before the rotary embedding.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -112,12 +113,15 @@ class Attention(nn.Module):
         self.head_dim = hd
         q_size = cfg.num_attention_heads * hd
         kv_size = cfg.num_query_groups * hd
-        self.q_proj = Linear(cfg.hidden_size, q_size, cfg.init_method_std)
-        self.k_proj = Linear(cfg.hidden_size, kv_size, cfg.init_method_std)
-        self.v_proj = Linear(cfg.hidden_size, kv_size, cfg.init_method_std)
+        bias = cfg.add_qkv_bias
+        self.q_proj = Linear(cfg.hidden_size, q_size, cfg.init_method_std, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_size, cfg.init_method_std, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_size, cfg.init_method_std, bias=bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.output_init_std)
-        self.q_norm: Optional[RMSNorm] = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm: Optional[RMSNorm] = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.norms_projection = cfg.qk_norm_scope == "projection"
+        q_norm_size, k_norm_size = (q_size, kv_size) if self.norms_projection else (hd, hd)
+        self.q_norm: Optional[RMSNorm] = RMSNorm(q_norm_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(k_norm_size, cfg.norm_eps) if cfg.qk_norm else None
 
     def reset_parameters(self) -> None:
         for module in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.q_norm, self.k_norm):
@@ -126,10 +130,13 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         batch, seq = x_BSD.shape[:2]
-        q_BSHd = self.q_proj(x_BSD).view(batch, seq, -1, self.head_dim)
-        k_BSGd = self.k_proj(x_BSD).view(batch, seq, -1, self.head_dim)
+        q_BSX, k_BSX = self.q_proj(x_BSD), self.k_proj(x_BSD)
+        if self.q_norm is not None and self.norms_projection:
+            q_BSX, k_BSX = self.q_norm(q_BSX), self.k_norm(k_BSX)
+        q_BSHd = q_BSX.view(batch, seq, -1, self.head_dim)
+        k_BSGd = k_BSX.view(batch, seq, -1, self.head_dim)
         v_BSGd = self.v_proj(x_BSD).view(batch, seq, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norms_projection:
             q_BSHd = self.q_norm(q_BSHd)
             k_BSGd = self.k_norm(k_BSGd)
         q_BSHd = apply_rotary(q_BSHd, cos, sin)
@@ -275,7 +282,8 @@ class MoEDecoder(nn.Module):
         sequence parallelism) and sums the router's per-slice gradients over the TP ranks.
 
         Raises:
-            ValueError: tied embeddings.
+            ValueError: tied embeddings, or qk-norms over whole projections (their statistics
+                would span the heads of every TP rank).
         """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
@@ -289,6 +297,11 @@ class MoEDecoder(nn.Module):
         if cfg.tie_word_embeddings:
             raise ValueError(
                 "tensor parallelism is not supported with tie_word_embeddings=True: set tie_word_embeddings=False."
+            )
+        if cfg.qk_norm and cfg.qk_norm_scope == "projection":
+            raise ValueError(
+                "tensor parallelism is not supported with qk_norm_scope='projection' (OLMoE's qk-norm spans "
+                "the heads of every TP rank): set tensor_parallel_size=1 (expert parallelism and FSDP work)."
             )
         residual = Shard(1) if sequence_parallel else Replicate()
         plan: dict[str, ParallelStyle] = {

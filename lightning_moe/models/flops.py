@@ -51,9 +51,12 @@ def _moe_parameters(moe: MoEConfig, num_routed: int) -> int:
 
 
 def _count(cfg: ModelConfig, active: bool) -> int:
-    norms_per_layer = 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    # norm weights and q/k/v biases of one block
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim
+    qk_norms = (q_size + kv_size if cfg.qk_norm_scope == "projection" else 2 * cfg.head_dim) if cfg.qk_norm else 0
+    vectors_per_layer = 2 * cfg.hidden_size + qk_norms + (q_size + 2 * kv_size if cfg.add_qkv_bias else 0)
     params = cfg.vocab_size * cfg.hidden_size  # embedding
-    params += cfg.num_layers * (_attention_projection_parameters(cfg) + norms_per_layer)
+    params += cfg.num_layers * (_attention_projection_parameters(cfg) + vectors_per_layer)
     params += cfg.num_dense_layers * _dense_mlp_parameters(cfg)
     if cfg.num_moe_layers:
         routed = cfg.moe.router_topk if active else cfg.moe.num_experts
