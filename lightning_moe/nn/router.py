@@ -10,6 +10,7 @@ scores over all experts, and nothing here reads a device value back to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from lightning_moe.nn.aux_losses import (
 )
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.router_logits import router_logits
+
+if TYPE_CHECKING:
+    from lightning_moe.nn.router_replay import ReplayedRouting
 
 _LOW_PRECISION_FLOATS = (torch.float16, torch.bfloat16)
 
@@ -82,7 +86,9 @@ class RoutingResult:
         return self.keep_TK.numel() - self.keep_TK.sum()
 
 
-def route(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None) -> RoutingResult:
+def route(
+    logits_TE: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, replayed: ReplayedRouting | None = None
+) -> RoutingResult:
     """Choose ``K`` experts per token from router logits; Megatron-Core's routing math in fp32.
 
     Steps, as in Megatron's ``topk_routing_with_score_function`` and
@@ -94,6 +100,8 @@ def route(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None) 
         logits_TE: router logits ``[T, E]``; computed in fp32 (cast if given lower precision).
         cfg: the layer configuration.
         expert_bias: fp32 ``[E]`` selection bias (sigmoid routing only), or None.
+        replayed: an earlier forward's experts and keep-mask to use instead of choosing
+            (`lightning_moe.nn.router_replay`); the probabilities are computed at those experts.
 
     Returns:
         The sparse :class:`RoutingResult`; ``probs_TK`` carries gradient to ``logits_TE``.
@@ -101,40 +109,46 @@ def route(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None) 
     logits_TE = logits_TE.float()
     if expert_bias is not None and cfg.router_score_function != "sigmoid":
         raise ValueError("expert_bias is used only with router_score_function='sigmoid' (as in Megatron-Core).")
-    probs_TK, experts_TK = _topk_probs(logits_TE, cfg, expert_bias)
+    select = _select_topk if replayed is None else replayed.select
+    probs_TK, experts_TK = _topk_probs(logits_TE, cfg, expert_bias, select)
     num_experts = cfg.num_experts
     capacity = cfg.expert_capacity(logits_TE.shape[0])
     if capacity is None:
         counts_E = tokens_per_expert(experts_TK, num_experts)
         return RoutingResult(probs_TK, experts_TK, None, counts_E, num_experts, None)
-    keep_TK = capacity_keep_mask(probs_TK, experts_TK, num_experts, capacity, cfg.token_drop_policy)
+    if replayed is None:
+        keep_TK = capacity_keep_mask(probs_TK, experts_TK, num_experts, capacity, cfg.token_drop_policy)
+    else:
+        keep_TK = replayed.keep_TK.to(experts_TK.device)
     probs_TK = probs_TK * keep_TK
     counts_E = tokens_per_expert(experts_TK, num_experts, keep_TK)
     return RoutingResult(probs_TK, experts_TK, keep_TK, counts_E, num_experts, capacity)
 
 
-def _topk_probs(logits_TE: Tensor, cfg: MoEConfig, expert_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+def _topk_probs(
+    logits_TE: Tensor, cfg: MoEConfig, expert_bias: Tensor | None, select: Callable[..., tuple[Tensor, Tensor]]
+) -> tuple[Tensor, Tensor]:
     """Top-k combine weights ``[T, K]`` and expert ids ``[T, K]`` for the configured score function.
 
     softmax: over all experts before top-k (``router_pre_softmax``) or over the top-k logits.
     sigmoid: per-expert sigmoid; the bias shifts only which experts win; with K > 1 the chosen
-    scores are normalised to sum to 1.
+    scores are normalised to sum to 1. ``select``: the top-k (`_select_topk`, or a replay's).
     """
     k = cfg.router_topk
     if cfg.router_score_function == "softmax":
         if cfg.router_pre_softmax:
             scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-            probs_TK, experts_TK = _select_topk(scores_TE, cfg)
+            probs_TK, experts_TK = select(scores_TE, cfg)
         else:
-            top_logits_TK, experts_TK = _select_topk(logits_TE, cfg)
+            top_logits_TK, experts_TK = select(logits_TE, cfg)
             probs_TK = torch.softmax(top_logits_TK, dim=-1, dtype=torch.float32)
     else:
         scores_TE = torch.sigmoid(logits_TE)
         if expert_bias is not None:
-            _, experts_TK = _select_topk(scores_TE + expert_bias, cfg)
+            _, experts_TK = select(scores_TE + expert_bias, cfg)
             probs_TK = torch.gather(scores_TE, dim=1, index=experts_TK)
         else:
-            probs_TK, experts_TK = _select_topk(scores_TE, cfg)
+            probs_TK, experts_TK = select(scores_TE, cfg)
         if k > 1:
             probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
     if cfg.router_topk_scaling_factor:
@@ -214,6 +228,8 @@ class TopKRouter(nn.Module):
             Megatron logs. When counts are reduced over a group, each rank's load-balancing value
             is its share (the shares sum to the batch's loss); "z_loss" is the mean over the
             local tokens. Empty after a forward in eval mode or under ``no_grad``.
+        replayed_routing: the recorded routing the next forward uses instead of choosing (set and
+            cleared around each forward by `lightning_moe.nn.router_replay.RouterReplay`); None.
         sequence_parallel_group: ranks that hold slices of the same sequences (Megatron's TP x CP
             group); token counts of the aux and seq-aux losses are summed over it and the z-loss
             coefficient is divided by its size. None: nothing is reduced.
@@ -239,6 +255,7 @@ class TopKRouter(nn.Module):
         self.latest_losses: dict[str, Tensor] = {}
         self.sequence_parallel_group: dist.ProcessGroup | None = None
         self.global_aux_loss_group: dist.ProcessGroup | None = None
+        self.replayed_routing: ReplayedRouting | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -271,7 +288,7 @@ class TopKRouter(nn.Module):
         losses: dict[str, Tensor] = {}
         if track_losses and self.cfg.z_loss_coeff:
             logits_TE = self._attach_z_loss(logits_TE, losses)
-        result = route(logits_TE, self.cfg, self.expert_bias)
+        result = route(logits_TE, self.cfg, self.expert_bias, self.replayed_routing)
         if track_losses and self.cfg.active_aux_losses:
             result.probs_TK = self._attach_aux_losses(result.probs_TK, logits_TE, num_seqs, losses)
         if self.expert_bias is not None and torch.is_grad_enabled():
