@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -154,6 +155,90 @@ class MoELanguageModel(LightningModule):
         self.model: Optional[MoEDecoder] = None
         self._val_loss_sum: Optional[Tensor] = None
         self._val_tokens: Optional[Tensor] = None
+        # Set by `from_hf`: the HF checkpoint (path, architecture, its config.json) the weights come
+        # from; `_pending_hf_load` while they still have to be read into the built model.
+        self.hf_source: Optional[tuple[str, str, dict[str, Any]]] = None
+        self._pending_hf_load = False
+
+    @classmethod
+    def from_hf(
+        cls,
+        path: Union[str, Path],
+        *,
+        materialize: bool = True,
+        module_kwargs: Optional[dict[str, Any]] = None,
+        **overrides: Any,
+    ) -> "MoELanguageModel":
+        """A module with the config and weights of a Hugging Face checkpoint directory (as
+        transformers' ``save_pretrained`` writes it: ``config.json`` and ``model.safetensors`` or
+        shards with ``model.safetensors.index.json``) of a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE model.
+
+        Args:
+            path: the checkpoint directory.
+            materialize: True: build the decoder on the CPU now and read the weights into it,
+                tensor by tensor (a ready module, e.g. for inference or a small model). False:
+                build nothing now; the Trainer's strategy builds the decoder (on the meta device
+                under `MegatronMoEStrategy`), parallelizes and materializes it, and then every
+                rank reads only the slices it holds, before the first step. A checkpoint that
+                the Trainer restores (``ckpt_path``) replaces these weights.
+            module_kwargs: other arguments of this class (``learning_rate``, ...).
+            overrides: ``ModelConfig`` fields changed after the HF config is mapped (``moe`` as a
+                partial dict), e.g. ``max_seq_length=4096``; weight shapes must stay the same.
+        """
+        from lightning_moe.models.hf import architecture_of, model_config_fields, read_hf_config
+
+        hf_config = read_hf_config(path)
+        arch = architecture_of(hf_config)
+        module = cls(model_config_fields(hf_config), overrides=overrides, **(module_kwargs or {}))
+        module.hf_source = (str(path), arch, hf_config)
+        module._pending_hf_load = True
+        if materialize:
+            with torch.device("meta"):
+                module.configure_model()
+            module.model.to_empty(device="cpu")
+            module._load_pending_hf_weights()
+        return module
+
+    def save_hf(
+        self,
+        path: Union[str, Path],
+        architecture: Optional[str] = None,
+        dtype: Optional[torch.dtype] = None,
+        max_shard_size: int = 5 * 1024**3,
+    ) -> None:
+        """Write the model as a Hugging Face checkpoint directory that transformers'
+        ``AutoModelForCausalLM.from_pretrained`` loads, from any parallel layout: call it on every
+        rank (each parameter is gathered in turn; rank 0 writes).
+
+        Args:
+            architecture: "qwen3_moe", "qwen2_moe", "mixtral" or "olmoe"; None: the one the model was
+                imported from, else the first that expresses its config (`ValueError` naming what
+                cannot be expressed otherwise).
+            dtype: of the saved tensors (None: each parameter's own, fp32 masters).
+            max_shard_size: bytes per safetensors shard; more than one shard adds an index.
+        """
+        from lightning_moe.models.hf import choose_architecture, save_hf_weights
+
+        if self.model is None or any(p.is_meta for p in self.model.parameters()):
+            raise RuntimeError("save_hf needs the built model with its weights (configure_model, then a fit or load).")
+        base = None
+        if self.hf_source is not None and architecture in (None, self.hf_source[1]):
+            architecture, base = self.hf_source[1], self.hf_source[2]
+        arch = choose_architecture(self.model_config, architecture)
+        save_hf_weights(self.model, path, arch, base_config=base, dtype=dtype, max_shard_bytes=max_shard_size)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank returns once rank 0 has written the directory
+
+    def _load_pending_hf_weights(self) -> None:
+        """Read the weights `from_hf` promised into the built, materialized (and possibly
+        parallelized) model: each rank reads only the blocks of its local shards."""
+        if not self._pending_hf_load or self.model is None or any(p.is_meta for p in self.model.parameters()):
+            return
+        from lightning_moe.models.hf import load_hf_weights
+
+        path, arch, _ = self.hf_source
+        load_hf_weights(self.model, path, arch)
+        self._pending_hf_load = False
 
     def parallel_constraints(self) -> dict[str, Any]:
         """Sizes a parallel layout must divide; the strategy checks them before any collective."""
@@ -172,6 +257,21 @@ class MoELanguageModel(LightningModule):
         if self.model is not None:
             return
         self.model = MoEDecoder(self.model_config)
+        self._load_pending_hf_weights()  # from_hf(materialize=False) outside a meta-device context
+
+    def on_fit_start(self) -> None:
+        self._load_pending_hf_weights()  # after the strategy parallelized and materialized the model
+
+    def on_validation_start(self) -> None:
+        self._load_pending_hf_weights()
+
+    def on_test_start(self) -> None:
+        self._load_pending_hf_weights()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The Trainer restores a checkpoint (ckpt_path) after on_fit_start: its weights win, and a
+        # validate/test run with one must not read the HF weights over them afterwards.
+        self._pending_hf_load = False
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         return self.model(input_ids, position_ids)

@@ -1,0 +1,189 @@
+"""Names and layouts: which HF tensors make each parameter of the reference decoder, and back.
+
+Every parameter of :class:`~lightning_moe.models.decoder.MoEDecoder` has one `TensorSource`:
+
+- `Same`: one HF tensor of the same shape and layout (embeddings, norms, attention, routers).
+- `StackedExperts`: the grouped expert weights, stacked from one HF tensor per expert and
+  projection. ``fc1_weight [E, D, 2, F]`` holds expert ``e``'s ``gate_proj``/``w1`` ``[F, D]``
+  transposed at ``[e, :, 0, :]`` and its ``up_proj``/``w3`` at ``[e, :, 1, :]``;
+  ``fc2_weight [E, F, D]`` holds ``down_proj``/``w2`` ``[D, F]`` transposed.
+- `RowBlocks`: a weight whose rows are HF tensors one after another (the shared expert's fused
+  ``linear_fc1 [2F, D]`` = ``[gate_proj; up_proj]``).
+
+``read(checkpoint, box)`` builds the slice ``box`` of the parameter (its global indices) from
+only the matching slices of the HF tensors, which is what lets every rank of a sharded model
+read just what it holds; ``to_hf(full)`` splits a whole parameter into its HF tensors for export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.hf.reader import HFCheckpointError, SafetensorsCheckpoint
+
+
+class TensorSource(Protocol):
+    def hf_shapes(self, shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape that a parameter of global ``shape`` is made of."""
+
+    def read(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice]) -> Tensor:
+        """The slice ``box`` of the parameter, read from ``checkpoint``."""
+
+    def to_hf(self, full: Tensor) -> Iterator[tuple[str, Tensor]]:
+        """The HF tensors of the whole parameter ``full``."""
+
+
+@dataclass(frozen=True)
+class Same:
+    name: str
+
+    def hf_shapes(self, shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+        return {self.name: tuple(shape)}
+
+    def read(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice]) -> Tensor:
+        return checkpoint.read(self.name, box)
+
+    def to_hf(self, full: Tensor) -> Iterator[tuple[str, Tensor]]:
+        yield self.name, full
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """``names[e][p]``: the HF ``[N, K]`` tensor of expert ``e`` and part ``p`` of a parameter laid
+    out ``[E, K, P, N]`` (``P`` parts: gate and up) or, with ``parts=False``, ``[E, K, N]``."""
+
+    names: tuple[tuple[str, ...], ...]
+    parts: bool
+
+    def hf_shapes(self, shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+        k, n = shape[1], shape[-1]
+        return {name: (n, k) for per_expert in self.names for name in per_expert}
+
+    def read(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice]) -> Tensor:
+        experts, k_rows, n_cols = box[0], box[1], box[-1]
+        parts = box[2] if self.parts else slice(0, 1)
+        per_expert = []
+        for e in range(experts.start, experts.stop):
+            # HF stores [N, K]: read the transposed box, then transpose it into our [K, N]
+            blocks = [checkpoint.read(self.names[e][p], (n_cols, k_rows)).T for p in range(parts.start, parts.stop)]
+            per_expert.append(torch.stack(blocks, dim=1) if self.parts else blocks[0])
+        return torch.stack(per_expert)
+
+    def to_hf(self, full: Tensor) -> Iterator[tuple[str, Tensor]]:
+        for e, per_expert in enumerate(self.names):
+            for p, name in enumerate(per_expert):
+                weight_KN = full[e, :, p, :] if self.parts else full[e]
+                yield name, weight_KN.T.contiguous()
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """A ``[sum(rows), K]`` parameter whose consecutive row blocks are the HF tensors ``names``."""
+
+    names: tuple[str, ...]
+
+    def hf_shapes(self, shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+        rows = shape[0] // len(self.names)
+        return {name: (rows, *shape[1:]) for name in self.names}
+
+    def read(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice]) -> Tensor:
+        pieces, start = [], 0
+        for name in self.names:
+            rows = checkpoint.shape(name)[0]
+            lo, hi = max(box[0].start, start), min(box[0].stop, start + rows)
+            if lo < hi:
+                pieces.append(checkpoint.read(name, (slice(lo - start, hi - start), *box[1:])))
+            start += rows
+        return torch.cat(pieces)
+
+    def to_hf(self, full: Tensor) -> Iterator[tuple[str, Tensor]]:
+        for name, block in zip(self.names, full.chunk(len(self.names))):
+            yield name, block.contiguous()
+
+
+def _expert_names(arch: str) -> tuple[str, str, str, str]:
+    """(MoE block name under ``model.layers.{i}``, gate, up, down projection names) of ``arch``."""
+    if arch == "mixtral":
+        return "block_sparse_moe", "w1", "w3", "w2"
+    return "mlp", "gate_proj", "up_proj", "down_proj"
+
+
+def parameter_sources(cfg: ModelConfig, arch: str) -> dict[str, TensorSource]:
+    """Our parameter name -> its `TensorSource` in an HF ``arch`` checkpoint of ``cfg``."""
+    sources: dict[str, TensorSource] = {
+        "embed_tokens.weight": Same("model.embed_tokens.weight"),
+        "norm.weight": Same("model.norm.weight"),
+    }
+    if not cfg.tie_word_embeddings:
+        sources["lm_head.weight"] = Same("lm_head.weight")
+    block, gate, up, down = _expert_names(arch)
+    for i, is_moe in enumerate(cfg.moe_layer_pattern):
+        ours, theirs = f"layers.{i}", f"model.layers.{i}"
+        sources[f"{ours}.attention_norm.weight"] = Same(f"{theirs}.input_layernorm.weight")
+        sources[f"{ours}.mlp_norm.weight"] = Same(f"{theirs}.post_attention_layernorm.weight")
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sources[f"{ours}.attention.{proj}.weight"] = Same(f"{theirs}.self_attn.{proj}.weight")
+        if cfg.add_qkv_bias:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                sources[f"{ours}.attention.{proj}.bias"] = Same(f"{theirs}.self_attn.{proj}.bias")
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                sources[f"{ours}.attention.{norm}.weight"] = Same(f"{theirs}.self_attn.{norm}.weight")
+        if not is_moe:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                sources[f"{ours}.mlp.{proj}.weight"] = Same(f"{theirs}.mlp.{proj}.weight")
+            continue
+        moe = f"{theirs}.{block}"
+        experts = range(cfg.moe.num_experts)
+        sources[f"{ours}.mlp.router.weight"] = Same(f"{moe}.gate.weight")
+        sources[f"{ours}.mlp.experts.fc1_weight"] = StackedExperts(
+            tuple((f"{moe}.experts.{e}.{gate}.weight", f"{moe}.experts.{e}.{up}.weight") for e in experts), parts=True
+        )
+        sources[f"{ours}.mlp.experts.fc2_weight"] = StackedExperts(
+            tuple((f"{moe}.experts.{e}.{down}.weight",) for e in experts), parts=False
+        )
+        if cfg.moe.shared_expert_intermediate_size is not None:
+            shared = f"{moe}.shared_expert"
+            sources[f"{ours}.mlp.shared_experts.linear_fc1.weight"] = RowBlocks(
+                (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
+            )
+            sources[f"{ours}.mlp.shared_experts.linear_fc2.weight"] = Same(f"{shared}.down_proj.weight")
+            if cfg.moe.shared_expert_gate:
+                sources[f"{ours}.mlp.shared_experts.gate_weight"] = Same(f"{moe}.shared_expert_gate.weight")
+    return sources
+
+
+def check_against_checkpoint(
+    sources: dict[str, TensorSource], shapes: dict[str, Sequence[int]], checkpoint: SafetensorsCheckpoint,
+    ignorable: frozenset[str] = frozenset(),
+) -> None:
+    """Before anything is read: every parameter has its source, every HF tensor it needs exists
+    with the expected shape, and no HF tensor is left over (all from the headers)."""
+    missing = sorted(set(shapes) - set(sources))
+    if missing:
+        raise HFCheckpointError(f"no HF tensor is mapped to the model's parameters {missing[:5]}.")
+    needed: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        needed.update(sources[name].hf_shapes(shape))
+    available = checkpoint.names()
+    absent = sorted(set(needed) - available)
+    if absent:
+        raise HFCheckpointError(
+            f"{checkpoint.path} lacks {len(absent)} tensor(s) the model needs, e.g. {absent[:3]}: "
+            "does config.json describe these weights?"
+        )
+    wrong = [f"{n}: {list(checkpoint.shape(n))} (expected {list(s)})" for n, s in needed.items()
+             if tuple(checkpoint.shape(n)) != tuple(s)]
+    if wrong:
+        raise HFCheckpointError(f"{checkpoint.path} has tensors of unexpected shape: {'; '.join(wrong[:3])}.")
+    unused = sorted(available - set(needed) - ignorable)
+    if unused:
+        raise HFCheckpointError(
+            f"{checkpoint.path} holds {len(unused)} tensor(s) the model would ignore, e.g. {unused[:3]}: "
+            "the config does not describe the weights (or the architecture has parts this decoder lacks)."
+        )
