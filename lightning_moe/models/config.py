@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
+from lightning_moe.models.rope_scaling import normalize_rope_scaling
 from lightning_moe.nn.config import MoEConfig, check_field_names
 
 QK_NORM_SCOPES = ("head", "projection")
+ATTENTION_TYPES = ("gqa", "mla")
+_DEEPSEEK_V3_MLA = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
 
 
 @dataclass
@@ -51,6 +54,19 @@ class ModelConfig:
             at once, OLMoE; its weights are ``[H * head_dim]`` and ``[G * head_dim]``).
         add_qkv_bias: a bias on the query, key and value projections (Megatron's ``add_qkv_bias``;
             Qwen2-MoE).
+        rope_scaling: None (plain RoPE) or YaRN as HF configs spell it (``{"type": "yarn", "factor",
+            "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}``,
+            DeepSeek-V3's long-context checkpoints); see ``lightning_moe.models.rope_scaling``.
+        attention_type: "gqa" (grouped-query attention) or "mla" (DeepSeek-V2/V3 multi-head latent
+            attention, ``lightning_moe.models.mla``). MLA needs ``kv_lora_rank``, ``qk_nope_head_dim``,
+            ``qk_rope_head_dim`` and ``v_head_dim``; its ``num_query_groups`` is ``H`` and its ``head_dim``
+            the query/key width ``qk_nope_head_dim + qk_rope_head_dim`` (both resolved if None).
+        q_lora_rank: MLA only: rank of the query compression (``q_a_proj`` -> ``q_a_layernorm`` ->
+            ``q_b_proj``); None: one full-rank ``q_proj``.
+        kv_lora_rank: MLA only: width of the compressed key/value latent.
+        qk_nope_head_dim: MLA only: per-head query/key dims without rotary embedding.
+        qk_rope_head_dim: MLA only: per-head query dims (and the one shared key) with rotary embedding.
+        v_head_dim: MLA only: per-head value width.
     """
 
     vocab_size: int
@@ -71,10 +87,18 @@ class ModelConfig:
     qk_norm: bool = False
     qk_norm_scope: str = "head"
     add_qkv_bias: bool = False
+    rope_scaling: Optional[dict[str, Any]] = None
+    attention_type: str = "gqa"
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_seq_length"):
             _check_positive_int(name, getattr(self, name))
+        self._resolve_attention_type()
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         _check_positive_int("num_query_groups", self.num_query_groups)
@@ -91,8 +115,10 @@ class ModelConfig:
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
         _check_positive_int("head_dim", self.head_dim)
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+        if self.rotary_dim % 2:
+            name = "qk_rope_head_dim" if self.attention_type == "mla" else "head_dim"
+            raise ValueError(f"{name}={self.rotary_dim} must be even for rotary embeddings.")
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
         for name in ("rope_theta", "norm_eps", "init_method_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)!r}.")
@@ -100,6 +126,51 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}.")
         self._resolve_moe()
         self._validate_layer_pattern()
+
+    def _resolve_attention_type(self) -> None:
+        """Check the MLA fields against ``attention_type``; for MLA resolve ``num_query_groups`` (H)
+        and ``head_dim`` (the query/key width)."""
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(f"ModelConfig.attention_type={self.attention_type!r} is not one of {ATTENTION_TYPES}.")
+        mla_fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.attention_type == "gqa":
+            given = [name for name in mla_fields if getattr(self, name) is not None]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} describe multi-head latent attention: set attention_type='mla' "
+                    "or leave them None."
+                )
+            return
+        for name in mla_fields[1:]:
+            if getattr(self, name) is None:
+                raise ValueError(f"attention_type='mla' needs {name}: set it (DeepSeek-V3: {_DEEPSEEK_V3_MLA[name]}).")
+        for name in mla_fields:
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        heads, qk_width = self.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.num_query_groups not in (None, heads):
+            raise ValueError(
+                f"num_query_groups={self.num_query_groups} with attention_type='mla': every head has its own key "
+                f"and value (from the shared latent), so leave num_query_groups None (= num_attention_heads={heads})."
+            )
+        if self.head_dim not in (None, qk_width):
+            raise ValueError(
+                f"head_dim={self.head_dim} with attention_type='mla': the query/key width is qk_nope_head_dim + "
+                f"qk_rope_head_dim = {qk_width}; leave head_dim None."
+            )
+        if self.qk_norm:
+            raise ValueError(
+                "qk_norm with attention_type='mla': MLA normalises its latents (q_a_layernorm, kv_a_layernorm) "
+                "instead; set qk_norm=False."
+            )
+        if self.add_qkv_bias:
+            raise ValueError("add_qkv_bias with attention_type='mla' is not supported: set add_qkv_bias=False.")
+        self.num_query_groups, self.head_dim = heads, qk_width
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width the rotary embedding rotates: ``head_dim`` (GQA) or ``qk_rope_head_dim`` (MLA)."""
+        return self.qk_rope_head_dim if self.attention_type == "mla" else self.head_dim
 
     def _resolve_moe(self) -> None:
         if isinstance(self.moe, dict):
@@ -172,6 +243,8 @@ class ModelConfig:
         out["moe"] = None if self.moe is None else self.moe.to_dict()
         if isinstance(out["moe_layer_freq"], list):
             out["moe_layer_freq"] = list(out["moe_layer_freq"])
+        if out["rope_scaling"] is not None:
+            out["rope_scaling"] = dict(out["rope_scaling"])
         return out
 
 

@@ -1,11 +1,14 @@
-"""Reference decoder-only MoE transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU / MoE.
+"""Reference decoder-only MoE transformer: RMSNorm, RoPE, grouped-query or multi-head latent
+attention, SwiGLU / MoE.
 
 Plain PyTorch, no parallel state. Module names are chosen so a parallel strategy can address
 them with tensor-parallel plans (see :meth:`MoEDecoder.tensor_parallel_plan`)::
 
     embed_tokens
     layers.{i}.attention_norm        RMSNorm
-    layers.{i}.attention.{q_proj, k_proj, v_proj, o_proj, q_norm, k_norm}
+    layers.{i}.attention.{q_proj, k_proj, v_proj, o_proj, q_norm, k_norm}      (attention_type "gqa")
+    layers.{i}.attention.{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa,
+                          kv_a_layernorm, kv_b_proj, o_proj}                    ("mla", DeepSeek's names)
     layers.{i}.mlp_norm              RMSNorm
     layers.{i}.mlp                   DenseMLP (gate_proj, up_proj, down_proj) or MoELayer
     norm
@@ -25,7 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.nn.compute_weights import CachedCastLinear, autocast_dtype, compute_weight
+from lightning_moe.models.layers import Embedding, Linear, RMSNorm, apply_rotary, rotary_cos_sin
+from lightning_moe.models.mla import MultiHeadLatentAttention
+from lightning_moe.nn.compute_weights import autocast_dtype, compute_weight
 from lightning_moe.nn.cross_entropy import cross_entropy_mean
 from lightning_moe.nn.moe_layer import MoELayer
 
@@ -33,69 +38,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 IGNORE_INDEX = -100
-
-
-class Linear(CachedCastLinear):
-    """``nn.Linear`` (no bias by default) initialised from Normal(0, ``init_std``); its weight is
-    cast once per optimizer step under the strategy (`CachedCastLinear`)."""
-
-    def __init__(self, in_features: int, out_features: int, init_std: float, bias: bool = False) -> None:
-        self.init_std = init_std  # read by reset_parameters, which nn.Linear.__init__ calls
-        super().__init__(in_features, out_features, bias=bias)
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
-
-
-class Embedding(nn.Embedding):
-    """``nn.Embedding`` initialised from Normal(0, ``init_std``) (Megatron's embedding init)."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float) -> None:
-        self.init_std = init_std
-        super().__init__(num_embeddings, embedding_dim)
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension, computed in fp32, returned in the input dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
-
-def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """fp32 ``cos``, ``sin`` of shape ``[*positions.shape, head_dim]`` (halves repeated, HF layout).
-
-    Computed from the positions on every forward instead of a cached buffer: it costs one small
-    elementwise kernel, stays exact under any module dtype cast, and needs nothing on the meta device.
-    """
-    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rotary(x_BSHd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``[B, S, H, hd]`` by ``cos``/``sin`` ``[S, hd]`` or ``[B, S, hd]`` (rotate-half form)."""
-    cos = cos.unsqueeze(-2)  # broadcast over heads
-    sin = sin.unsqueeze(-2)
-    x = x_BSHd.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rotated * sin).to(x_BSHd.dtype)
 
 
 class Attention(nn.Module):
@@ -173,7 +115,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, is_moe: bool) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention: nn.Module
+        if cfg.attention_type == "mla":
+            self.attention = MultiHeadLatentAttention(cfg)
+        else:
+            self.attention = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp: nn.Module
         if is_moe:
@@ -249,7 +195,8 @@ class MoEDecoder(nn.Module):
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        cfg = self.config
+        cos, sin = rotary_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         h_BSD = self.embed_tokens(input_ids)
         for layer in self.layers.values():
             h_BSD = layer(h_BSD, cos, sin)
@@ -271,7 +218,10 @@ class MoEDecoder(nn.Module):
     def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
         """Tensor-parallel styles for ``parallelize_module(model, tp_mesh, plan)`` (dense parts).
 
-        Attention: q/k/v column-parallel (heads split), o row-parallel; qk-norms see their input
+        Attention: q/k/v column-parallel (heads split), o row-parallel (multi-head latent attention:
+        ``q_b_proj`` or ``q_proj`` and ``kv_b_proj`` column-parallel, o row-parallel, the low-rank
+        a-projections and their norms replicated, the shared rotary key's gradient summed over
+        the TP ranks); qk-norms see their input
         sharded over the head dim (``SequenceParallel(sequence_dim=2)`` so their weight gradients
         are summed over the TP ranks). Dense MLP: gate/up column-parallel, down row-parallel.
         Embedding row-parallel (vocab split), output projection column-parallel with replicated
@@ -292,6 +242,8 @@ class MoEDecoder(nn.Module):
             RowwiseParallel,
             SequenceParallel,
         )
+
+        from lightning_moe.parallel.tensor_parallel import sum_input_gradients_style
 
         cfg = self.config
         if cfg.tie_word_embeddings:
@@ -316,9 +268,20 @@ class MoEDecoder(nn.Module):
                 plan[f"{prefix}.attention_norm"] = SequenceParallel()
                 plan[f"{prefix}.mlp_norm"] = SequenceParallel()
                 plan[f"{prefix}.attention"] = PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                    # MLA's replicated a-projections take the gathered input as a plain tensor.
+                    use_local_output=cfg.attention_type == "mla",
                 )
-            for proj in ("q_proj", "k_proj", "v_proj"):
+            if cfg.attention_type == "mla":
+                # Heads split by the up-projections; the a-projections, their norms and the
+                # shared rotary key stay replicated (lightning_moe.models.mla, "Tensor parallelism").
+                q_up = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
+                column_parallel = (q_up, "kv_b_proj")
+                plan[f"{prefix}.attention.shared_rope_key"] = sum_input_gradients_style()
+            else:
+                column_parallel = ("q_proj", "k_proj", "v_proj")
+            for proj in column_parallel:
                 plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
             plan[f"{prefix}.attention.o_proj"] = RowwiseParallel(output_layouts=residual)
             if cfg.qk_norm:

@@ -10,7 +10,8 @@ Conventions:
   2 FLOPs per multiply-add of every matrix product a token goes through: attention projections,
   router gate, its K experts, shared experts, dense MLPs and the output projection (the
   embedding lookup and the norms are not counted). Attention scores and values add
-  ``4 * S * H * head_dim`` per layer in forward for the FULL ``S x S`` score matrix, without
+  ``4 * S * H * head_dim`` per layer in forward (``2 * S * H * (qk_nope_head_dim + qk_rope_head_dim +
+  v_head_dim)`` with multi-head latent attention) for the FULL ``S x S`` score matrix, without
   halving for the causal mask: the convention of PaLM's MFU (``6N + 12 L H Q T``), torchtitan's
   ``get_num_flop_per_token`` and Megatron-LM's original ``num_floating_point_operations``, so MFU
   numbers compare with theirs. To count only the causal half, subtract
@@ -24,9 +25,24 @@ from lightning_moe.nn.config import MoEConfig
 
 
 def _attention_projection_parameters(cfg: ModelConfig) -> int:
+    if cfg.attention_type == "mla":
+        return _latent_attention_projection_parameters(cfg)
     q_size = cfg.num_attention_heads * cfg.head_dim
     kv_size = cfg.num_query_groups * cfg.head_dim
     return cfg.hidden_size * (2 * q_size + 2 * kv_size)  # q, o and k, v
+
+
+def _latent_attention_projection_parameters(cfg: ModelConfig) -> int:
+    """MLA's weight matrices: query (low-rank pair or full), kv down- and up-projection, output."""
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    q_out = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    if cfg.q_lora_rank is None:
+        q = hidden * q_out
+    else:
+        q = hidden * cfg.q_lora_rank + cfg.q_lora_rank * q_out
+    kv_a = hidden * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv_a + kv_b + heads * cfg.v_head_dim * hidden
 
 
 def _dense_mlp_parameters(cfg: ModelConfig) -> int:
@@ -55,6 +71,8 @@ def _count(cfg: ModelConfig, active: bool) -> int:
     q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim
     qk_norms = (q_size + kv_size if cfg.qk_norm_scope == "projection" else 2 * cfg.head_dim) if cfg.qk_norm else 0
     vectors_per_layer = 2 * cfg.hidden_size + qk_norms + (q_size + 2 * kv_size if cfg.add_qkv_bias else 0)
+    if cfg.attention_type == "mla":  # q_a_layernorm, kv_a_layernorm
+        vectors_per_layer += (cfg.q_lora_rank or 0) + cfg.kv_lora_rank
     params = cfg.vocab_size * cfg.hidden_size  # embedding
     params += cfg.num_layers * (_attention_projection_parameters(cfg) + vectors_per_layer)
     params += cfg.num_dense_layers * _dense_mlp_parameters(cfg)
@@ -89,15 +107,22 @@ def forward_matmul_parameters(cfg: ModelConfig) -> int:
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token of ``QK^T`` and ``PV`` over all layers (full ``S x S``, see module doc)."""
-    forward = 4 * seq_length * cfg.num_attention_heads * cfg.head_dim * cfg.num_layers
+    """Training FLOPs per token of ``QK^T`` and ``PV`` over all layers (full ``S x S``, see module doc).
+
+    ``2 * S * H * (qk_width + v_width)`` per layer in forward: ``head_dim`` both for GQA, and
+    ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim`` for MLA (the latent projections are
+    counted as weights, the keys and values expanded per head as the module computes them).
+    """
+    v_width = cfg.v_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+    forward = 2 * seq_length * cfg.num_attention_heads * (cfg.head_dim + v_width) * cfg.num_layers
     return 3.0 * forward
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Training (forward + backward) FLOPs per token at sequence length ``seq_length``.
 
-    ``6 * forward_matmul_parameters(cfg) + 12 * L * S * H * head_dim``; multiply by tokens per step
+    ``6 * forward_matmul_parameters(cfg) + 12 * L * S * H * head_dim`` (MLA: ``6 * L * S * H *
+    (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)``); multiply by tokens per step
     and divide by step time and peak FLOP/s for MFU.
     """
     if seq_length <= 0:

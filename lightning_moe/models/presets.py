@@ -15,7 +15,7 @@ tiny           1.84 M   0.66 M    byte vocabulary; trains on 2 CPU cores in minu
 small          238 M    111 M     one GPU
 qwen3_30b_a3b  30.53 B  3.35 B    published: 30.5 B total, 3.3 B active
 mixtral_8x7b   46.70 B  12.88 B   published: 46.7 B total, 12.9 B active
-deepseek_v3    674.8 B  41.4 B    published: 671 B / 37 B with MLA (GQA stand-in, see below)
+deepseek_v3    671.03 B 37.55 B   published: 671 B total, 37 B active (MTP module excluded)
 ============== ======== ========= =========================================================
 """
 
@@ -125,25 +125,29 @@ def _mixtral_8x7b() -> dict[str, Any]:
 
 
 def _deepseek_v3() -> dict[str, Any]:
-    """DeepSeek-V3 shape: 61 blocks (first 3 dense, ffn 18432), 256 routed experts top-8 + 1 shared.
+    """DeepSeek-V3: 61 blocks (first 3 dense, ffn 18432), 256 routed experts top-8 + 1 shared.
 
-    Routing as published: sigmoid scores, aux-loss-free expert bias, 8 groups with the best 4
-    kept, top-8 scaled by 2.5, a small sequence-level aux loss (1e-4).
-
-    Attention is an APPROXIMATION: this decoder has no multi-head latent attention (MLA), so
-    the preset uses grouped-query attention with 128 heads of width 128 and 8 key/value groups.
-    Its projections hold ~250 M parameters per block instead of MLA's ~187 M, which puts the
-    total at ~674.8 B (published: 671 B) and the active count at ~41.4 B (published: 37 B);
-    attention-score FLOPs use head width 128 where MLA uses 192 (query/key) and 128 (value).
-    The MoE blocks, which hold ~97% of the parameters, have the published shape.
+    Multi-head latent attention with the published dims: 128 heads, query rank 1536, key/value
+    latent 512, query/key width 128 + 64 rotary, value width 128 (~187 M parameters per block).
+    Routing as published: sigmoid scores, aux-loss-free expert bias (HF's
+    ``e_score_correction_bias``), 8 groups of which the best 4 are kept (a group scores the sum of
+    its best two biased scores), top-8 renormalised and scaled by 2.5, a small sequence-level aux
+    loss (1e-4). The counts exclude the multi-token-prediction module (the 685 B of the released
+    checkpoint include its 14 B). Without ``rope_scaling``: DeepSeek-V3 pretrained at 4K with plain
+    RoPE; its released checkpoint adds YaRN (factor 40) for 128K contexts, which ``rope_scaling``
+    takes.
     """
     return dict(
         vocab_size=129280,
         hidden_size=7168,
         num_layers=61,
         num_attention_heads=128,
-        num_query_groups=8,
-        head_dim=128,
+        attention_type="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
         ffn_hidden_size=18432,
         first_k_dense_layers=3,
         moe=dict(

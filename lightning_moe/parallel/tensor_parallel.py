@@ -12,11 +12,14 @@ takes its shard on the way in and all-gathers on the way out.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
 from lightning_moe.nn.moe_layer import MoELayer
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def find_plan_owner(root: nn.Module) -> Optional[nn.Module]:
@@ -38,6 +41,30 @@ def apply_dense_tensor_parallel(root: nn.Module, tp_mesh, sequence_parallel: boo
     if plan:
         parallelize_module(owner, tp_mesh, plan)
     return owner
+
+
+def sum_input_gradients_style() -> ParallelStyle:
+    """A ``ParallelStyle`` for a parameter-free module whose input every TP rank holds whole but
+    uses only in part: identity forward, gradient summed over the TP ranks in backward (Megatron's
+    ``copy_to_tensor_model_parallel_region``). Multi-head latent attention puts it on its shared
+    rotary key, which each rank's heads read without a column-parallel projection in between.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def sum_gradients(module: nn.Module, inputs: tuple, device_mesh) -> tuple:
+        # from_local(Replicate) then to_local(grad_placements=Partial): the local gradient is
+        # declared a partial sum, so from_local's backward all-reduces it into the replicated one.
+        return tuple(
+            DTensor.from_local(t, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            for t in inputs
+        )
+
+    class SumInputGradients(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            return distribute_module(module, device_mesh, input_fn=sum_gradients)
+
+    return SumInputGradients()
 
 
 def apply_moe_token_split(layer: MoELayer, tp_mesh, sequence_parallel: bool) -> None:
