@@ -34,9 +34,10 @@ Data -> model, resolved before instantiation and written into the saved ``config
 
 - ``model.overrides.max_seq_length`` follows ``data.seq_length`` unless the overrides set it
   (setting it shorter than ``data.seq_length`` is an error).
-- ``model.overrides.vocab_size`` follows an explicit ``data.vocab_size`` (with ``data.data_path``)
-  unless the overrides set it. A model vocabulary smaller than the data's (256 for the embedded
-  corpus, or an explicit ``data.vocab_size``) is an error.
+- ``model.overrides.vocab_size`` follows an explicit ``data.vocab_size`` (with ``data.data_path``),
+  or with ``data.text_files`` the tokenizer's size (``data.vocab_size`` when given), unless the
+  overrides set it. A model vocabulary smaller than the data's (256 for the embedded corpus, an
+  explicit ``data.vocab_size``, or the tokenizer's) is an error.
 
 These are not ``parser.link_arguments`` links: a link target must be its own init argument and
 stops being settable, while the model takes these fields inside its ``overrides`` dict.
@@ -77,6 +78,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 import lightning_moe.strategies  # noqa: F401  registers the "megatron_moe" strategy name
 from lightning_moe.data.corpus import VOCAB_SIZE
 from lightning_moe.data.datamodule import LMDataModule
+from lightning_moe.data.text import load_tokenizer
 from lightning_moe.errors import InputError
 from lightning_moe.models.lightning_module import MoELanguageModel, resolve_model_config
 
@@ -187,8 +189,8 @@ class MoECLI(LightningCLI):
 
 
 def link_data_to_model(config: Namespace) -> None:
-    """Carry ``data.seq_length`` (and an explicit ``data.vocab_size``) into ``model.overrides``; check
-    that the model's vocabulary covers the data's."""
+    """Carry ``data.seq_length`` (and an explicit ``data.vocab_size``, or the text tokenizer's size) into
+    ``model.overrides``; check that the model's vocabulary covers the data's."""
     data, model = config.data, config.model
     overrides = dict(model.overrides or {})
     if "max_seq_length" in overrides:
@@ -202,6 +204,9 @@ def link_data_to_model(config: Namespace) -> None:
     data_vocab = VOCAB_SIZE if data.data_path is None else data.vocab_size
     if data.data_path is not None and data.vocab_size is not None and "vocab_size" not in overrides:
         overrides["vocab_size"] = data.vocab_size
+    if data.get("text_files") is not None and data.get("tokenizer") is not None:
+        data_vocab = data.vocab_size or len(load_tokenizer(data.tokenizer))  # local files only, no download
+        overrides.setdefault("vocab_size", data_vocab)
     model.overrides = overrides
     cfg = resolve_model_config(_plain(model.config), overrides)
     if data_vocab is not None and cfg.vocab_size < data_vocab:

@@ -1,4 +1,4 @@
-"""Training data: the embedded byte-level corpus, Megatron indexed datasets, the DataModule."""
+"""Training data: the embedded byte-level corpus, Megatron indexed datasets, local text, the DataModule."""
 
 from lightning_moe.data.corpus import (
     EOD_TOKEN,
@@ -20,6 +20,10 @@ def __getattr__(name: str):
         from lightning_moe.data import datamodule
 
         return getattr(datamodule, name)
+    if name in ("PackedTokenDataset", "build_text_datasets", "load_tokenizer"):
+        from lightning_moe.data import text  # imports torch
+
+        return getattr(text, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -30,11 +34,14 @@ __all__ = [
     "IndexedDatasetWriter",
     "LMDataModule",
     "MappedTokens",
+    "PackedTokenDataset",
     "TokenWindowDataset",
     "VOCAB_SIZE",
+    "build_text_datasets",
     "decode",
     "encode",
     "load_corpus",
+    "load_tokenizer",
     "unigram_entropy_bits",
     "unigram_entropy_nats",
 ]

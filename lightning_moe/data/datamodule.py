@@ -1,7 +1,10 @@
 """`LMDataModule`: fixed-length language-model windows, sharded over data-parallel ranks only.
 
-Data comes from the embedded corpus (`lightning_moe.data.corpus`) or from a Megatron
-indexed dataset (``data_path`` prefix of ``.bin``/``.idx``).
+Data comes from the embedded corpus (`lightning_moe.data.corpus`), from a Megatron
+indexed dataset (``data_path`` prefix of ``.bin``/``.idx``), or from local text / JSONL files
+tokenized with a local Hugging Face tokenizer (``text_files`` + ``tokenizer``, see
+`lightning_moe.data.text`: documents packed with EOS between them, the last window padded
+with labels -100).
 
 Sampling. Window ``i`` is ``tokens[i*S : i*S + S + 1]`` of the flat token stream (documents
 back to back, each followed by its separator where the data has one), split into
@@ -40,6 +43,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_moe.data.corpus import VOCAB_SIZE, load_corpus
 from lightning_moe.data.indexed_dataset import IndexedDataset, IndexedDatasetNotFoundError, MappedTokens
+from lightning_moe.data.text import PackedTokenDataset, build_text_datasets, load_tokenizer
+from lightning_moe.data.text import text_files as list_text_files
 
 
 class TokenWindowDataset(Dataset):
@@ -182,7 +187,14 @@ class LMDataModule(LightningDataModule):
             path hash (see `corpus`). ``data_path``: the last documents, Megatron-style
             contiguous split; 0 disables validation there.
         vocab_size: vocabulary size for ``data_path`` (default: largest token id + 1, one pass
-            over the data). The corpus always has 256.
+            over the data) or for ``text_files`` (default: the tokenizer's ``len``; a larger value
+            is allowed, e.g. a model's padded vocabulary). The corpus always has 256.
+        text_files: local text files (one document each), JSONL files (one document per line)
+            or directories of them; needs ``tokenizer``. Validation: the last ``val_fraction``
+            of the documents.
+        tokenizer: local directory of a Hugging Face tokenizer (``save_pretrained``), loaded
+            without network access; its EOS token separates the packed documents.
+        text_field: the JSONL field that holds a document's text.
     """
 
     def __init__(
@@ -195,6 +207,9 @@ class LMDataModule(LightningDataModule):
         seed: int = 1234,
         val_fraction: float = 0.02,
         vocab_size: Optional[int] = None,
+        text_files: Optional[Union[str, list[str]]] = None,
+        tokenizer: Optional[str] = None,
+        text_field: str = "text",
     ) -> None:
         super().__init__()
         if seq_length < 1 or micro_batch_size < 1:
@@ -203,7 +218,12 @@ class LMDataModule(LightningDataModule):
             )
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if data_path is None and vocab_size not in (None, VOCAB_SIZE):
+        if (text_files is None) != (tokenizer is None):
+            raise ValueError("text_files and tokenizer go together: give both (local files and the local tokenizer "
+                             "directory) or neither")
+        if text_files is not None and (data_path is not None or max_corpus_bytes is not None):
+            raise ValueError("text_files replaces the corpus and data_path: drop data_path / max_corpus_bytes")
+        if data_path is None and text_files is None and vocab_size not in (None, VOCAB_SIZE):
             raise ValueError(
                 f"the embedded corpus is byte-level (vocab_size {VOCAB_SIZE}); drop vocab_size={vocab_size} "
                 "or pass data_path"
@@ -220,12 +240,32 @@ class LMDataModule(LightningDataModule):
         self.val_fraction = val_fraction
         self._vocab_size = vocab_size
         self._indexed: Optional[IndexedDataset] = None
-        self.train_dataset: Optional[TokenWindowDataset] = None
-        self.val_dataset: Optional[TokenWindowDataset] = None
+        self.text_files = text_files
+        self.text_field = text_field
+        self.tokenizer_path = tokenizer
+        self._tokenizer: Any = None
+        if text_files is not None:
+            list_text_files(text_files)  # a missing file fails at construction, not once the fit starts
+        self.train_dataset: Optional[Union[TokenWindowDataset, PackedTokenDataset]] = None
+        self.val_dataset: Optional[Union[TokenWindowDataset, PackedTokenDataset]] = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``text_files`` tokenizer (loaded from its local directory on first use), else None."""
+        if self._tokenizer is None and self.tokenizer_path is not None:
+            self._tokenizer = load_tokenizer(self.tokenizer_path)
+            if self._vocab_size is not None and self._vocab_size < len(self._tokenizer):
+                raise ValueError(f"vocab_size={self._vocab_size} is smaller than the tokenizer's "
+                                 f"{len(self._tokenizer)} tokens: raise it or drop it")
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
-        """Vocabulary size: 256 for the corpus; explicit or largest token id + 1 for ``data_path``."""
+        """Vocabulary size: 256 for the corpus; explicit or largest token id + 1 for ``data_path``;
+        explicit or the tokenizer's size for ``text_files``."""
+        if self.tokenizer_path is not None:
+            tokens = len(self.tokenizer)  # loading it checks an explicit vocab_size against it
+            return self._vocab_size if self._vocab_size is not None else tokens
         if self.data_path is None:
             return VOCAB_SIZE
         if self._vocab_size is None:
@@ -250,6 +290,12 @@ class LMDataModule(LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:
             return
+        if self.text_files is not None:
+            self.train_dataset, self.val_dataset = build_text_datasets(
+                self.text_files, self.tokenizer, self.seq_length, self.val_fraction, self.text_field
+            )
+            self._check_enough_windows()
+            return
         if self.data_path is None:
             corpus = load_corpus(max_bytes=self.max_corpus_bytes, val_fraction=self.val_fraction)
             train, val = _file_range(corpus.train_tokens), _file_range(corpus.val_tokens)
@@ -263,6 +309,9 @@ class LMDataModule(LightningDataModule):
             val = data.mapped_tokens(first_val, data.num_documents)
         self.train_dataset = TokenWindowDataset(train, self.seq_length)
         self.val_dataset = TokenWindowDataset(val, self.seq_length)
+        self._check_enough_windows()
+
+    def _check_enough_windows(self) -> None:
         if len(self.train_dataset) < self._data_parallel_kwargs()["num_replicas"] * self.micro_batch_size:
             raise ValueError(
                 f"{len(self.train_dataset)} training windows of {self.seq_length} tokens cannot fill one "
@@ -307,7 +356,7 @@ class LMDataModule(LightningDataModule):
         # ("completed" is incremented only after that hook).
         return int(loop.batch_progress.current.processed)
 
-    def _loader(self, dataset: TokenWindowDataset, train: bool) -> DataLoader:
+    def _loader(self, dataset: Union[TokenWindowDataset, PackedTokenDataset], train: bool) -> DataLoader:
         # The sampler's drop_last gives every data-parallel rank the same number of windows
         # (no rank waits in a collective for a batch another rank lacks) and reads no window
         # twice. Training also drops the last partial batch: every micro-batch is [B, S].
