@@ -159,6 +159,7 @@ def _deepseek_v3() -> dict[str, Any]:
             router_bias_update_rate=1e-3,
             router_num_groups=8,
             router_group_topk=4,
+            router_group_score_topk=2,
             router_topk_scaling_factor=2.5,
             router_load_balancing_type="seq_aux_loss",
             aux_loss_coeff=1e-4,

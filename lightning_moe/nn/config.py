@@ -46,6 +46,10 @@ class MoEConfig:
         router_num_groups / router_group_topk: group-limited routing (DeepSeek-V3): experts are
             split into ``router_num_groups`` groups, tokens pick experts only from the
             ``router_group_topk`` best groups.
+        router_group_score_topk: a group's score is the sum of its best ``router_group_score_topk``
+            expert scores (biased ones under ``router_enable_expert_bias``); None:
+            ``router_topk // router_group_topk`` as Megatron-Core. DeepSeek-V3's own and HF's code
+            always sum the best 2 (the same number for its top-8 of 4 groups, not for other shapes).
         router_topk_scaling_factor: multiplies the routing probabilities after top-k.
         router_enable_expert_bias: aux-loss-free balancing with an fp32 ``expert_bias`` used for
             selection only (sigmoid routing only, as in Megatron).
@@ -100,6 +104,7 @@ class MoEConfig:
     router_pre_softmax: bool = False
     router_num_groups: Optional[int] = None
     router_group_topk: Optional[int] = None
+    router_group_score_topk: Optional[int] = None
     router_topk_scaling_factor: Optional[float] = None
     router_enable_expert_bias: bool = False
     router_bias_update_rate: float = 1e-3
@@ -181,6 +186,11 @@ class MoEConfig:
 
     def _validate_groups(self) -> None:
         if self.router_group_topk is None and self.router_num_groups is None:
+            if self.router_group_score_topk is not None:
+                raise ValueError(
+                    "router_group_score_topk needs group-limited routing: set router_num_groups and "
+                    "router_group_topk, or leave router_group_score_topk None."
+                )
             return
         if self.router_group_topk is None or self.router_num_groups is None:
             raise ValueError(
@@ -201,6 +211,11 @@ class MoEConfig:
             raise ValueError(
                 f"router_topk={self.router_topk} exceeds the {self.router_group_topk * experts_per_group} "
                 "experts in the selected groups: raise router_group_topk or lower router_topk."
+            )
+        if self.router_group_score_topk is not None and not 0 < self.router_group_score_topk <= experts_per_group:
+            raise ValueError(
+                f"router_group_score_topk={self.router_group_score_topk} must be in [1, {experts_per_group}] "
+                "(the experts of one group)."
             )
 
     def _validate_balancing(self) -> None:

@@ -159,19 +159,25 @@ def _topk_probs(
 def _select_topk(scores_TE: Tensor, cfg: MoEConfig) -> tuple[Tensor, Tensor]:
     """``(values_TK, experts_TK)`` of the top-k scores, group-limited when configured."""
     if cfg.router_group_topk:
-        return _group_limited_topk(scores_TE, cfg.router_topk, cfg.router_num_groups, cfg.router_group_topk)
+        per_group_score = cfg.router_group_score_topk or cfg.router_topk // cfg.router_group_topk
+        return _group_limited_topk(
+            scores_TE, cfg.router_topk, cfg.router_num_groups, cfg.router_group_topk, per_group_score
+        )
     values_TK, experts_TK = torch.topk(scores_TE, k=cfg.router_topk, dim=1)
     return values_TK, experts_TK
 
 
-def _group_limited_topk(scores_TE: Tensor, k: int, num_groups: int, group_topk: int) -> tuple[Tensor, Tensor]:
+def _group_limited_topk(
+    scores_TE: Tensor, k: int, num_groups: int, group_topk: int, per_group_score: int
+) -> tuple[Tensor, Tensor]:
     """Top-k restricted to the ``group_topk`` best expert groups (DeepSeek-V2/V3 device/node limit).
 
-    A group's score is the sum of its best ``k // group_topk`` expert scores, as in Megatron.
+    A group's score is the sum of its best ``per_group_score`` expert scores (Megatron:
+    ``k // group_topk``; DeepSeek-V3: 2, see ``MoEConfig.router_group_score_topk``).
     """
     num_tokens, num_experts = scores_TE.shape
     per_group = num_experts // num_groups
-    group_scores_TG = scores_TE.view(num_tokens, num_groups, per_group).topk(k // group_topk, dim=-1)[0].sum(dim=-1)
+    group_scores_TG = scores_TE.view(num_tokens, num_groups, per_group).topk(per_group_score, dim=-1)[0].sum(dim=-1)
     groups_TG = torch.topk(group_scores_TG, k=group_topk, dim=-1, sorted=False)[1]
     group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, groups_TG, True)
     expert_mask_TE = group_mask_TG.unsqueeze(-1).expand(num_tokens, num_groups, per_group).reshape(num_tokens, -1)
