@@ -99,6 +99,7 @@ def upcycle(
     hyperparameters) are updated to the new layer pattern, so checkpoints rebuild the MoE model.
     """
     decoder = _find_decoder(module)
+    _check_weights_loaded(module, decoder)
     layer_modules = _decoder_layers(module, decoder)
     if layers is None:
         chosen = [i for i, layer in layer_modules.items() if isinstance(layer.mlp, DenseMLP)]
@@ -197,6 +198,15 @@ def _find_decoder(module: nn.Module) -> Optional[MoEDecoder]:
     return None
 
 
+def _check_weights_loaded(module: nn.Module, decoder: Optional[MoEDecoder]) -> None:
+    """Upcycle real weights only: not meta tensors, nor a model whose HF weights are still to come."""
+    if getattr(module, "_pending_hf_load", False):
+        raise ValueError("upcycle: the module's Hugging Face weights are not loaded yet; use "
+                         "MoELanguageModel.from_hf(path, materialize=True) before upcycling.")
+    if any(p.is_meta for p in (decoder or module).parameters()):
+        raise ValueError("upcycle: the model is on the meta device; materialize and load its weights first.")
+
+
 def _decoder_layers(module: nn.Module, decoder: Optional[MoEDecoder]) -> dict[int, DecoderLayer]:
     if decoder is not None:
         return {int(name): layer for name, layer in decoder.layers.items()}
@@ -219,6 +229,10 @@ def _update_model_config(module: nn.Module, decoder: MoEDecoder, cfg: MoEConfig)
     decoder.config = new_config
     if hasattr(module, "model_config"):
         module.model_config = new_config
+        if getattr(module, "hf_source", None) is not None:
+            # the imported checkpoint's HF config describes the dense model: save_hf must choose an
+            # MoE architecture for the new config instead of writing that one back
+            module.hf_source = None
         hparams = getattr(module, "hparams", None)
         if hparams is not None and "config" in hparams:
             hparams["config"] = new_config.to_dict()

@@ -142,3 +142,26 @@ def test_an_moe_model_with_no_dense_layer_is_refused():
     model = upcycle(_dense_model(), num_experts=4, router_topk=2)
     with pytest.raises(ValueError, match="no dense"):
         upcycle(model, num_experts=4, router_topk=2)
+
+
+def test_an_upcycled_lightning_module_fits_and_keeps_its_weights(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from lightning_moe.models import MoELanguageModel
+
+    module = MoELanguageModel(dict(vocab_size=97, hidden_size=32, num_layers=2, num_attention_heads=4,
+                                   ffn_hidden_size=48, max_seq_length=16), learning_rate=1e-5, warmup_steps=1)
+    module.configure_model()
+    dense = copy.deepcopy(module.model)
+    upcycle(module, num_experts=4, router_topk=2, granularity=2)
+    ids = _tokens(batch=8, seq=17, seed=4)
+    data = [{"input_ids": ids[i : i + 2, :-1], "labels": ids[i : i + 2, 1:]} for i in range(0, 8, 2)]
+    torch.testing.assert_close(module.model(data[0]["input_ids"]), dense(data[0]["input_ids"]), rtol=1e-5, atol=2e-6)
+    trainer = Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    layer = module.model.layers["0"].mlp
+    assert isinstance(layer, MoELayer) and trainer.global_step == 4
+    # trained from the upcycled weights (not re-initialised): still close to the dense model's output
+    logits = module.model(data[0]["input_ids"])
+    assert (logits - dense(data[0]["input_ids"])).abs().max() < 0.02
