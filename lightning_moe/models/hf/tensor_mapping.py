@@ -10,9 +10,10 @@ Every parameter of :class:`~lightning_moe.models.decoder.MoEDecoder` has one `Te
 - `RowBlocks`: a weight whose rows are HF tensors one after another (the shared expert's fused
   ``linear_fc1 [2F, D]`` = ``[gate_proj; up_proj]``).
 
-``read(checkpoint, box)`` builds the slice ``box`` of the parameter (its global indices) from
-only the matching slices of the HF tensors, which is what lets every rank of a sharded model
-read just what it holds; ``to_hf(full)`` splits a whole parameter into its HF tensors for export.
+``read_into(checkpoint, box, out)`` fills ``out`` with the slice ``box`` of the parameter (its
+global indices) from only the matching slices of the HF tensors, one HF slice at a time: every
+rank of a sharded model reads just what it holds, and no more than one HF tensor is in flight
+beside the model. ``to_hf(full)`` splits a whole parameter into its HF tensors for export.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
-import torch
 from torch import Tensor
 
 from lightning_moe.models.config import ModelConfig
@@ -31,8 +31,8 @@ class TensorSource(Protocol):
     def hf_shapes(self, shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
         """HF name -> shape that a parameter of global ``shape`` is made of."""
 
-    def read(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice]) -> Tensor:
-        """The slice ``box`` of the parameter, read from ``checkpoint``."""
+    def read_into(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice], out: Tensor) -> None:
+        """Copy the slice ``box`` of the parameter, read from ``checkpoint``, into ``out``."""
 
     def to_hf(self, full: Tensor) -> Iterator[tuple[str, Tensor]]:
         """The HF tensors of the whole parameter ``full``."""
@@ -45,8 +45,8 @@ class Same:
     def hf_shapes(self, shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
         return {self.name: tuple(shape)}
 
-    def read(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice]) -> Tensor:
-        return checkpoint.read(self.name, box)
+    def read_into(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice], out: Tensor) -> None:
+        out.copy_(checkpoint.read(self.name, box))
 
     def to_hf(self, full: Tensor) -> Iterator[tuple[str, Tensor]]:
         yield self.name, full
@@ -64,15 +64,15 @@ class StackedExperts:
         k, n = shape[1], shape[-1]
         return {name: (n, k) for per_expert in self.names for name in per_expert}
 
-    def read(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice]) -> Tensor:
+    def read_into(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice], out: Tensor) -> None:
         experts, k_rows, n_cols = box[0], box[1], box[-1]
         parts = box[2] if self.parts else slice(0, 1)
-        per_expert = []
         for e in range(experts.start, experts.stop):
-            # HF stores [N, K]: read the transposed box, then transpose it into our [K, N]
-            blocks = [checkpoint.read(self.names[e][p], (n_cols, k_rows)).T for p in range(parts.start, parts.stop)]
-            per_expert.append(torch.stack(blocks, dim=1) if self.parts else blocks[0])
-        return torch.stack(per_expert)
+            for p in range(parts.start, parts.stop):
+                # HF stores [N, K]: read the transposed box, copy it transposed into our [K, N]
+                block_NK = checkpoint.read(self.names[e][p], (n_cols, k_rows))
+                target_KN = out[e - experts.start, :, p - parts.start] if self.parts else out[e - experts.start]
+                target_KN.copy_(block_NK.T)
 
     def to_hf(self, full: Tensor) -> Iterator[tuple[str, Tensor]]:
         for e, per_expert in enumerate(self.names):
@@ -91,15 +91,15 @@ class RowBlocks:
         rows = shape[0] // len(self.names)
         return {name: (rows, *shape[1:]) for name in self.names}
 
-    def read(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice]) -> Tensor:
-        pieces, start = [], 0
+    def read_into(self, checkpoint: SafetensorsCheckpoint, box: Sequence[slice], out: Tensor) -> None:
+        start = 0
         for name in self.names:
             rows = checkpoint.shape(name)[0]
             lo, hi = max(box[0].start, start), min(box[0].stop, start + rows)
             if lo < hi:
-                pieces.append(checkpoint.read(name, (slice(lo - start, hi - start), *box[1:])))
+                block = checkpoint.read(name, (slice(lo - start, hi - start), *box[1:]))
+                out[lo - box[0].start : hi - box[0].start].copy_(block)
             start += rows
-        return torch.cat(pieces)
 
     def to_hf(self, full: Tensor) -> Iterator[tuple[str, Tensor]]:
         for name, block in zip(self.names, full.chunk(len(self.names))):

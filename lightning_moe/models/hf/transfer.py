@@ -72,7 +72,7 @@ def load_hf_weights(model: MoEDecoder, path: str | Path, arch: str) -> int:
         for name, param in params.items():
             local, box = local_block(param)
             if local.numel():
-                local.copy_(sources[name].read(checkpoint, box))
+                sources[name].read_into(checkpoint, box, local)
         for moe in model.moe_layers():
             moe.router.reset_step_state()
             if moe.router.expert_bias is not None:
