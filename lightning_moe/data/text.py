@@ -1,15 +1,16 @@
 """Local text for fine-tuning: read documents, tokenize them with a local tokenizer, pack them.
 
 * **Documents.** A ``.jsonl`` file holds one document per line, the string in ``text_field``
-  (default "text"; blank lines are skipped). Any other file (``.txt``, ``.md``, ...) is one
-  document. A directory stands for its files with these suffixes (``TEXT_SUFFIXES``), recursively,
+  (default "text"; blank lines are skipped); a ``.json`` file a list of such objects. Any other
+  file (``.txt``, ``.md``, ...) is one document. A directory stands for its files with these suffixes (``TEXT_SUFFIXES``), recursively,
   in sorted order. Files are read in the order given.
 * **Tokenizer.** A local Hugging Face tokenizer directory (``save_pretrained``'s layout: at least
   ``tokenizer.json`` or the slow tokenizer's files and ``tokenizer_config.json``), loaded with
   ``transformers.AutoTokenizer.from_pretrained(dir, local_files_only=True)``: nothing is
   downloaded. Documents are tokenized without the tokenizer's special tokens, and its EOS token
   follows each one, so the model learns where a document ends; a tokenizer without an EOS token
-  is refused.
+  is refused. A tokenizer that puts its BOS token before a text itself (Llama's) gets BOS before
+  each document too; one that does not (Qwen's) gets none.
 * **Packing.** The documents' tokens are concatenated into one stream (document, EOS, document,
   EOS, ...) and cut into windows of ``S + 1`` tokens as `TokenWindowDataset` does (input = the
   first ``S``, labels = the last ``S``: labels are already shifted). The last, partial window is
@@ -37,7 +38,7 @@ from torch.utils.data import Dataset
 from lightning_moe.errors import InputError
 
 IGNORE_INDEX = -100
-TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json")
 _BATCH_DOCUMENTS = 512  # documents per tokenizer call
 
 
@@ -70,6 +71,9 @@ def text_files(paths: Union[str, Sequence[str]]) -> list[Path]:
 def read_documents(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
     """Every document of ``files`` (see the module doc), in order."""
     for path in files:
+        if path.suffix == ".json":
+            yield from _json_documents(path, text_field)
+            continue
         if path.suffix != ".jsonl":
             yield path.read_text(encoding="utf-8")
             continue
@@ -87,6 +91,22 @@ def read_documents(files: Sequence[Path], text_field: str = "text") -> Iterator[
                     raise TextDataError(f"{path}:{line_number}: no string field {text_field!r}; set text_field to the "
                                         "field holding the text.")
                 yield text
+
+
+def _json_documents(path: Path, text_field: str) -> Iterator[str]:
+    """The documents of a ``.json`` file: a list of objects with a string in ``text_field``."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise TextDataError(f"{path}: not JSON ({err.msg} at line {err.lineno}).") from None
+    if not isinstance(records, list):
+        raise TextDataError(f"{path}: a .json file must hold a list of objects (or use .jsonl, one per line).")
+    for i, record in enumerate(records):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise TextDataError(f"{path}: item {i} has no string field {text_field!r}; set text_field to the field "
+                                "holding the text.")
+        yield text
 
 
 def load_tokenizer(path: str) -> Any:
@@ -108,14 +128,22 @@ def load_tokenizer(path: str) -> Any:
     return tokenizer
 
 
+def leading_bos(tokenizer: Any) -> list[int]:
+    """``[bos_token_id]`` when the tokenizer puts BOS before a text by itself (Llama), else ``[]``."""
+    bos = tokenizer.bos_token_id
+    added = tokenizer("", add_special_tokens=True)["input_ids"]
+    return [bos] if bos is not None and added[:1] == [bos] else []
+
+
 def tokenize_documents(tokenizer: Any, documents: Sequence[str]) -> np.ndarray:
-    """One ``int32`` stream: each document's tokens (no special tokens) followed by EOS."""
-    eos = tokenizer.eos_token_id
+    """One ``int32`` stream: each document's tokens (no special tokens) followed by EOS, preceded by
+    BOS where the tokenizer adds one itself (:func:`leading_bos`)."""
+    bos, eos = leading_bos(tokenizer), [tokenizer.eos_token_id]
     pieces: list[np.ndarray] = []
     for start in range(0, len(documents), _BATCH_DOCUMENTS):
         batch = list(documents[start : start + _BATCH_DOCUMENTS])
         for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
-            pieces.append(np.asarray(ids + [eos], dtype=np.int32))
+            pieces.append(np.asarray(bos + ids + eos, dtype=np.int32))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
 
 
@@ -178,6 +206,7 @@ __all__ = [
     "PackedTokenDataset",
     "TextDataError",
     "build_text_datasets",
+    "leading_bos",
     "load_tokenizer",
     "read_documents",
     "split_documents",

@@ -19,8 +19,10 @@ from lightning_moe.data.text import (
     TextDataError,
     build_text_datasets,
     load_tokenizer,
+    leading_bos,
     read_documents,
     text_files,
+    tokenize_documents,
 )
 
 WORDS = ("the expert router sends every token to two experts and the experts send it back "
@@ -128,6 +130,29 @@ def test_bad_inputs_fail_early_naming_the_fix(tokenizer_dir, text_dir, tmp_path)
     with pytest.raises(TextDataError, match="bad.jsonl:1: not a JSON object"):
         list(read_documents([tmp_path / "bad.jsonl"]))
     assert len(PackedTokenDataset(np.zeros(1, dtype=np.int32), 4, 0)) == 0
+
+
+def test_json_lists_and_a_tokenizer_that_adds_bos(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "d.json").write_text(json.dumps([{"body": "a b"}, {"body": "b a a"}]))
+    docs = list(read_documents(text_files(str(tmp_path / "d.json")), text_field="body"))
+    assert docs == ["a b", "b a a"]
+    (tmp_path / "bad.json").write_text(json.dumps({"body": "a"}))
+    with pytest.raises(TextDataError, match="list of objects"):
+        list(read_documents([tmp_path / "bad.json"]))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}
+    word = Tokenizer(models.WordLevel(vocab, "<unk>"))
+    word.pre_tokenizer = pre_tokenizers.Whitespace()
+    word.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    llama_like = PreTrainedTokenizerFast(tokenizer_object=word, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert leading_bos(llama_like) == [1]
+    np.testing.assert_array_equal(tokenize_documents(llama_like, docs), [1, 3, 4, 2, 1, 4, 3, 3, 2])
+    word.post_processor = None
+    qwen_like = PreTrainedTokenizerFast(tokenizer_object=word, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert leading_bos(qwen_like) == []
+    np.testing.assert_array_equal(tokenize_documents(qwen_like, docs), [3, 4, 2, 4, 3, 3, 2])
 
 
 def test_no_eos_tokenizer_is_refused(tmp_path):

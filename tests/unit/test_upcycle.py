@@ -165,3 +165,7 @@ def test_an_upcycled_lightning_module_fits_and_keeps_its_weights(tmp_path):
     # trained from the upcycled weights (not re-initialised): still close to the dense model's output
     logits = module.model(data[0]["input_ids"])
     assert (logits - dense(data[0]["input_ids"])).abs().max() < 0.02
+    trainer.save_checkpoint(tmp_path / "upcycled.ckpt")
+    restored = MoELanguageModel.load_from_checkpoint(tmp_path / "upcycled.ckpt", weights_only=True)
+    assert restored.model_config.moe_layer_pattern == [True, True]
+    torch.testing.assert_close(restored.model(data[0]["input_ids"]), logits, rtol=0, atol=0)
