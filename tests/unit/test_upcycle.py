@@ -169,3 +169,22 @@ def test_an_upcycled_lightning_module_fits_and_keeps_its_weights(tmp_path):
     restored = MoELanguageModel.load_from_checkpoint(tmp_path / "upcycled.ckpt", weights_only=True)
     assert restored.model_config.moe_layer_pattern == [True, True]
     torch.testing.assert_close(restored.model(data[0]["input_ids"]), logits, rtol=0, atol=0)
+
+
+def test_an_upcycled_model_exports_to_transformers_with_the_dense_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_moe.models import MoELanguageModel
+
+    torch.manual_seed(0)
+    module = MoELanguageModel(dict(vocab_size=97, hidden_size=32, num_layers=2, num_attention_heads=4,
+                                   num_query_groups=2, ffn_hidden_size=48, max_seq_length=16, qk_norm=True))
+    module.configure_model()
+    ids = _tokens(seq=10)
+    with torch.no_grad():
+        want = module.model(ids)
+    upcycle(module, num_experts=4, router_topk=2, granularity=2)
+    module.save_hf(tmp_path / "hf")  # Qwen3-MoE: softmax then top-k renormalised, as the upcycled router
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.model_type == "qwen3_moe"
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, want, rtol=1e-5, atol=2e-6)
