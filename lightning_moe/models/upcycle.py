@@ -233,6 +233,8 @@ def _update_model_config(module: nn.Module, decoder: MoEDecoder, cfg: MoEConfig)
             # the imported checkpoint's HF config describes the dense model: save_hf must choose an
             # MoE architecture for the new config instead of writing that one back
             module.hf_source = None
-        hparams = getattr(module, "hparams", None)
-        if hparams is not None and "config" in hparams:
-            hparams["config"] = new_config.to_dict()
+        # what checkpoints save (hparams) and what loggers write (Lightning keeps a copy of the
+        # initial hyperparameters for them)
+        for hparams in (getattr(module, "hparams", None), getattr(module, "_hparams_initial", None)):
+            if hparams is not None and "config" in hparams:
+                hparams["config"] = new_config.to_dict()

@@ -101,6 +101,7 @@ def test_a_lightning_module_gets_its_config_and_hyperparameters_updated():
     assert isinstance(module.model.layers["1"].mlp, MoELayer)
     assert isinstance(module.model.layers["0"].mlp, DenseMLP)
     assert module.model_config.moe_layer_pattern == [False, True]
+    assert module.hparams_initial["config"]["moe_layer_freq"] == [0, 1]  # what loggers write
     rebuilt = MoELanguageModel(module.hparams["config"])
     rebuilt.configure_model()
     rebuilt.model.load_state_dict(module.model.state_dict())  # the same parameter names and shapes
