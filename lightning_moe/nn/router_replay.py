@@ -115,9 +115,10 @@ class RouterReplay:
     @contextmanager
     def record(cls, model: nn.Module) -> Iterator["RouterReplay"]:
         """Record every forward of ``model``'s routers inside the ``with`` block; yields the recording."""
-        recording = cls({name: [] for name in _routers(model)})
+        routers = _routers(model)
+        recording = cls({name: [] for name in routers})
         handles = []
-        for name, router in _routers(model).items():
+        for name, router in routers.items():
             def save(module: TopKRouter, args, result: RoutingResult, name: str = name) -> None:
                 keep = None if result.keep_TK is None else result.keep_TK.detach()
                 recording.routings[name].append(ReplayedRouting(result.experts_TK.detach(), keep,
