@@ -171,7 +171,8 @@ class MoELanguageModel(LightningModule):
     ) -> "MoELanguageModel":
         """A module with the config and weights of a Hugging Face checkpoint directory (as
         transformers' ``save_pretrained`` writes it: ``config.json`` and ``model.safetensors`` or
-        shards with ``model.safetensors.index.json``) of a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE model.
+        shards with ``model.safetensors.index.json``) of a Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE or
+        DeepSeek-V3 model.
 
         Args:
             path: the checkpoint directory.
@@ -211,9 +212,9 @@ class MoELanguageModel(LightningModule):
         rank (each parameter is gathered in turn; rank 0 writes).
 
         Args:
-            architecture: "qwen3_moe", "qwen2_moe", "mixtral" or "olmoe"; None: the one the model was
-                imported from, else the first that expresses its config (`ValueError` naming what
-                cannot be expressed otherwise).
+            architecture: "qwen3_moe", "qwen2_moe", "mixtral", "olmoe" or "deepseek_v3"; None: the
+                one the model was imported from, else the first that expresses its config
+                (`ValueError` naming what cannot be expressed otherwise).
             dtype: of the saved tensors (None: each parameter's own, fp32 masters).
             max_shard_size: bytes per safetensors shard; more than one shard adds an index.
         """

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints of the reference decoder: Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE.
+"""Hugging Face checkpoints of the reference decoder: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and DeepSeek-V3.
 
 - `config_mapping`: HF ``config.json`` <-> `ModelConfig`, and what each architecture can express.
 - `tensor_mapping`: which HF tensors make each parameter (per-expert tensors <-> grouped layout).

@@ -10,6 +10,8 @@ qwen3_moe     per-head qk-norm, ``moe_intermediate_size`` experts, dense blocks 
 qwen2_moe     q/k/v biases, a shared expert gated by ``sigmoid(x @ w)``, dense blocks as Qwen3
 mixtral       experts of width ``intermediate_size``, top-k always renormalised
 olmoe         qk-norm over the whole query / key projection, experts of ``intermediate_size``
+deepseek_v3   multi-head latent attention, sigmoid group-limited routing with a correction
+              bias, shared experts, dense first blocks (`lightning_moe.models.hf.deepseek_v3`)
 ============  ==========================================================================
 
 Routing: HF takes a softmax over all experts, picks the top k and, with ``norm_topk_prob``
@@ -25,15 +27,17 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.hf import deepseek_v3
 
 ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # Architectures tried, in this order, when a model that did not come from HF is exported.
-EXPORT_PREFERENCE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+EXPORT_PREFERENCE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
@@ -51,6 +55,8 @@ def model_config_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     """``ModelConfig`` keyword arguments (``moe`` as a dict) equivalent to an HF ``config.json``."""
     arch = architecture_of(hf_config)
     _refuse_unsupported(hf_config, arch)
+    if arch == deepseek_v3.MODEL_TYPE:
+        return deepseek_v3.model_config_fields(hf_config)
     get = hf_config.get
     heads = get("num_attention_heads")
     fields: dict[str, Any] = dict(
@@ -138,10 +144,14 @@ def _refuse_unsupported(hf_config: dict[str, Any], arch: str) -> None:
 
 def unexpressible(cfg: ModelConfig, arch: str) -> list[str]:
     """What of ``cfg`` the HF architecture ``arch`` cannot express (empty: it can)."""
+    if arch == deepseek_v3.MODEL_TYPE:
+        return deepseek_v3.unexpressible(cfg)
     moe = cfg.moe
     problems = []
     if moe is None:
         return ["a dense model (no MoE layer)"]
+    if cfg.attention_type != "gqa" or cfg.rope_scaling is not None:
+        problems.append(f"attention_type={cfg.attention_type!r} / rope_scaling={cfg.rope_scaling!r}")
     if moe.router_score_function != "softmax":
         problems.append(f"router_score_function={moe.router_score_function!r}")
     for name in ("router_num_groups", "router_topk_scaling_factor", "expert_capacity_factor", "z_loss_coeff"):
@@ -197,6 +207,8 @@ def hf_config_dict(cfg: ModelConfig, arch: str, base: Optional[dict[str, Any]] =
     ``base``: the config the model was imported from; its other entries (token ids, generation
     settings, ...) are kept, the ones describing the computation are rewritten from ``cfg``.
     """
+    if arch == deepseek_v3.MODEL_TYPE:
+        return deepseek_v3.hf_config_dict(cfg, base, dtype)
     moe = cfg.moe
     out = dict(base or {})
     out.pop("rope_scaling", None)

@@ -9,6 +9,11 @@ Every parameter of :class:`~lightning_moe.models.decoder.MoEDecoder` has one `Te
   ``fc2_weight [E, F, D]`` holds ``down_proj``/``w2`` ``[D, F]`` transposed.
 - `RowBlocks`: a weight whose rows are HF tensors one after another (the shared expert's fused
   ``linear_fc1 [2F, D]`` = ``[gate_proj; up_proj]``).
+- `InterleavedRope` (``rope_layout``): DeepSeek-V3's attention weights whose rotary rows are
+  interleaved in the checkpoint.
+
+`buffer_sources` does the same for the router state an architecture stores (DeepSeek-V3's
+``e_score_correction_bias``, our ``expert_bias``).
 
 ``read_into(checkpoint, box, out)`` fills ``out`` with the slice ``box`` of the parameter (its
 global indices) from only the matching slices of the HF tensors, one HF slice at a time: every
@@ -25,6 +30,7 @@ from torch import Tensor
 
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.hf.reader import HFCheckpointError, SafetensorsCheckpoint
+from lightning_moe.models.hf.rope_layout import InterleavedRope
 
 
 class TensorSource(Protocol):
@@ -126,8 +132,11 @@ def parameter_sources(cfg: ModelConfig, arch: str) -> dict[str, TensorSource]:
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         sources[f"{ours}.attention_norm.weight"] = Same(f"{theirs}.input_layernorm.weight")
         sources[f"{ours}.mlp_norm.weight"] = Same(f"{theirs}.post_attention_layernorm.weight")
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sources[f"{ours}.attention.{proj}.weight"] = Same(f"{theirs}.self_attn.{proj}.weight")
+        if cfg.attention_type == "mla":
+            sources.update(_latent_attention_sources(cfg, f"{ours}.attention", f"{theirs}.self_attn"))
+        else:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                sources[f"{ours}.attention.{proj}.weight"] = Same(f"{theirs}.self_attn.{proj}.weight")
         if cfg.add_qkv_bias:
             for proj in ("q_proj", "k_proj", "v_proj"):
                 sources[f"{ours}.attention.{proj}.bias"] = Same(f"{theirs}.self_attn.{proj}.bias")
@@ -148,7 +157,7 @@ def parameter_sources(cfg: ModelConfig, arch: str) -> dict[str, TensorSource]:
             tuple((f"{moe}.experts.{e}.{down}.weight",) for e in experts), parts=False
         )
         if cfg.moe.shared_expert_intermediate_size is not None:
-            shared = f"{moe}.shared_expert"
+            shared = f"{moe}.shared_experts" if arch == "deepseek_v3" else f"{moe}.shared_expert"
             sources[f"{ours}.mlp.shared_experts.linear_fc1.weight"] = RowBlocks(
                 (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
             )
@@ -156,6 +165,36 @@ def parameter_sources(cfg: ModelConfig, arch: str) -> dict[str, TensorSource]:
             if cfg.moe.shared_expert_gate:
                 sources[f"{ours}.mlp.shared_experts.gate_weight"] = Same(f"{moe}.shared_expert_gate.weight")
     return sources
+
+
+def _latent_attention_sources(cfg: ModelConfig, ours: str, theirs: str) -> dict[str, TensorSource]:
+    """DeepSeek-V3's MLA: the same names; the rotary rows of the query up-projection (per head)
+    and of ``kv_a_proj_with_mqa`` (after the latent) are interleaved in the checkpoint."""
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q_up = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
+    sources: dict[str, TensorSource] = {
+        f"{ours}.{q_up}.weight": InterleavedRope(f"{theirs}.{q_up}.weight", nope + rope, nope, rope),
+        f"{ours}.kv_a_proj_with_mqa.weight": InterleavedRope(
+            f"{theirs}.kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + rope, cfg.kv_lora_rank, rope
+        ),
+    }
+    same = ["kv_a_layernorm", "kv_b_proj", "o_proj"]
+    if cfg.q_lora_rank is not None:
+        same += ["q_a_proj", "q_a_layernorm"]
+    for name in same:
+        sources[f"{ours}.{name}.weight"] = Same(f"{theirs}.{name}.weight")
+    return sources
+
+
+def buffer_sources(cfg: ModelConfig, arch: str) -> dict[str, TensorSource]:
+    """Our buffer name -> its `TensorSource`, for the router state ``arch`` checkpoints hold."""
+    if arch != "deepseek_v3":
+        return {}
+    return {
+        f"layers.{i}.mlp.router.expert_bias": Same(f"model.layers.{i}.mlp.gate.e_score_correction_bias")
+        for i, is_moe in enumerate(cfg.moe_layer_pattern)
+        if is_moe
+    }
 
 
 def check_against_checkpoint(

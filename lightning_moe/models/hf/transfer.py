@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_moe.models.decoder import MoEDecoder
 from lightning_moe.models.hf.config_mapping import hf_config_dict
 from lightning_moe.models.hf.reader import HFCheckpointError, SafetensorsCheckpoint
-from lightning_moe.models.hf.tensor_mapping import check_against_checkpoint, parameter_sources
+from lightning_moe.models.hf.tensor_mapping import buffer_sources, check_against_checkpoint, parameter_sources
 from lightning_moe.models.hf.writer import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter
 
 # HF tensors that carry no weights of their own: a tied output projection some checkpoints
@@ -46,8 +46,15 @@ def local_block(param: Tensor) -> tuple[Tensor, tuple[slice, ...]]:
     return local, tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
-def _ignorable(model: MoEDecoder, checkpoint: SafetensorsCheckpoint) -> frozenset[str]:
+def _ignorable(model: MoEDecoder, checkpoint: SafetensorsCheckpoint, arch: str) -> frozenset[str]:
     names = {n for n in checkpoint.names() if n.endswith("rotary_emb.inv_freq")}
+    if arch == "deepseek_v3":
+        # DeepSeek-V3's multi-token-prediction module is stored as the layers after the last
+        # block (model.layers.61 in the released checkpoint); the decoder has no such module.
+        for name in checkpoint.names():
+            parts = name.split(".")
+            if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= model.config.num_layers:
+                names.add(name)
     if model.config.tie_word_embeddings:
         names.add(_TIED_OUTPUT)
     return frozenset(names)
@@ -58,25 +65,29 @@ def load_hf_weights(model: MoEDecoder, path: str | Path, arch: str) -> int:
     """Fill every parameter of ``model`` (built from the checkpoint's config) from the HF
     checkpoint at ``path``, reading only this rank's blocks; returns the bytes read.
 
-    Router state buffers are reset (zero counts, zero expert bias): HF checkpoints of these
-    architectures hold none. Raises `HFCheckpointError` before reading anything when the
-    checkpoint lacks a tensor, has one of another shape, or holds one the model would ignore.
+    Router state buffers are reset (zero counts, zero expert bias), then the expert bias is read
+    where the architecture stores one (DeepSeek-V3's ``e_score_correction_bias``). Raises
+    `HFCheckpointError` before reading anything when the checkpoint lacks a tensor, has one of
+    another shape, or holds one the model would ignore.
     """
     params = dict(model.named_parameters())
     if any(p.is_meta for p in params.values()):
         raise RuntimeError("load_hf_weights needs materialized parameters (to_empty() the meta model first).")
-    sources = parameter_sources(model.config, arch)
+    stored_buffers = buffer_sources(model.config, arch)
+    sources = {**parameter_sources(model.config, arch), **stored_buffers}
+    buffers = dict(model.named_buffers())
+    tensors = {**params, **{name: buffers[name] for name in stored_buffers}}
     with SafetensorsCheckpoint(path) as checkpoint:
-        shapes = {name: tuple(param.shape) for name, param in params.items()}
-        check_against_checkpoint(sources, shapes, checkpoint, _ignorable(model, checkpoint))
-        for name, param in params.items():
-            local, box = local_block(param)
-            if local.numel():
-                sources[name].read_into(checkpoint, box, local)
-        for moe in model.moe_layers():
+        shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+        check_against_checkpoint(sources, shapes, checkpoint, _ignorable(model, checkpoint, arch))
+        for moe in model.moe_layers():  # before reading: a checkpoint may hold the expert bias
             moe.router.reset_step_state()
             if moe.router.expert_bias is not None:
                 moe.router.expert_bias.zero_()
+        for name, tensor in tensors.items():
+            local, box = local_block(tensor)
+            if local.numel():
+                sources[name].read_into(checkpoint, box, local)
         return checkpoint.bytes_read
 
 
@@ -98,17 +109,21 @@ def save_hf_weights(
     (None on other ranks)."""
     from torch.distributed.tensor import DTensor
 
-    sources = parameter_sources(model.config, arch)
+    stored_buffers = buffer_sources(model.config, arch)
+    sources = {**parameter_sources(model.config, arch), **stored_buffers}
     params = dict(model.named_parameters())
     unmapped = sorted(set(params) - set(sources))
     if unmapped:
         raise HFCheckpointError(f"the model's parameters {unmapped[:5]} have no {arch} tensor.")
     writer = ShardedSafetensorsWriter(path, max_shard_bytes) if _rank() == 0 else None
-    for name, param in params.items():
+    buffers = dict(model.named_buffers())
+    for name, param in [*params.items(), *((name, buffers[name]) for name in stored_buffers)]:
         full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
         if writer is None:
             continue
-        for hf_name, tensor in sources[name].to_hf(full.to(dtype or full.dtype)):
+        # Router state (the expert bias) stays fp32 whatever the weights' dtype, as DeepSeek stores it.
+        cast = full if name in stored_buffers else full.to(dtype or full.dtype)
+        for hf_name, tensor in sources[name].to_hf(cast):
             writer.add(hf_name, tensor)
     if writer is None:
         return None
