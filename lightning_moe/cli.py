@@ -9,7 +9,8 @@
     lightning-moe fit --config examples/configs/tiny_cpu.yaml --print_config         # resolved YAML
     python -m lightning_moe fit ...                                                  # the same
 
-Subcommands: ``fit``, ``validate`` and ``test`` (the held-out split). Everything else is LightningCLI's: ``--config``
+Subcommands: ``fit``, ``validate`` and ``test`` (the held-out split); ``convert`` turns a Hugging
+Face checkpoint directory into a distributed checkpoint and back (``lightning-moe convert --help``). Everything else is LightningCLI's: ``--config``
 (repeatable, later wins), ``--print_config``, ``--seed_everything``, ``--trainer.*``, ``--model.*``,
 ``--data.*``, ``--ckpt_path``, ``--optimizer`` / ``--lr_scheduler`` (replace the model's AdamW +
 warmup-cosine).
@@ -350,7 +351,14 @@ def _plain(value: Any) -> Any:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of ``lightning-moe`` and ``python -m lightning_moe``."""
+    """Entry point of ``lightning-moe`` and ``python -m lightning_moe``; ``convert`` (HF checkpoints
+    <-> distributed checkpoints, `lightning_moe.models.hf.convert`) runs outside LightningCLI."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["convert"]:
+        from lightning_moe.models.hf.convert import main as convert
+
+        convert(argv[1:])
+        return
     MoECLI(args=args)
 
 

@@ -8,6 +8,7 @@ and materializes it; the module then reads the HF weights before validation star
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,45 +48,68 @@ def relative_error(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-def _run(rank, world_size, hf_dir, out_dir, strategy_kwargs, want):
+def _validate(module, strategy_kwargs, world_size, check, ckpt_path=None):
+    """One validation run of ``module`` under MegatronMoEStrategy; ``check(module)`` runs after it."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
-    from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader
 
     from lightning_moe import MegatronMoEStrategy
-    from lightning_moe.models import MoELanguageModel
-    from lightning_moe.models.hf import SafetensorsCheckpoint, load_hf_weights
-    from lightning_moe.models.hf.transfer import bytes_of
-
-    report = {}
 
     class Check(Callback):
         def on_validation_end(self, trainer, module):
-            module.eval()
-            with torch.no_grad():
-                report["error"] = relative_error(module(IDS), want)
-                # read again into zeroed shards: the bytes this rank reads are its blocks only
-                for param in module.model.parameters():
-                    (param.to_local() if isinstance(param, DTensor) else param).data.zero_()
-                report["bytes_read"] = load_hf_weights(module.model, hf_dir, module.hf_source[1])
-                report["local_bytes"] = bytes_of(module.model)  # fp32 shards of an fp32 checkpoint
-                report["error_reloaded"] = relative_error(module(IDS), want)
-            report["sharded"] = sorted(n for n, p in module.model.named_parameters() if isinstance(p, DTensor))
-            module.save_hf(out_dir)
+            check(module.eval())
 
-    module = MoELanguageModel.from_hf(hf_dir, materialize=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=MegatronMoEStrategy(print_layout=False, **strategy_kwargs),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Check()], use_distributed_sampler=False,
     )
     batch = {"input_ids": IDS, "labels": torch.roll(IDS, -1, dims=1)}
-    trainer.validate(module, dataloaders=DataLoader([batch], batch_size=None), verbose=False)
+    trainer.validate(module, dataloaders=DataLoader([batch], batch_size=None), ckpt_path=ckpt_path, verbose=False)
+
+
+def _import_check_export(rank, world_size, hf_dir, out_dir, strategy_kwargs, want):
+    from torch.distributed.tensor import DTensor
+
+    from lightning_moe.models import MoELanguageModel
+    from lightning_moe.models.hf import SafetensorsCheckpoint, load_hf_weights
+    from lightning_moe.models.hf.transfer import bytes_of
+
+    report = {}
+
+    @torch.no_grad()
+    def check(module):
+        report["error"] = relative_error(module(IDS), want)
+        # read again into zeroed shards: the bytes this rank reads are its blocks only
+        for param in module.model.parameters():
+            (param.to_local() if isinstance(param, DTensor) else param).data.zero_()
+        report["bytes_read"] = load_hf_weights(module.model, hf_dir, module.hf_source[1])
+        report["local_bytes"] = bytes_of(module.model)  # fp32 shards of an fp32 checkpoint
+        report["error_reloaded"] = relative_error(module(IDS), want)
+        report["sharded"] = sorted(n for n, p in module.model.named_parameters() if isinstance(p, DTensor))
+        module.save_hf(out_dir)
+
+    _validate(MoELanguageModel.from_hf(hf_dir, materialize=False), strategy_kwargs, world_size, check)
     with SafetensorsCheckpoint(hf_dir) as checkpoint:
         report["checkpoint_bytes"] = sum(
             checkpoint.dtype(n).itemsize * torch.Size(checkpoint.shape(n)).numel() for n in checkpoint.names()
         )
+    return report
+
+
+def _restore_converted(rank, world_size, ckpt_dir, strategy_kwargs, want):
+    """A converted checkpoint restored by the strategy (``ckpt_path``; DCP reshards it)."""
+    from lightning_moe.models import MoELanguageModel
+
+    report = {}
+
+    @torch.no_grad()
+    def check(module):
+        report["error"] = relative_error(module(IDS), want)
+
+    meta = torch.load(Path(ckpt_dir) / "meta.pt", weights_only=True)
+    _validate(MoELanguageModel(**meta["hyper_parameters"]), strategy_kwargs, world_size, check, ckpt_path=ckpt_dir)
     return report
 
 
@@ -97,8 +121,8 @@ LAYOUTS = {"ep2": dict(expert_parallel_size=2), "tp2": dict(tensor_parallel_size
 @pytest.mark.parametrize("arch, layout", CASES)
 def test_parallel_import_and_export_match_transformers(tmp_path, arch, layout):
     want = save_hf_model(arch, tmp_path / "hf")
-    reports = run_distributed(_run, WORLD, str(tmp_path / "hf"), str(tmp_path / "out"), LAYOUTS[layout], want,
-                              timeout=120)
+    reports = run_distributed(_import_check_export, WORLD, str(tmp_path / "hf"), str(tmp_path / "out"),
+                              LAYOUTS[layout], want, timeout=120)
     for report in reports:
         assert report["error"] < 1e-4 and report["error_reloaded"] < 1e-4, report
         if layout == "ep2":
@@ -119,4 +143,14 @@ def test_parallel_import_and_export_match_transformers(tmp_path, arch, layout):
 def test_projection_qk_norm_is_refused_under_tensor_parallelism(tmp_path):
     save_hf_model("olmoe", tmp_path / "hf")
     with pytest.raises(Exception, match="qk_norm_scope='projection'"):
-        run_distributed(_run, WORLD, str(tmp_path / "hf"), str(tmp_path / "out"), LAYOUTS["tp2"], None, timeout=60)
+        run_distributed(_import_check_export, WORLD, str(tmp_path / "hf"), str(tmp_path / "out"), LAYOUTS["tp2"],
+                        None, timeout=60)
+
+
+def test_converted_checkpoint_loads_under_expert_parallelism(tmp_path):
+    from lightning_moe.models.hf.convert import hf_to_checkpoint
+
+    want = save_hf_model("qwen2_moe", tmp_path / "hf")
+    hf_to_checkpoint(tmp_path / "hf", tmp_path / "ckpt")
+    reports = run_distributed(_restore_converted, WORLD, str(tmp_path / "ckpt"), LAYOUTS["ep2"], want, timeout=120)
+    assert all(report["error"] < 1e-4 for report in reports), reports

@@ -1,0 +1,47 @@
+"""``lightning-moe convert``: HF directory -> distributed checkpoint -> HF directory, same logits."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_moe.cli import main  # noqa: E402
+from lightning_moe.models import MoELanguageModel  # noqa: E402
+from lightning_moe.parallel.checkpoint import META_FILE  # noqa: E402
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, num_experts_per_tok=2, num_experts=4, moe_intermediate_size=16,
+              shared_expert_intermediate_size=24, bos_token_id=3, eos_token_id=5)
+
+
+def test_convert_round_trip_keeps_weights_and_config(tmp_path):
+    torch.manual_seed(0)
+    reference = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**CONFIG)).eval()
+    reference.save_pretrained(tmp_path / "hf")
+    main(["convert", "hf-to-checkpoint", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
+    meta = torch.load(tmp_path / "ckpt" / META_FILE, weights_only=True)
+    assert meta["global_step"] == 0 and meta["hyper_parameters"]["config"]["add_qkv_bias"]
+    main(["convert", "checkpoint-to-hf", str(tmp_path), str(tmp_path / "back"), "--max-shard-size", "50000"])
+    assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (3, 5)  # kept from the original config.json
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        want = reference(ids).logits
+        torch.testing.assert_close(reloaded(ids).logits, want, rtol=0, atol=0)
+        # the checkpoint also loads as the module trained from it would be
+        module = MoELanguageModel.from_hf(tmp_path / "back").eval()
+        assert ((module(ids) - want).norm() / want.norm()).item() < 1e-4
+
+
+def test_convert_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "hf-to-checkpoint", str(tmp_path / "missing"), str(tmp_path / "ckpt")])
+    assert exit_info.value.code == 2
+    assert "config.json does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["convert", "checkpoint-to-hf", str(tmp_path), str(tmp_path / "out")])
+    assert "is not a lightning_moe checkpoint" in capsys.readouterr().err
