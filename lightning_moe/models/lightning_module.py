@@ -25,6 +25,8 @@ from lightning_moe.models.presets import apply_overrides, get_preset
 from lightning_moe.nn.moe_layer import MoELayer
 from lightning_moe.resume import record_mid_epoch_stop
 
+HF_SOURCE_KEY = "hf_source"  # checkpoint entry: the HF architecture and config.json imported from
+
 
 def resolve_model_config(
     config: Union[str, ModelConfig, dict[str, Any]], overrides: Optional[dict[str, Any]] = None
@@ -155,9 +157,11 @@ class MoELanguageModel(LightningModule):
         self.model: Optional[MoEDecoder] = None
         self._val_loss_sum: Optional[Tensor] = None
         self._val_tokens: Optional[Tensor] = None
-        # Set by `from_hf`: the HF checkpoint (path, architecture, its config.json) the weights come
-        # from; `_pending_hf_load` while they still have to be read into the built model.
-        self.hf_source: Optional[tuple[str, str, dict[str, Any]]] = None
+        # Set by `from_hf`: the HF checkpoint the weights come from ({"path", "model_type", "config":
+        # its config.json}; kept in this module's checkpoints without the path, so that `save_hf`
+        # writes the same architecture and token ids back); `_pending_hf_load` while the weights
+        # still have to be read into the built model.
+        self.hf_source: Optional[dict[str, Any]] = None
         self._pending_hf_load = False
 
     @classmethod
@@ -191,7 +195,7 @@ class MoELanguageModel(LightningModule):
         hf_config = read_hf_config(path)
         arch = architecture_of(hf_config)
         module = cls(model_config_fields(hf_config), overrides=overrides, **(module_kwargs or {}))
-        module.hf_source = (str(path), arch, hf_config)
+        module.hf_source = {"path": str(path), "model_type": arch, "config": hf_config}
         module._pending_hf_load = True
         if materialize:
             with torch.device("meta"):
@@ -223,8 +227,8 @@ class MoELanguageModel(LightningModule):
         if self.model is None or any(p.is_meta for p in self.model.parameters()):
             raise RuntimeError("save_hf needs the built model with its weights (configure_model, then a fit or load).")
         base = None
-        if self.hf_source is not None and architecture in (None, self.hf_source[1]):
-            architecture, base = self.hf_source[1], self.hf_source[2]
+        if self.hf_source is not None and architecture in (None, self.hf_source["model_type"]):
+            architecture, base = self.hf_source["model_type"], self.hf_source["config"]
         arch = choose_architecture(self.model_config, architecture)
         save_hf_weights(self.model, path, arch, base_config=base, dtype=dtype, max_shard_bytes=max_shard_size)
         if dist.is_available() and dist.is_initialized():
@@ -237,8 +241,7 @@ class MoELanguageModel(LightningModule):
             return
         from lightning_moe.models.hf import load_hf_weights
 
-        path, arch, _ = self.hf_source
-        load_hf_weights(self.model, path, arch)
+        load_hf_weights(self.model, self.hf_source["path"], self.hf_source["model_type"])
         self._pending_hf_load = False
 
     def parallel_constraints(self) -> dict[str, Any]:
@@ -273,6 +276,8 @@ class MoELanguageModel(LightningModule):
         # The Trainer restores a checkpoint (ckpt_path) after on_fit_start: its weights win, and a
         # validate/test run with one must not read the HF weights over them afterwards.
         self._pending_hf_load = False
+        if self.hf_source is None and checkpoint.get(HF_SOURCE_KEY) is not None:
+            self.hf_source = {"path": None, **checkpoint[HF_SOURCE_KEY]}
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
         return self.model(input_ids, position_ids)
@@ -281,6 +286,8 @@ class MoELanguageModel(LightningModule):
         # A checkpoint saved after max_steps stopped the fit mid-epoch records that epoch as
         # running, not finished, so a resumed run goes on in it (see lightning_moe.resume).
         record_mid_epoch_stop(self.trainer, checkpoint)
+        if self.hf_source is not None:
+            checkpoint[HF_SOURCE_KEY] = {k: self.hf_source[k] for k in ("model_type", "config")}
 
     def on_train_start(self) -> None:
         # Lightning divides the loss by accumulate_grad_batches; the routers' aux/z-loss gradients

@@ -84,7 +84,7 @@ def _import_check_export(rank, world_size, hf_dir, out_dir, strategy_kwargs, wan
         # read again into zeroed shards: the bytes this rank reads are its blocks only
         for param in module.model.parameters():
             (param.to_local() if isinstance(param, DTensor) else param).data.zero_()
-        report["bytes_read"] = load_hf_weights(module.model, hf_dir, module.hf_source[1])
+        report["bytes_read"] = load_hf_weights(module.model, hf_dir, module.hf_source["model_type"])
         report["local_bytes"] = bytes_of(module.model)  # fp32 shards of an fp32 checkpoint
         report["error_reloaded"] = relative_error(module(IDS), want)
         report["sharded"] = sorted(n for n, p in module.model.named_parameters() if isinstance(p, DTensor))
@@ -114,8 +114,9 @@ def _restore_converted(rank, world_size, ckpt_dir, strategy_kwargs, want):
 
 
 CASES = [("qwen3_moe", "ep2"), ("qwen2_moe", "ep2"), ("mixtral", "ep2"), ("olmoe", "ep2"),
-         ("qwen3_moe", "tp2"), ("mixtral", "tp2")]
-LAYOUTS = {"ep2": dict(expert_parallel_size=2), "tp2": dict(tensor_parallel_size=2)}
+         ("qwen3_moe", "tp2"), ("mixtral", "tp2"), ("qwen3_moe", "etp2")]
+LAYOUTS = {"ep2": dict(expert_parallel_size=2), "tp2": dict(tensor_parallel_size=2),
+           "etp2": dict(expert_tensor_parallel_size=2)}
 
 
 @pytest.mark.parametrize("arch, layout", CASES)
@@ -125,13 +126,13 @@ def test_parallel_import_and_export_match_transformers(tmp_path, arch, layout):
                               LAYOUTS[layout], want, timeout=120)
     for report in reports:
         assert report["error"] < 1e-4 and report["error_reloaded"] < 1e-4, report
-        if layout == "ep2":
+        if layout in ("ep2", "etp2"):
             assert any("experts.fc1_weight" in n for n in report["sharded"])
         else:
             assert any("attention.q_proj" in n for n in report["sharded"])
-        # A rank reads exactly its local blocks: experts split by EP (or by FSDP over EDP=2 under
-        # TP=2), attention and vocabulary by TP, dense blocks by FSDP over DP=2 under EP=2; only
-        # routers and shared experts are whole on both ranks.
+        # A rank reads exactly its local blocks: experts split by EP, by ETP (FFN columns) or by
+        # FSDP over EDP=2 (under TP=2), attention and vocabulary by TP, dense blocks by FSDP over
+        # DP=2 (under EP=2 and ETP=2); only routers and shared experts are whole on both ranks.
         assert report["bytes_read"] == report["local_bytes"] < 0.7 * report["checkpoint_bytes"], report
     assert sum(r["bytes_read"] for r in reports) >= reports[0]["checkpoint_bytes"]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == arch

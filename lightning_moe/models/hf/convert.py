@@ -26,25 +26,21 @@ from typing import Any, Optional
 
 import torch
 
-HF_SOURCE_KEY = "hf_source"  # meta.pt entry: {"model_type": ..., "config": config.json}
-
-
 def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path) -> Path:
     """Write the HF checkpoint at ``hf_dir`` as a weights-only lightning_moe checkpoint."""
     import lightning
 
-    from lightning_moe.models.lightning_module import MoELanguageModel
+    from lightning_moe.models.lightning_module import HF_SOURCE_KEY, MoELanguageModel
     from lightning_moe.parallel import checkpoint as ckpt
 
     module = MoELanguageModel.from_hf(hf_dir)
-    _, arch, hf_config = module.hf_source
     meta: dict[str, Any] = {
         "epoch": 0,
         "global_step": 0,
         "pytorch-lightning_version": lightning.__version__,
         "hparams_name": "kwargs",
         "hyper_parameters": dict(module.hparams),
-        HF_SOURCE_KEY: {"model_type": arch, "config": hf_config},
+        HF_SOURCE_KEY: {k: module.hf_source[k] for k in ("model_type", "config")},
     }
     return ckpt.save_distributed({"state_dict": module.state_dict()}, meta, Path(checkpoint_dir))
 
@@ -71,9 +67,7 @@ def checkpoint_to_hf(
     state = module.state_dict()  # the module's own tensors: DCP loads into them in place
     ckpt.load_distributed({"state_dict": state}, path)
     module.load_state_dict(state)
-    source = meta.get(HF_SOURCE_KEY)
-    if source is not None:
-        module.hf_source = (str(path), source["model_type"], source["config"])
+    module.on_load_checkpoint(meta)  # the HF architecture and config.json the weights came from, if any
     module.save_hf(hf_dir, architecture=architecture, dtype=dtype, max_shard_size=max_shard_size)
 
 
