@@ -209,7 +209,7 @@ class MoELanguageModel(LightningModule):
         path: Union[str, Path],
         architecture: Optional[str] = None,
         dtype: Optional[torch.dtype] = None,
-        max_shard_size: int = 5 * 1024**3,
+        max_shard_size: Union[int, str] = "5GB",
     ) -> None:
         """Write the model as a Hugging Face checkpoint directory that transformers'
         ``AutoModelForCausalLM.from_pretrained`` loads, from any parallel layout: call it on every
@@ -220,7 +220,8 @@ class MoELanguageModel(LightningModule):
                 one the model was imported from, else the first that expresses its config
                 (`ValueError` naming what cannot be expressed otherwise).
             dtype: of the saved tensors (None: each parameter's own, fp32 masters).
-            max_shard_size: bytes per safetensors shard; more than one shard adds an index.
+            max_shard_size: bytes per safetensors shard, or a size as transformers takes it ("5GB",
+                "500MB"); more than one shard adds an index.
         """
         from lightning_moe.models.hf import choose_architecture, save_hf_weights
 

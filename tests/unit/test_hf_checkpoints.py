@@ -105,7 +105,7 @@ def test_sharded_index_and_lazy_build(tmp_path):
     ids = tokens()
     with torch.no_grad():
         assert relative_error(module.eval()(ids), reference(ids).logits) < 1e-4
-    module.save_hf(tmp_path / "out", max_shard_size=20_000)
+    module.save_hf(tmp_path / "out", max_shard_size="20KB")
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
     assert len(files) > 2 and all((tmp_path / "out" / f).is_file() for f in files)
@@ -176,3 +176,28 @@ def test_export_of_a_model_not_from_hf(tmp_path):
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         assert relative_error(reloaded(ids).logits, module.eval()(ids)) < 1e-4
+
+
+def test_tied_embeddings(tmp_path):
+    reference = hf_model("qwen3_moe", tie_word_embeddings=True)
+    reference.save_pretrained(tmp_path / "hf")
+    module = MoELanguageModel.from_hf(tmp_path / "hf").eval()
+    assert module.model_config.tie_word_embeddings and module.model.lm_head is None
+    ids = tokens()
+    with torch.no_grad():
+        assert relative_error(module(ids), reference(ids).logits) < 1e-4
+    module.save_hf(tmp_path / "out")
+    with SafetensorsCheckpoint(tmp_path / "out") as exported:
+        assert "lm_head.weight" not in exported.names()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert relative_error(reloaded(ids).logits, reference(ids).logits) < 1e-4
+
+
+def test_shard_sizes_as_transformers_writes_them():
+    from lightning_moe.models.hf.writer import shard_size_bytes
+
+    assert shard_size_bytes("5GB") == 5 * 10**9 and shard_size_bytes("2GiB") == 2 * 2**30
+    assert shard_size_bytes(" 500mb ") == 500 * 10**6 and shard_size_bytes(1234) == 1234
+    with pytest.raises(ValueError, match="like '5GB'"):
+        shard_size_bytes("five gigabytes")

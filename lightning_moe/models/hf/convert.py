@@ -50,7 +50,7 @@ def checkpoint_to_hf(
     hf_dir: str | Path,
     architecture: Optional[str] = None,
     dtype: Optional[torch.dtype] = None,
-    max_shard_size: int = 5 * 1024**3,
+    max_shard_size: int | str = "5GB",
 ) -> None:
     """Write the model of a lightning_moe checkpoint as an HF checkpoint directory."""
     from lightning_moe.models.lightning_module import MoELanguageModel
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> None:
                        help="HF model_type (default: the one imported from, else the first that fits)")
     to_hf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="dtype of the saved tensors (default: the parameters')")
-    to_hf.add_argument("--max-shard-size", type=int, default=5 * 1024**3, help="bytes per safetensors shard")
+    to_hf.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors shard, or e.g. 5GB, 500MB")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-checkpoint":

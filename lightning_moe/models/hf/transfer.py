@@ -24,7 +24,7 @@ from lightning_moe.models.decoder import MoEDecoder
 from lightning_moe.models.hf.config_mapping import hf_config_dict
 from lightning_moe.models.hf.reader import HFCheckpointError, SafetensorsCheckpoint
 from lightning_moe.models.hf.tensor_mapping import buffer_sources, check_against_checkpoint, parameter_sources
-from lightning_moe.models.hf.writer import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter
+from lightning_moe.models.hf.writer import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, shard_size_bytes
 
 # HF tensors that carry no weights of their own: a tied output projection some checkpoints
 # store anyway, rotary tables older checkpoints saved.
@@ -102,7 +102,7 @@ def save_hf_weights(
     arch: str,
     base_config: Optional[dict[str, Any]] = None,
     dtype: Optional[torch.dtype] = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | str = DEFAULT_MAX_SHARD_BYTES,
 ) -> Optional[list[Path]]:
     """Write ``model`` as an HF ``arch`` checkpoint at ``path`` (called on every rank; rank 0
     writes). ``dtype``: of the saved tensors (None: each parameter's own). Returns rank 0's shard files
@@ -115,6 +115,7 @@ def save_hf_weights(
     unmapped = sorted(set(params) - set(sources))
     if unmapped:
         raise HFCheckpointError(f"the model's parameters {unmapped[:5]} have no {arch} tensor.")
+    max_shard_bytes = shard_size_bytes(max_shard_bytes)  # before any collective: a bad size fails on every rank
     writer = ShardedSafetensorsWriter(path, max_shard_bytes) if _rank() == 0 else None
     buffers = dict(model.named_buffers())
     for name, param in [*params.items(), *((name, buffers[name]) for name in stored_buffers)]:

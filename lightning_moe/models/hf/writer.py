@@ -18,7 +18,23 @@ from torch import Tensor
 
 from lightning_moe.models.hf.reader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def shard_size_bytes(size: int | str) -> int:
+    """Bytes of a shard size given as an int or as transformers writes it ("5GB", "500MB", "2GiB")."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    text = str(size).strip().upper()
+    if text.isdigit():  # a command line's plain number of bytes
+        return int(text)
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * _UNITS[unit])
+    raise ValueError(f"shard size {size!r} is not a number of bytes or a size like '5GB' / '500MB'.")
 
 
 class ShardedSafetensorsWriter:
