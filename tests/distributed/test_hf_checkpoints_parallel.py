@@ -155,3 +155,38 @@ def test_converted_checkpoint_loads_under_expert_parallelism(tmp_path):
     hf_to_checkpoint(tmp_path / "hf", tmp_path / "ckpt")
     reports = run_distributed(_restore_converted, WORLD, str(tmp_path / "ckpt"), LAYOUTS["ep2"], want, timeout=120)
     assert all(report["error"] < 1e-4 for report in reports), reports
+
+
+def _first_training_loss(rank, world_size, hf_dir, strategy_kwargs):
+    """The loss of the first training step of ``from_hf(materialize=False)`` under the strategy:
+    the weights are read in ``on_fit_start``, before the step."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from lightning_moe import MegatronMoEStrategy
+    from lightning_moe.models import MoELanguageModel
+
+    losses = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=MegatronMoEStrategy(print_layout=False, **strategy_kwargs),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Record()], use_distributed_sampler=False, num_sanity_val_steps=0,
+    )
+    module = MoELanguageModel.from_hf(hf_dir, materialize=False, module_kwargs={"warmup_steps": 0})
+    batch = {"input_ids": IDS, "labels": torch.roll(IDS, -1, dims=1)}
+    trainer.fit(module, DataLoader([batch], batch_size=None))
+    return losses[0]
+
+
+def test_fit_starts_from_the_hf_weights(tmp_path):
+    want = save_hf_model("mixtral", tmp_path / "hf")
+    labels = torch.roll(IDS, -1, dims=1)
+    want_loss = torch.nn.functional.cross_entropy(want.reshape(-1, want.shape[-1]), labels.reshape(-1)).item()
+    losses = run_distributed(_first_training_loss, WORLD, str(tmp_path / "hf"), LAYOUTS["ep2"], timeout=120)
+    assert losses == pytest.approx([want_loss] * WORLD, rel=1e-5)
