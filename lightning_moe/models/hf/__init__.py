@@ -9,7 +9,12 @@
 `MoELanguageModel.from_hf` / ``save_hf`` and ``lightning-moe convert`` are built on these.
 """
 
-from lightning_moe.models.hf.config_mapping import ARCHITECTURES, architecture_of, choose_architecture, model_config_fields
+from lightning_moe.models.hf.config_mapping import (
+    ARCHITECTURES,
+    architecture_of,
+    choose_architecture,
+    model_config_fields,
+)
 from lightning_moe.models.hf.reader import HFCheckpointError, SafetensorsCheckpoint, read_hf_config
 from lightning_moe.models.hf.transfer import load_hf_weights, save_hf_weights
 from lightning_moe.models.hf.writer import ShardedSafetensorsWriter

@@ -139,7 +139,9 @@ def _refuse_unsupported(hf_config: dict[str, Any], arch: str) -> None:
     if arch == "olmoe" and get("head_dim") not in (None, get("hidden_size") // get("num_attention_heads")):
         problems.append("olmoe with head_dim != hidden_size / num_attention_heads")
     if problems:
-        raise ValueError(f"the {arch} checkpoint uses what the reference decoder cannot compute: {'; '.join(problems)}.")
+        raise ValueError(
+            f"the {arch} checkpoint uses what the reference decoder cannot compute: {'; '.join(problems)}."
+        )
 
 
 def unexpressible(cfg: ModelConfig, arch: str) -> list[str]:

@@ -39,7 +39,9 @@ def safe_open_module() -> Any:
     try:
         from safetensors import safe_open
     except ImportError as err:  # optional dependency
-        raise ImportError("reading Hugging Face checkpoints needs safetensors: pip install 'lightning-moe[hf]' (or safetensors)") from err
+        raise ImportError(
+            "reading Hugging Face checkpoints needs safetensors: pip install 'lightning-moe[hf]' (or safetensors)"
+        ) from err
     return safe_open
 
 
