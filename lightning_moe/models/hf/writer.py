@@ -47,7 +47,9 @@ class ShardedSafetensorsWriter:
         try:
             from safetensors.torch import save_file
         except ImportError as err:  # optional dependency
-            raise ImportError("writing Hugging Face checkpoints needs safetensors: pip install 'lightning-moe[hf]' (or safetensors)") from err
+            raise ImportError(
+                "writing Hugging Face checkpoints needs safetensors: pip install 'lightning-moe[hf]' (or safetensors)"
+            ) from err
         self._save_file = save_file
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
