@@ -190,3 +190,24 @@ def test_fit_starts_from_the_hf_weights(tmp_path):
     want_loss = torch.nn.functional.cross_entropy(want.reshape(-1, want.shape[-1]), labels.reshape(-1)).item()
     losses = run_distributed(_first_training_loss, WORLD, str(tmp_path / "hf"), LAYOUTS["ep2"], timeout=120)
     assert losses == pytest.approx([want_loss] * WORLD, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "arch, strategy_kwargs",
+    [
+        # EP=2 x EDP=2: FSDP2 shards each rank's experts again (placements _StridedShard, Shard)
+        ("qwen3_moe", dict(expert_parallel_size=2)),
+        # TP=2 x DP=2 for dense layers, EP=2 x EDP=2 for experts
+        ("mixtral", dict(expert_parallel_size=2, tensor_parallel_size=2)),
+    ],
+)
+def test_four_ranks_read_their_nested_shards(tmp_path, arch, strategy_kwargs):
+    want = save_hf_model(arch, tmp_path / "hf")
+    reports = run_distributed(_import_check_export, 4, str(tmp_path / "hf"), str(tmp_path / "out"),
+                              strategy_kwargs, want, timeout=120)
+    for report in reports:
+        assert report["error"] < 1e-4 and report["error_reloaded"] < 1e-4, report
+        assert report["bytes_read"] == report["local_bytes"] < 0.45 * report["checkpoint_bytes"], report
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert relative_error(reloaded(IDS).logits, want) < 1e-4
