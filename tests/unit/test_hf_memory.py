@@ -8,6 +8,7 @@ which shows the check can fail.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024**2
 CHILD = r"""
 import json, sys
@@ -45,8 +47,9 @@ print(json.dumps({"growth": peak - before, "model_bytes": model_bytes}))
 
 
 def _measure(path: Path, mode: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # this checkout's lightning_moe
     result = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], capture_output=True, text=True,
-                            timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                            timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
