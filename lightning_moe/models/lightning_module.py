@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.decoder import IGNORE_INDEX, MoEDecoder
+from lightning_moe.models.hf.reader import is_hf_checkpoint_dir
 from lightning_moe.models.presets import apply_overrides, get_preset
 from lightning_moe.nn.moe_layer import MoELayer
 from lightning_moe.resume import record_mid_epoch_stop
@@ -31,12 +32,17 @@ HF_SOURCE_KEY = "hf_source"  # checkpoint entry: the HF architecture and config.
 def resolve_model_config(
     config: Union[str, ModelConfig, dict[str, Any]], overrides: Optional[dict[str, Any]] = None
 ) -> ModelConfig:
-    """A :class:`ModelConfig` from a preset name, a config, or a dict of its fields, plus overrides.
+    """A :class:`ModelConfig` from a preset name, a Hugging Face checkpoint directory (its
+    ``config.json``), a config, or a dict of its fields, plus overrides.
 
     Overrides of a preset are applied before its derived values are filled in (``hidden_size``
     carries over to the MoE layer); overrides of a config or dict apply to its values as they are.
     """
     overrides = overrides or {}
+    if isinstance(config, str) and is_hf_checkpoint_dir(config):
+        from lightning_moe.models.hf import model_config_fields, read_hf_config
+
+        return ModelConfig(**apply_overrides(model_config_fields(read_hf_config(config)), overrides))
     if isinstance(config, str):
         return get_preset(config, **overrides)
     if isinstance(config, ModelConfig):
@@ -99,7 +105,9 @@ class MoELanguageModel(LightningModule):
 
     Args:
         config: a preset name (see :func:`~lightning_moe.models.presets.list_presets`), a
-            :class:`ModelConfig`, or a dict of its fields.
+            :class:`ModelConfig`, a dict of its fields, or a Hugging Face checkpoint directory:
+            its config, and its weights read once the model is built (`from_hf` with
+            ``materialize=False``; on the command line ``--model.config=DIR`` fine-tunes it).
         overrides: ``ModelConfig`` fields to change (``moe`` as a partial dict of MoE fields).
         learning_rate: peak AdamW learning rate.
         min_lr_ratio: final learning rate as a fraction of the peak (cosine floor).
@@ -140,6 +148,18 @@ class MoELanguageModel(LightningModule):
         if weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
         self.model_config = resolve_model_config(config, overrides)
+        # Set for an HF checkpoint directory: the checkpoint the weights come from ({"path",
+        # "model_type", "config": its config.json}; kept in this module's checkpoints without the
+        # path, so that `save_hf` writes the same architecture and token ids back);
+        # `_pending_hf_load` while the weights still have to be read into the built model.
+        self.hf_source: Optional[dict[str, Any]] = None
+        self._pending_hf_load = False
+        if isinstance(config, str) and is_hf_checkpoint_dir(config):
+            from lightning_moe.models.hf import architecture_of, read_hf_config
+
+            hf_config = read_hf_config(config)
+            self.hf_source = {"path": config, "model_type": architecture_of(hf_config), "config": hf_config}
+            self._pending_hf_load = True
         # Plain Python values only, so that checkpoints load with weights_only=True and
         # `load_from_checkpoint` rebuilds the same model (overrides are already merged in).
         self.save_hyperparameters(
@@ -157,12 +177,6 @@ class MoELanguageModel(LightningModule):
         self.model: Optional[MoEDecoder] = None
         self._val_loss_sum: Optional[Tensor] = None
         self._val_tokens: Optional[Tensor] = None
-        # Set by `from_hf`: the HF checkpoint the weights come from ({"path", "model_type", "config":
-        # its config.json}; kept in this module's checkpoints without the path, so that `save_hf`
-        # writes the same architecture and token ids back); `_pending_hf_load` while the weights
-        # still have to be read into the built model.
-        self.hf_source: Optional[dict[str, Any]] = None
-        self._pending_hf_load = False
 
     @classmethod
     def from_hf(
@@ -190,13 +204,10 @@ class MoELanguageModel(LightningModule):
             overrides: ``ModelConfig`` fields changed after the HF config is mapped (``moe`` as a
                 partial dict), e.g. ``max_seq_length=4096``; weight shapes must stay the same.
         """
-        from lightning_moe.models.hf import architecture_of, model_config_fields, read_hf_config
+        from lightning_moe.models.hf import read_hf_config
 
-        hf_config = read_hf_config(path)
-        arch = architecture_of(hf_config)
-        module = cls(model_config_fields(hf_config), overrides=overrides, **(module_kwargs or {}))
-        module.hf_source = {"path": str(path), "model_type": arch, "config": hf_config}
-        module._pending_hf_load = True
+        read_hf_config(path)  # a missing config.json fails here, naming the file
+        module = cls(str(path), overrides=overrides, **(module_kwargs or {}))
         if materialize:
             with torch.device("meta"):
                 module.configure_model()

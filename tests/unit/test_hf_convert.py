@@ -45,3 +45,26 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["convert", "checkpoint-to-hf", str(tmp_path), str(tmp_path / "out")])
     assert "is not a lightning_moe checkpoint" in capsys.readouterr().err
+
+
+def test_cli_fine_tunes_an_hf_directory(tmp_path):
+    """``--model.config=HF_DIR``: the model's config comes from config.json and its weights are
+    read once the Trainer has built it (a learning rate of 1e-12 keeps them after one step)."""
+    from lightning_moe.cli import MoECLI
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(**{**CONFIG, "vocab_size": 256})  # the embedded corpus' bytes
+    reference = transformers.Qwen2MoeForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path / "hf")
+    cli = MoECLI(args=[
+        "fit", f"--model.config={tmp_path / 'hf'}", "--model.learning_rate=1e-12", "--model.warmup_steps=0",
+        "--data.seq_length=16", "--data.micro_batch_size=2", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+        "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={tmp_path}",  # its config.yaml
+    ])
+    module = cli.model
+    assert module.hf_source["model_type"] == "qwen2_moe" and module.model_config.max_seq_length == 16
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        want = reference(ids).logits
+        assert ((module.eval()(ids) - want).norm() / want.norm()).item() < 1e-4

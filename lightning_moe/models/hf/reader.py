@@ -45,6 +45,11 @@ def safe_open_module() -> Any:
     return safe_open
 
 
+def is_hf_checkpoint_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a directory holding a ``config.json`` (as ``save_pretrained`` writes)."""
+    return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """``config.json`` of an HF checkpoint directory."""
     file = Path(path) / CONFIG_FILE
