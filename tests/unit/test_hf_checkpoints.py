@@ -112,6 +112,8 @@ def test_sharded_index_and_lazy_build(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert relative_error(reloaded(ids).logits, reference(ids).logits) < 1e-4
+    module.save_hf(tmp_path / "out")  # one file now: the earlier shards and index are removed
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_bf16_checkpoint_loads_into_fp32_masters(tmp_path):

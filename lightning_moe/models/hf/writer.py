@@ -81,8 +81,10 @@ class ShardedSafetensorsWriter:
             self._flush()
         count = len(self._shards)
         names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        for stale in (self.path / SINGLE_FILE, self.path / INDEX_FILE):
-            if stale.exists() and stale.name not in names:
+        # files of an earlier save into the same directory that this one does not overwrite
+        earlier = [self.path / SINGLE_FILE, self.path / INDEX_FILE, *self.path.glob("model-*-of-*.safetensors")]
+        for stale in earlier:
+            if stale.exists() and stale.name not in names and not (stale.name == INDEX_FILE and count > 1):
                 stale.unlink()
         weight_map = {}
         for (tmp, tensors), name in zip(self._shards, names):
