@@ -68,3 +68,23 @@ def test_cli_fine_tunes_an_hf_directory(tmp_path):
     with torch.no_grad():
         want = reference(ids).logits
         assert ((module.eval()(ids) - want).norm() / want.norm()).item() < 1e-4
+
+
+def test_a_trained_checkpoint_remembers_its_hf_origin(tmp_path):
+    """After a fit, the module's checkpoint carries the HF architecture and config.json, so the
+    reloaded module's ``save_hf`` writes the same family and token ids."""
+    import lightning as L
+
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**CONFIG)).save_pretrained(tmp_path / "hf")
+    module = MoELanguageModel.from_hf(tmp_path / "hf", module_kwargs={"warmup_steps": 0})
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    ids = torch.randint(0, 64, (2, 9))
+    trainer.fit(module, torch.utils.data.DataLoader([{"input_ids": ids, "labels": ids.roll(-1, 1)}], batch_size=None))
+    trainer.save_checkpoint(tmp_path / "trained.ckpt")
+    reloaded = MoELanguageModel.load_from_checkpoint(tmp_path / "trained.ckpt")
+    assert reloaded.hf_source["model_type"] == "qwen2_moe" and reloaded.hf_source["path"] is None
+    reloaded.save_hf(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["bos_token_id"], config["eos_token_id"]) == ("qwen2_moe", 3, 5)
