@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.layers import Embedding, Linear, RMSNorm, apply_rotary, rotary_cos_sin
+from lightning_moe.models.layers import Embedding, Linear, ProjectionRMSNorm, RMSNorm, apply_rotary, rotary_cos_sin
 from lightning_moe.models.mla import MultiHeadLatentAttention
 from lightning_moe.nn.compute_weights import autocast_dtype, compute_weight
 from lightning_moe.nn.cross_entropy import cross_entropy_mean
@@ -61,9 +61,10 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, kv_size, cfg.init_method_std, bias=bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.output_init_std)
         self.norms_projection = cfg.qk_norm_scope == "projection"
+        norm = ProjectionRMSNorm if self.norms_projection else RMSNorm
         q_norm_size, k_norm_size = (q_size, kv_size) if self.norms_projection else (hd, hd)
-        self.q_norm: Optional[RMSNorm] = RMSNorm(q_norm_size, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm: Optional[RMSNorm] = RMSNorm(k_norm_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm: Optional[RMSNorm] = norm(q_norm_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm: Optional[RMSNorm] = norm(k_norm_size, cfg.norm_eps) if cfg.qk_norm else None
 
     def reset_parameters(self) -> None:
         for module in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.q_norm, self.k_norm):
@@ -221,9 +222,10 @@ class MoEDecoder(nn.Module):
         Attention: q/k/v column-parallel (heads split), o row-parallel (multi-head latent attention:
         ``q_b_proj`` or ``q_proj`` and ``kv_b_proj`` column-parallel, o row-parallel, the low-rank
         a-projections and their norms replicated, the shared rotary key's gradient summed over
-        the TP ranks); qk-norms see their input
+        the TP ranks); per-head qk-norms see their input
         sharded over the head dim (``SequenceParallel(sequence_dim=2)`` so their weight gradients
-        are summed over the TP ranks). Dense MLP: gate/up column-parallel, down row-parallel.
+        are summed over the TP ranks); qk-norms over whole projections (OLMoE) shard their weight
+        like the heads and sum their mean of squares over the TP ranks (``sharded_norm_weight_style``). Dense MLP: gate/up column-parallel, down row-parallel.
         Embedding row-parallel (vocab split), output projection column-parallel with replicated
         logits. With ``sequence_parallel`` the residual stream is sharded over the sequence
         (``Shard(1)``): norms run on the local slice, attention and dense-MLP inputs are
@@ -232,8 +234,7 @@ class MoEDecoder(nn.Module):
         sequence parallelism) and sums the router's per-slice gradients over the TP ranks.
 
         Raises:
-            ValueError: tied embeddings, or qk-norms over whole projections (their statistics
-                would span the heads of every TP rank).
+            ValueError: tied embeddings.
         """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
@@ -243,17 +244,12 @@ class MoEDecoder(nn.Module):
             SequenceParallel,
         )
 
-        from lightning_moe.parallel.tensor_parallel import sum_input_gradients_style
+        from lightning_moe.parallel.tensor_parallel import sharded_norm_weight_style, sum_input_gradients_style
 
         cfg = self.config
         if cfg.tie_word_embeddings:
             raise ValueError(
                 "tensor parallelism is not supported with tie_word_embeddings=True: set tie_word_embeddings=False."
-            )
-        if cfg.qk_norm and cfg.qk_norm_scope == "projection":
-            raise ValueError(
-                "tensor parallelism is not supported with qk_norm_scope='projection' (OLMoE's qk-norm spans "
-                "the heads of every TP rank): set tensor_parallel_size=1 (expert parallelism and FSDP work)."
             )
         residual = Shard(1) if sequence_parallel else Replicate()
         plan: dict[str, ParallelStyle] = {
@@ -284,8 +280,10 @@ class MoEDecoder(nn.Module):
             for proj in column_parallel:
                 plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
             plan[f"{prefix}.attention.o_proj"] = RowwiseParallel(output_layouts=residual)
-            if cfg.qk_norm:
-                for norm in ("q_norm", "k_norm"):
+            for norm in ("q_norm", "k_norm") if cfg.qk_norm else ():
+                if cfg.qk_norm_scope == "projection":
+                    plan[f"{prefix}.attention.{norm}"] = sharded_norm_weight_style()
+                else:
                     plan[f"{prefix}.attention.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             if layer.is_moe:
                 continue  # the strategy splits MoE tokens over TP (apply_moe_token_split)

@@ -56,6 +56,28 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
+class ProjectionRMSNorm(RMSNorm):
+    """RMSNorm over a whole projection output ``[..., N]`` (OLMoE's qk-norm over all heads at once).
+
+    Under tensor parallelism (``sharded_norm_weight_style``: the weight a ``Shard(0)`` DTensor, the
+    input this rank's ``N / TP`` slice of a column-parallel projection) the mean of squares spans
+    every rank's slice: the local sums of squares are added over the TP ranks, then each rank
+    normalises its slice with its slice of the weight.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(self.weight, DTensor):
+            return super().forward(x)
+        from lightning_moe.parallel.tensor_parallel import sum_over_tensor_parallel
+
+        x_local = x.float()
+        sum_squares = sum_over_tensor_parallel(x_local.pow(2).sum(dim=-1, keepdim=True), self.weight.device_mesh)
+        inv_rms = torch.rsqrt(sum_squares / self.weight.shape[0] + self.eps)
+        return (x_local * inv_rms * self.weight.to_local().float()).to(x.dtype)
+
+
 def rotary_cos_sin(
     positions: Tensor, head_dim: int, theta: float, scaling: Optional[dict] = None
 ) -> tuple[Tensor, Tensor]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_moe.nn.moe_layer import MoELayer
 
@@ -65,6 +65,43 @@ def sum_input_gradients_style() -> ParallelStyle:
             return distribute_module(module, device_mesh, input_fn=sum_gradients)
 
     return SumInputGradients()
+
+
+def sharded_norm_weight_style() -> ParallelStyle:
+    """A ``ParallelStyle`` for a norm over a column-parallel projection's whole output (OLMoE's
+    qk-norm, ``qk_norm_scope="projection"``): its ``[N]`` weight becomes a ``Shard(0)`` DTensor,
+    split like the projection's output features (the heads), and its input and output stay this
+    rank's local ``N / TP`` slice. The module computes the statistic with
+    :func:`sum_over_tensor_parallel` (see ``lightning_moe.models.layers.ProjectionRMSNorm``).
+    """
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def shard_weight(name: str, module: nn.Module, device_mesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]), param.requires_grad)
+            module.register_parameter(param_name, sharded)
+
+    class ShardedNormWeight(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            return distribute_module(module, device_mesh, partition_fn=shard_weight)
+
+    return ShardedNormWeight()
+
+
+def sum_over_tensor_parallel(local: Tensor, device_mesh) -> Tensor:
+    """``local`` summed over the TP ranks of ``device_mesh`` (a plain tensor, the same on each).
+
+    Forward and backward are both all-reduces: every rank uses the sum for its own slice only,
+    so the sum's gradient on one rank is a partial share of the whole gradient, and each
+    contribution to the sum receives all of it (Megatron's norm statistics under TP).
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    # Partial -> Replicate: the forward all-reduce (its backward passes the gradient through).
+    total = DTensor.from_local(local, device_mesh, [Partial()]).redistribute(device_mesh, [Replicate()]).to_local()
+    # Replicate declared with a Partial gradient: the backward all-reduce (sum_input_gradients_style).
+    return DTensor.from_local(total, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 def apply_moe_token_split(layer: MoELayer, tp_mesh, sequence_parallel: bool) -> None:

@@ -35,6 +35,12 @@ def _full_grad(param):
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
+def _projection_norm_config():
+    # OLMoE's qk-norm over whole projections and Qwen2-MoE's q/k/v biases, dense and MoE blocks.
+    return get_preset("tiny", num_layers=2, first_k_dense_layers=1, qk_norm=True, qk_norm_scope="projection",
+                      add_qkv_bias=True)
+
+
 def _check_parity(rank, world_size, cfg, sequence_parallel):
     torch.manual_seed(0)
     reference = MoEDecoder(cfg)
@@ -78,11 +84,13 @@ def _check_cases(rank, world_size, cases):
 
 
 def test_tp_plan_matches_single_process():
-    """Dense and dense+MoE models, with and without sequence parallelism.
+    """Dense and dense+MoE models (per-head and whole-projection qk-norms, q/k/v biases), with and
+    without sequence parallelism.
 
-    One launch for the four cases: each new process pays ~2 s for DTensor's first dispatches.
+    One launch for the six cases: each new process pays ~2 s for DTensor's first dispatches.
     """
-    cases = [(cfg, sp) for cfg in (_dense_config(), _moe_config()) for sp in (True, False)]
+    configs = (_dense_config(), _moe_config(), _projection_norm_config())
+    cases = [(cfg, sp) for cfg in configs for sp in (True, False)]
     counts = run_distributed(_check_cases, WORLD_SIZE, cases)
     expected = [len(list(MoEDecoder(cfg).parameters())) for cfg, _ in cases]
     assert counts == [expected] * WORLD_SIZE
