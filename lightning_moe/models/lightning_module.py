@@ -190,7 +190,8 @@ class MoELanguageModel(LightningModule):
         """A module with the config and weights of a Hugging Face checkpoint directory (as
         transformers' ``save_pretrained`` writes it: ``config.json`` and ``model.safetensors`` or
         shards with ``model.safetensors.index.json``) of a Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE or
-        DeepSeek-V3 model.
+        DeepSeek-V3 model, or of a dense Llama, Qwen3 or Qwen2 model (every block dense; `upcycle`
+        turns it into an MoE model).
 
         Args:
             path: the checkpoint directory.
@@ -227,9 +228,10 @@ class MoELanguageModel(LightningModule):
         rank (each parameter is gathered in turn; rank 0 writes).
 
         Args:
-            architecture: "qwen3_moe", "qwen2_moe", "mixtral", "olmoe" or "deepseek_v3"; None: the
-                one the model was imported from, else the first that expresses its config
-                (`ValueError` naming what cannot be expressed otherwise).
+            architecture: "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", or for a
+                model with no MoE block "llama", "qwen3" or "qwen2"; None: the one the model was
+                imported from, else the first that expresses its config (`ValueError` naming what
+                cannot be expressed otherwise; an upcycled Qwen3 writes Qwen3-MoE, a Llama Mixtral).
             dtype: of the saved tensors (None: each parameter's own, fp32 masters).
             max_shard_size: bytes per safetensors shard, or a size as transformers takes it ("5GB",
                 "500MB"); more than one shard adds an index.

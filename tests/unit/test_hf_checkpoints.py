@@ -130,7 +130,7 @@ def test_bf16_checkpoint_loads_into_fp32_masters(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(model_type="llama"), "model_type 'llama' is not supported"),
+        (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
         (dict(use_sliding_window=True), "sliding-window"),
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rotary scaling 'yarn'"),
         (dict(attention_bias=True), "attention_bias"),

@@ -1,6 +1,8 @@
-"""Hugging Face checkpoints of the reference decoder: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and DeepSeek-V3.
+"""Hugging Face checkpoints of the reference decoder: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and DeepSeek-V3,
+and the dense Llama, Qwen3 and Qwen2.
 
-- `config_mapping`: HF ``config.json`` <-> `ModelConfig`, and what each architecture can express.
+- `config_mapping`: HF ``config.json`` <-> `ModelConfig`, and what each architecture can express
+  (`deepseek_v3` and `dense_families` for those families).
 - `tensor_mapping`: which HF tensors make each parameter (per-expert tensors <-> grouped layout).
 - `reader`: lazy, slice-by-slice reads of safetensors files (single or sharded with an index).
 - `writer`: sharded safetensors output with transformers' file names and index.

@@ -1,6 +1,7 @@
 """Hugging Face ``config.json`` <-> :class:`~lightning_moe.models.config.ModelConfig`, per architecture.
 
-Four decoder families map onto the reference decoder exactly (same logits in fp32):
+These MoE decoder families map onto the reference decoder exactly (same logits in fp32), and so do
+the dense Llama, Qwen3 and Qwen2 models (`lightning_moe.models.hf.dense_families`):
 
 ============  ==========================================================================
 model_type    what is particular to it
@@ -27,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.hf import deepseek_v3
+from lightning_moe.models.hf import deepseek_v3, dense_families
 
 ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -35,9 +36,11 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    **dense_families.ARCHITECTURES,
 }
-# Architectures tried, in this order, when a model that did not come from HF is exported.
-EXPORT_PREFERENCE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
+# Architectures tried, in this order, when a model that did not come from HF is exported (the MoE
+# families express no all-dense model, the dense ones no MoE block).
+EXPORT_PREFERENCE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "llama", "qwen3", "qwen2")
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
@@ -57,6 +60,8 @@ def model_config_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     _refuse_unsupported(hf_config, arch)
     if arch == deepseek_v3.MODEL_TYPE:
         return deepseek_v3.model_config_fields(hf_config)
+    if arch in dense_families.ARCHITECTURES:
+        return dense_families.model_config_fields(hf_config, arch)
     get = hf_config.get
     heads = get("num_attention_heads")
     fields: dict[str, Any] = dict(
@@ -148,6 +153,8 @@ def unexpressible(cfg: ModelConfig, arch: str) -> list[str]:
     """What of ``cfg`` the HF architecture ``arch`` cannot express (empty: it can)."""
     if arch == deepseek_v3.MODEL_TYPE:
         return deepseek_v3.unexpressible(cfg)
+    if arch in dense_families.ARCHITECTURES:
+        return dense_families.unexpressible(cfg, arch)
     moe = cfg.moe
     problems = []
     if moe is None:
@@ -211,6 +218,8 @@ def hf_config_dict(cfg: ModelConfig, arch: str, base: Optional[dict[str, Any]] =
     """
     if arch == deepseek_v3.MODEL_TYPE:
         return deepseek_v3.hf_config_dict(cfg, base, dtype)
+    if arch in dense_families.ARCHITECTURES:
+        return dense_families.hf_config_dict(cfg, arch, base, dtype)
     moe = cfg.moe
     out = dict(base or {})
     out.pop("rope_scaling", None)

@@ -73,6 +73,8 @@ def checkpoint_to_hf(
 
 def main(argv: list[str]) -> None:
     """``lightning-moe convert ...`` (see the module doc)."""
+    from lightning_moe.models.hf.config_mapping import ARCHITECTURES
+
     parser = argparse.ArgumentParser(prog="lightning-moe convert",
                                      description="Convert between HF checkpoints and lightning_moe checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -82,7 +84,7 @@ def main(argv: list[str]) -> None:
     to_hf = commands.add_parser("checkpoint-to-hf", help="distributed checkpoint -> HF directory")
     to_hf.add_argument("checkpoint_dir")
     to_hf.add_argument("hf_dir")
-    to_hf.add_argument("--architecture", choices=["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"], default=None,
+    to_hf.add_argument("--architecture", choices=sorted(ARCHITECTURES), default=None,
                        help="HF model_type (default: the one imported from, else the first that fits)")
     to_hf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="dtype of the saved tensors (default: the parameters')")
