@@ -264,6 +264,7 @@ class MoELanguageModel(LightningModule):
         out: dict[str, Any] = {
             "num_attention_heads": cfg.num_attention_heads,
             "num_query_groups": cfg.num_query_groups or cfg.num_attention_heads,
+            "num_moe_layers": cfg.num_moe_layers,  # 0: expert parallelism is refused
         }
         if cfg.moe is not None:
             out["num_experts"] = cfg.moe.num_experts

@@ -187,7 +187,14 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         declare = getattr(self.lightning_module, "parallel_constraints", None)
         if callable(declare):
             constraints = dict(declare())
+        num_moe_layers = constraints.pop("num_moe_layers", None)
         layout = ParallelLayout(world_size=world_size, **self.sizes, **constraints)
+        if num_moe_layers == 0 and (layout.expert_parallel_size > 1 or layout.expert_tensor_parallel_size > 1):
+            raise ValueError(
+                f"expert_parallel_size={layout.expert_parallel_size}, expert_tensor_parallel_size="
+                f"{layout.expert_tensor_parallel_size}, but the model has no MoE block (a dense model): set both to 1 "
+                "(tensor parallelism and FSDP apply), or upcycle it first (lightning_moe.models.upcycle)."
+            )
         if layout.pipeline_parallel_size > 1:
             raise ValueError(
                 "pipeline_parallel_size > 1 is accepted by ParallelLayout but pipeline execution is not "

@@ -136,4 +136,19 @@ def test_a_dense_config_counts_its_parameters_and_flops(tmp_path):
     cfg = module.model_config
     assert total_parameters(cfg) == sum(p.numel() for p in module.parameters())
     assert model_flops_per_token(cfg, 12) > 6 * cfg.num_layers * 3 * cfg.hidden_size * cfg.ffn_hidden_size
-    assert module.parallel_constraints() == {"num_attention_heads": 4, "num_query_groups": 2}
+    assert module.parallel_constraints() == {"num_attention_heads": 4, "num_query_groups": 2, "num_moe_layers": 0}
+
+
+@pytest.mark.parametrize("kwargs", [dict(expert_parallel_size=2), dict(expert_tensor_parallel_size=2)])
+def test_the_strategy_refuses_expert_parallelism_for_a_dense_model_before_process_groups(tmp_path, kwargs):
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_moe import MegatronMoEStrategy
+
+    hf_model("llama").save_pretrained(tmp_path)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MegatronMoEStrategy(**kwargs), logger=False)
+    trainer.strategy._lightning_module = MoELanguageModel.from_hf(tmp_path, materialize=False)
+    with pytest.raises(ValueError, match="no MoE block .*set both to 1"):
+        trainer.strategy.setup_environment()
+    assert not dist.is_initialized()
