@@ -51,6 +51,15 @@ class MoEConfig:
             ``router_topk // router_group_topk`` as Megatron-Core. DeepSeek-V3's own and HF's code
             always sum the best 2 (the same number for its top-8 of 4 groups, not for other shapes).
         router_topk_scaling_factor: multiplies the routing probabilities after top-k.
+        router_topk_renormalize: whether the ``K`` chosen weights are divided by their sum (before
+            the scaling factor). None (default): Megatron-Core's rule (``topk_routing_with_score_function``):
+            sigmoid scores are renormalised when ``K > 1`` only, softmax over the top-k logits sums to 1
+            by construction, ``router_pre_softmax`` weights are the full softmax's, not renormalised.
+            True: renormalise always, also one sigmoid weight (it becomes 1, as HF's DeepSeek-V3 with
+            ``norm_topk_prob`` and one expert per token) and pre-softmax weights (HF's
+            ``norm_topk_prob=True``). False: never (sigmoid scores used as they are, HF's DeepSeek-V3
+            ``norm_topk_prob=False``); refused with softmax over the top-k logits, which is normalised
+            by construction (set ``router_pre_softmax=True``). No Megatron flag.
         router_enable_expert_bias: aux-loss-free balancing with an fp32 ``expert_bias`` used for
             selection only (sigmoid routing only, as in Megatron).
         router_bias_update_rate: step of the bias update ``bias += rate * sign(mean - count)``.
@@ -106,6 +115,7 @@ class MoEConfig:
     router_group_topk: Optional[int] = None
     router_group_score_topk: Optional[int] = None
     router_topk_scaling_factor: Optional[float] = None
+    router_topk_renormalize: Optional[bool] = None
     router_enable_expert_bias: bool = False
     router_bias_update_rate: float = 1e-3
     router_logits_gemm: Literal["fp32", "bf16x3"] = "fp32"
@@ -157,6 +167,12 @@ class MoEConfig:
                 "router_topk=1 with softmax gives zero router gradients (softmax over one logit): "
                 "set router_pre_softmax=True."
             )
+        if self.router_topk_renormalize is False and self.router_score_function == "softmax":
+            if not self.router_pre_softmax:
+                raise ValueError(
+                    "router_topk_renormalize=False with softmax over the top-k logits (which always sum to 1): "
+                    "set router_pre_softmax=True for the full softmax's weights, or leave router_topk_renormalize None."
+                )
         if self.router_enable_expert_bias and self.router_score_function != "sigmoid":
             raise ValueError(
                 "router_enable_expert_bias (aux-loss-free balancing) needs "
@@ -183,6 +199,16 @@ class MoEConfig:
             raise ValueError(f"expert_alignment must be one of 1, 8, 16, 32, 64, 128, got {self.expert_alignment}.")
         if self.init_method_std <= 0:
             raise ValueError("init_method_std must be positive.")
+
+    @property
+    def renormalizes_topk(self) -> bool:
+        """Whether `route` divides the chosen weights by their sum (``router_topk_renormalize``
+        resolved; softmax over the top-k logits needs no division and reports False)."""
+        if self.router_score_function == "softmax" and not self.router_pre_softmax:
+            return False
+        if self.router_topk_renormalize is not None:
+            return self.router_topk_renormalize
+        return self.router_score_function == "sigmoid" and self.router_topk > 1
 
     def _validate_groups(self) -> None:
         if self.router_group_topk is None and self.router_num_groups is None:

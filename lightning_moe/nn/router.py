@@ -131,10 +131,10 @@ def _topk_probs(
     """Top-k combine weights ``[T, K]`` and expert ids ``[T, K]`` for the configured score function.
 
     softmax: over all experts before top-k (``router_pre_softmax``) or over the top-k logits.
-    sigmoid: per-expert sigmoid; the bias shifts only which experts win; with K > 1 the chosen
-    scores are normalised to sum to 1. ``select``: the top-k (`_select_topk`, or a replay's).
+    sigmoid: per-expert sigmoid; the bias shifts only which experts win. The chosen weights are
+    then divided by their sum where ``cfg.renormalizes_topk`` (Megatron: sigmoid with K > 1).
+    ``select``: the top-k (`_select_topk`, or a replay's).
     """
-    k = cfg.router_topk
     if cfg.router_score_function == "softmax":
         if cfg.router_pre_softmax:
             scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
@@ -149,8 +149,8 @@ def _topk_probs(
             probs_TK = torch.gather(scores_TE, dim=1, index=experts_TK)
         else:
             probs_TK, experts_TK = select(scores_TE, cfg)
-        if k > 1:
-            probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    if cfg.renormalizes_topk:
+        probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
     if cfg.router_topk_scaling_factor:
         probs_TK = probs_TK * cfg.router_topk_scaling_factor
     return probs_TK, experts_TK

@@ -5,7 +5,7 @@ engine) routes the tokens once; the training forward over the same tokens must s
 same experts, or the log-probabilities it trains on are not those of the rollout. In a replayed
 forward the router's top-k *selection* is replaced by the recorded expert ids, while the combine
 weights are still computed from the current router logits at those experts (the score function,
-pre-softmax, sigmoid normalisation and scaling factor as the config says), so the router keeps
+pre-softmax, top-k renormalisation, scaling factor: as the config says), so the router keeps
 receiving gradients.
 
 ::

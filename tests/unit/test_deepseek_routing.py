@@ -72,14 +72,23 @@ def test_group_score_differs_from_megatron_where_k_over_group_topk_is_not_two():
     torch.testing.assert_close(ours, deepseek, rtol=1e-6, atol=1e-7)
 
 
-def test_matches_transformers_deepseek_v3_router_values_and_gradients():
+@pytest.mark.parametrize(
+    "k, norm_topk_prob, renormalize",
+    [
+        (6, True, None),  # Megatron's rule renormalises sigmoid top-k for k > 1
+        (6, False, False),  # sigmoid scores as they are, times the scaling factor
+        (1, True, True),  # HF renormalises one weight to 1; Megatron's rule would not
+        (1, False, None),  # one sigmoid weight as it is: Megatron's rule
+    ],
+)
+def test_matches_transformers_deepseek_v3_router_values_and_gradients(k, norm_topk_prob, renormalize):
     transformers = pytest.importorskip("transformers")
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    num_experts, k, groups, group_topk = 64, 6, 8, 2
+    num_experts, groups, group_topk = 64, 8, 2
     config = transformers.DeepseekV3Config(
         hidden_size=16, n_routed_experts=num_experts, num_experts_per_tok=k, n_group=groups, topk_group=group_topk,
-        routed_scaling_factor=2.5, norm_topk_prob=True,
+        routed_scaling_factor=2.5, norm_topk_prob=norm_topk_prob,
     )
     hf = DeepseekV3TopkRouter(config)
     gen = torch.Generator().manual_seed(2)
@@ -94,7 +103,7 @@ def test_matches_transformers_deepseek_v3_router_values_and_gradients():
     (hf_dense * upstream).sum().backward()
 
     weight = hf.weight.detach().clone().requires_grad_(True)
-    cfg = _config(num_experts, k, groups, group_topk, router_group_score_topk=2)
+    cfg = _config(num_experts, k, groups, group_topk, router_group_score_topk=2, router_topk_renormalize=renormalize)
     probs_TE, _ = route(x @ weight.T, cfg, expert_bias=hf.e_score_correction_bias).dense()
     (probs_TE * upstream).sum().backward()
 

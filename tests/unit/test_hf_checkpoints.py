@@ -39,7 +39,7 @@ def relative_error(got, want):
 
 def hf_model(arch, **extra):
     config_name, model_name, kwargs = ARCHITECTURES[arch]
-    config = getattr(transformers, config_name)(**COMMON, **{**kwargs, **extra})
+    config = getattr(transformers, config_name)(**{**COMMON, **kwargs, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():  # norms start at 1 and biases at 0: make them matter
@@ -81,6 +81,27 @@ def test_import_and_export_match_transformers(arch, tmp_path):
         for name in original.names():
             box = [slice(0, n) for n in original.shape(name)]
             torch.testing.assert_close(exported.read(name, box), original.read(name, box), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+def test_top1_renormalised_to_weight_one_matches_transformers(arch, tmp_path):
+    # HF renormalises the one chosen softmax weight to 1: pre-softmax with router_topk_renormalize=True.
+    extra = {} if arch == "mixtral" else {"norm_topk_prob": True}
+    reference = hf_model(arch, num_experts_per_tok=1, **extra)
+    reference.save_pretrained(tmp_path / "hf")
+    module = MoELanguageModel.from_hf(tmp_path / "hf").eval()
+    moe = module.model_config.moe
+    assert moe.router_topk == 1 and moe.router_pre_softmax and moe.router_topk_renormalize
+    ids = tokens()
+    with torch.no_grad():
+        want = reference(ids).logits
+        assert relative_error(module(ids), want) < 1e-4
+    module.save_hf(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["num_experts_per_tok"] == 1 and saved.get("norm_topk_prob", True)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert relative_error(reloaded(ids).logits, want) < 1e-4
 
 
 def test_config_mapping_of_routing_and_layers(tmp_path):

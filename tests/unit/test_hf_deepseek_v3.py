@@ -1,6 +1,7 @@
 """DeepSeek-V3 checkpoints against transformers (CPU, fp32): a tiny random DeepseekV3ForCausalLM
 (MLA with and without the query compression, interleaved rotary rows, YaRN, dense first block,
-shared experts, group-limited sigmoid routing with a non-zero correction bias) saved with
+shared experts, group-limited sigmoid routing with a non-zero correction bias, top-k weights
+renormalised or not, one expert per token) saved with
 ``save_pretrained``; ``MoELanguageModel.from_hf`` must give its logits, ``save_hf`` a directory
 that transformers loads back to the same logits, with every tensor unchanged."""
 
@@ -49,8 +50,11 @@ def relative_error(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-@pytest.mark.parametrize("extra", [{}, {"q_lora_rank": None}, {"rope_parameters": YARN}],
-                         ids=["q_lora", "q_proj", "yarn"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"q_lora_rank": None}, {"rope_parameters": YARN}, {"norm_topk_prob": False}, {"num_experts_per_tok": 1}],
+    ids=["q_lora", "q_proj", "yarn", "sigmoid_not_renormalized", "top1_renormalized_to_one"],
+)
 def test_import_and_export_match_transformers(extra, tmp_path):
     reference = hf_model(**extra)
     reference.save_pretrained(tmp_path / "hf")
@@ -59,6 +63,7 @@ def test_import_and_export_match_transformers(extra, tmp_path):
     assert isinstance(module.model.layers["0"].attention, MultiHeadLatentAttention)
     assert cfg.moe_layer_pattern == [False, True, True] and cfg.moe.router_group_score_topk == 2
     assert (cfg.rope_scaling is not None) == ("rope_parameters" in extra)
+    assert cfg.moe.router_topk_renormalize == extra.get("norm_topk_prob", True)
     bias = module.model.layers["1"].mlp.router.expert_bias
     torch.testing.assert_close(bias, reference.model.layers[1].mlp.gate.e_score_correction_bias)
     ids = tokens()
@@ -69,6 +74,7 @@ def test_import_and_export_match_transformers(extra, tmp_path):
     module.save_hf(tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["model_type"] == "deepseek_v3" and saved["rope_interleave"]
+    assert saved["norm_topk_prob"] == extra.get("norm_topk_prob", True)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(reloaded) is type(reference)
     with torch.no_grad():
@@ -99,8 +105,6 @@ def test_multi_token_prediction_tensors_are_skipped(tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (dict(norm_topk_prob=False), "norm_topk_prob=false"),
-        (dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
         (dict(rope_interleave=False), "rope_interleave=false"),
     ],
 )

@@ -18,8 +18,9 @@ deepseek_v3   multi-head latent attention, sigmoid group-limited routing with a 
 Routing: HF takes a softmax over all experts, picks the top k and, with ``norm_topk_prob``
 (always for Mixtral), renormalises them, which equals a softmax over the top-k logits
 (``router_pre_softmax=False``); without renormalisation the weights are the full softmax's,
-Megatron's ``moe_router_pre_softmax=True``. A setting the reference decoder cannot reproduce
-(sliding windows, rotary scaling, attention dropout, output-projection biases, OLMoE's
+Megatron's ``moe_router_pre_softmax=True``. One expert per token with renormalisation (weight 1) is
+``router_pre_softmax=True, router_topk_renormalize=True``. A setting the reference decoder cannot
+reproduce (sliding windows, rotary scaling, attention dropout, output-projection biases, OLMoE's
 ``clip_qkv``) is refused with a message naming the field, never silently dropped.
 """
 
@@ -81,10 +82,14 @@ def model_config_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     moe: dict[str, Any] = dict(
         num_experts=num_experts,
         router_topk=get("num_experts_per_tok"),
-        router_pre_softmax=arch != "mixtral" and not get("norm_topk_prob", False),
         router_load_balancing_type="aux_loss",
         aux_loss_coeff=float(get("router_aux_loss_coef", 0.0)),
     )
+    renormalized = arch == "mixtral" or bool(get("norm_topk_prob", False))
+    if renormalized and get("num_experts_per_tok") == 1:  # one weight renormalised to 1
+        moe.update(router_pre_softmax=True, router_topk_renormalize=True)
+    else:
+        moe["router_pre_softmax"] = not renormalized
     if arch in ("qwen3_moe", "qwen2_moe"):
         moe["ffn_hidden_size"] = get("moe_intermediate_size")
         fields["ffn_hidden_size"] = get("intermediate_size")
@@ -170,7 +175,7 @@ def unexpressible(cfg: ModelConfig, arch: str) -> list[str]:
         problems.append("router_enable_expert_bias=True")
     if moe.activation != "swiglu":
         problems.append(f"activation={moe.activation!r}")
-    if arch == "mixtral" and moe.router_pre_softmax:
+    if arch == "mixtral" and moe.router_pre_softmax and not moe.renormalizes_topk:
         problems.append("router_pre_softmax=True (Mixtral always renormalises the top-k)")
     if arch != "mixtral" and moe.input_jitter_eps:
         problems.append(f"input_jitter_eps={moe.input_jitter_eps}")
@@ -248,7 +253,7 @@ def hf_config_dict(cfg: ModelConfig, arch: str, base: Optional[dict[str, Any]] =
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size,
                    router_jitter_noise=moe.input_jitter_eps or 0.0, sliding_window=None)
         return out
-    out.update(num_experts=moe.num_experts, norm_topk_prob=not moe.router_pre_softmax)
+    out.update(num_experts=moe.num_experts, norm_topk_prob=not moe.router_pre_softmax or moe.renormalizes_topk)
     if arch == "olmoe":
         out.update(intermediate_size=moe.ffn_hidden_size, attention_bias=False, clip_qkv=None)
         return out

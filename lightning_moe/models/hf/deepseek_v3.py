@@ -13,13 +13,13 @@ What maps where:
   shared experts as one ungated shared MLP of ``n_shared_experts * moe_intermediate_size``;
   router: sigmoid scores, ``e_score_correction_bias`` (the expert bias, used for selection only),
   ``n_group`` groups scored by their best two biased scores (``router_group_score_topk=2``) of which
-  ``topk_group`` are kept, top-k renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``.
+  ``topk_group`` are kept, top-k renormalised or not as ``norm_topk_prob`` says
+  (``router_topk_renormalize``, also for one expert per token, whose weight HF renormalises to 1)
+  and times ``routed_scaling_factor``.
 - the multi-token-prediction module (``num_nextn_predict_layers``; the released checkpoint's layer
   61) is not part of this decoder: its tensors are skipped on import and none are written.
 
-Refused with the field named: ``norm_topk_prob=false`` and ``num_experts_per_tok=1`` (this router
-renormalises sigmoid top-k weights for k > 1 only, as Megatron), ``rope_interleave=false``, other
-rotary scalings.
+Refused with the field named: ``rope_interleave=false``, other rotary scalings.
 """
 
 from __future__ import annotations
@@ -37,10 +37,6 @@ def model_config_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
     """``ModelConfig`` keyword arguments (``moe`` as a dict) of a DeepSeek-V3 ``config.json``."""
     get = hf_config.get
     problems = []
-    if not get("norm_topk_prob", True):
-        problems.append("norm_topk_prob=false (set it true: sigmoid top-k weights are always renormalised)")
-    if get("num_experts_per_tok") == 1:
-        problems.append("num_experts_per_tok=1 (HF renormalises one weight to 1, Megatron's router does not)")
     if get("rope_interleave") is False:
         problems.append("rope_interleave=false (DeepSeek's checkpoints interleave their rotary rows)")
     if problems:
@@ -75,6 +71,7 @@ def model_config_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
         router_score_function="sigmoid",
         router_enable_expert_bias=True,
         router_topk_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        router_topk_renormalize=bool(get("norm_topk_prob", True)),
         # DeepSeek's own config.json carries its sequence-wise balance loss; HF's model has none.
         router_load_balancing_type="seq_aux_loss",
         aux_loss_coeff=float(get("aux_loss_alpha") or 0.0),
@@ -117,8 +114,6 @@ def unexpressible(cfg: ModelConfig) -> list[str]:
         problems.append(f"attention_type={cfg.attention_type!r} (DeepSeek-V3 has multi-head latent attention)")
     if moe.router_score_function != "sigmoid" or not moe.router_enable_expert_bias:
         problems.append("a router without sigmoid scores and expert bias")
-    if moe.router_topk == 1:
-        problems.append("router_topk=1")
     if moe.router_group_topk is not None:
         per_group = moe.router_group_score_topk or moe.router_topk // moe.router_group_topk
         if per_group != GROUP_SCORE_TOPK:
@@ -169,7 +164,7 @@ def hf_config_dict(cfg: ModelConfig, base: Optional[dict[str, Any]], dtype: str)
         n_group=groups[0],
         topk_group=groups[1],
         routed_scaling_factor=moe.router_topk_scaling_factor or 1.0,
-        norm_topk_prob=True,
+        norm_topk_prob=moe.renormalizes_topk,
         first_k_dense_replace=cfg.first_k_dense_layers,
         max_position_embeddings=cfg.max_seq_length,
         rope_parameters=rope,
