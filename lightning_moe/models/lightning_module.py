@@ -27,6 +27,7 @@ from lightning_moe.nn.moe_layer import MoELayer
 from lightning_moe.resume import record_mid_epoch_stop
 
 HF_SOURCE_KEY = "hf_source"  # checkpoint entry: the HF architecture and config.json imported from
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def resolve_model_config(
@@ -230,19 +231,28 @@ class MoELanguageModel(LightningModule):
         Args:
             architecture: "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", or for a
                 model with no MoE block "llama", "qwen3" or "qwen2"; None: the one the model was
-                imported from, else the first that expresses its config (`ValueError` naming what
-                cannot be expressed otherwise; an upcycled Qwen3 writes Qwen3-MoE, a Llama Mixtral).
+                imported from if it expresses the config, else the first that does (`ValueError`
+                naming what cannot be expressed otherwise; an upcycled Qwen3 writes Qwen3-MoE, a
+                Llama Mixtral, with the imported token ids).
             dtype: of the saved tensors (None: each parameter's own, fp32 masters).
             max_shard_size: bytes per safetensors shard, or a size as transformers takes it ("5GB",
                 "500MB"); more than one shard adds an index.
         """
         from lightning_moe.models.hf import choose_architecture, save_hf_weights
+        from lightning_moe.models.hf.config_mapping import unexpressible
 
         if self.model is None or any(p.is_meta for p in self.model.parameters()):
             raise RuntimeError("save_hf needs the built model with its weights (configure_model, then a fit or load).")
         base = None
-        if self.hf_source is not None and architecture in (None, self.hf_source["model_type"]):
-            architecture, base = self.hf_source["model_type"], self.hf_source["config"]
+        if self.hf_source is not None:
+            source, source_config = self.hf_source["model_type"], self.hf_source["config"]
+            if architecture is None and not unexpressible(self.model_config, source):
+                architecture = source
+            # the imported config.json's other entries are kept; from another family's (a dense
+            # checkpoint, upcycled) only the token ids
+            base = source_config if architecture == source else {
+                key: source_config[key] for key in _TOKEN_ID_KEYS if source_config.get(key) is not None
+            }
         arch = choose_architecture(self.model_config, architecture)
         save_hf_weights(self.model, path, arch, base_config=base, dtype=dtype, max_shard_bytes=max_shard_size)
         if dist.is_available() and dist.is_initialized():

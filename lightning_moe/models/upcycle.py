@@ -229,10 +229,8 @@ def _update_model_config(module: nn.Module, decoder: MoEDecoder, cfg: MoEConfig)
     decoder.config = new_config
     if hasattr(module, "model_config"):
         module.model_config = new_config
-        if getattr(module, "hf_source", None) is not None:
-            # the imported checkpoint's HF config describes the dense model: save_hf must choose an
-            # MoE architecture for the new config instead of writing that one back
-            module.hf_source = None
+        # An HF import keeps its hf_source: save_hf writes the imported family if it still expresses
+        # the config, else the first (MoE) family that does, with the imported token ids.
         # what checkpoints save (hparams) and what loggers write (Lightning keeps a copy of the
         # initial hyperparameters for them)
         for hparams in (getattr(module, "hparams", None), getattr(module, "_hparams_initial", None)):

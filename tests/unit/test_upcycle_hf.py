@@ -12,8 +12,9 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_moe.models import MoELanguageModel, upcycle  # noqa: E402
 
+TOKEN_IDS = dict(bos_token_id=3, eos_token_id=4, pad_token_id=5)  # not any family's defaults
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
+              num_key_value_heads=2, max_position_embeddings=64, **TOKEN_IDS)
 DENSE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 IDS = torch.randint(0, COMMON["vocab_size"], (4, 17), generator=torch.Generator().manual_seed(1))
@@ -67,7 +68,8 @@ def test_upcycled_hf_model_equals_the_dense_one_trains_and_exports(tmp_path, fam
     with torch.no_grad():
         assert relative_error(module.eval()(IDS), want) < 1e-4
     module.save_hf(tmp_path / "step0")
-    assert json.loads((tmp_path / "step0" / "config.json").read_text())["model_type"] == exported
+    config = json.loads((tmp_path / "step0" / "config.json").read_text())
+    assert config["model_type"] == exported and TOKEN_IDS.items() <= config.items()  # the dense model's ids
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "step0").eval()
     with torch.no_grad():
         assert relative_error(hf(IDS).logits, want) < 1e-4
