@@ -194,6 +194,8 @@ def test_fit_starts_from_the_hf_weights(tmp_path):
         ("qwen3_moe", dict(expert_parallel_size=2)),
         # TP=2 x DP=2 for dense layers, EP=2 x EDP=2 for experts
         ("mixtral", dict(expert_parallel_size=2, tensor_parallel_size=2)),
+        # OLMoE's projection qk-norm: weight Shard(0) over TP, then FSDP2 over DP=2
+        ("olmoe", dict(tensor_parallel_size=2)),
     ],
 )
 def test_four_ranks_read_their_nested_shards(tmp_path, arch, strategy_kwargs):
