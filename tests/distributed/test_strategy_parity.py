@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _launch import run_distributed
-from _parity import as_tensors, dp_representatives, step_losses, train
+from _parity import as_tensors, dp_representatives, step_losses, tiny_config, train
 
 WORLD = 4
 STEPS = 5
@@ -67,6 +67,19 @@ def test_expert_bias_moves_identically():
     assert bias and any(ref["state"][k].abs().sum() > 0 for k in bias)
     for k in bias:
         torch.testing.assert_close(result["state"][k], ref["state"][k], rtol=0, atol=0)
+
+
+def test_projection_qk_norm_and_qkv_bias_under_tensor_parallelism():
+    # OLMoE's qk-norm over whole projections (its weight split like the heads, the mean of squares
+    # summed over TP) and Qwen2-MoE's q/k/v biases (split with the heads), trained with clipping.
+    config = {**tiny_config(), "qk_norm": True, "qk_norm_scope": "projection", "add_qkv_bias": True}
+    kwargs = {**LAYOUTS["tp2_ep2"], **SHARDING["fsdp"]}
+    dp, clip = _dp(kwargs), 0.05
+    result = as_tensors(run_distributed(train, WORLD, kwargs, dp, STEPS, 1, config, clip, timeout=180)[0])
+    ref = as_tensors(run_distributed(train, 1, {}, 1, STEPS, dp, config, clip, timeout=120)[0])
+    assert ref["grad_norm"] > clip and result["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5)
+    assert any(name.endswith("q_norm.weight") for name in ref["state"])
+    _compare(result, ref, kwargs)
 
 
 # The 8-GPU layouts of the multi-node issue, on 8 gloo processes (their GPU runs need 8 H200s).
