@@ -152,3 +152,31 @@ def test_the_strategy_refuses_expert_parallelism_for_a_dense_model_before_proces
     with pytest.raises(ValueError, match="no MoE block .*set both to 1"):
         trainer.strategy.setup_environment()
     assert not dist.is_initialized()
+
+
+def test_a_dense_module_fits_with_the_moe_callbacks_and_converts_both_ways(tmp_path):
+    """Lightning fit (MoEMonitor, MoEThroughput see no MoE block), then `lightning-moe convert`
+    to a distributed checkpoint and back to the same Llama tensors."""
+    import lightning as L
+
+    from lightning_moe.callbacks import MoEMonitor, MoEThroughput
+    from lightning_moe.models.hf.convert import checkpoint_to_hf, hf_to_checkpoint
+
+    hf_model("llama").save_pretrained(tmp_path / "hf")
+    module = MoELanguageModel.from_hf(tmp_path / "hf", module_kwargs=dict(warmup_steps=1))
+    ids = torch.randint(0, 64, (8, 13), generator=torch.Generator().manual_seed(3))
+    data = [{"input_ids": ids[i : i + 2, :-1], "labels": ids[i : i + 2, 1:]} for i in range(0, 8, 2)]
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[MoEMonitor(log_every_n_steps=1), MoEThroughput()])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    assert trainer.global_step == 4 and torch.isfinite(trainer.callback_metrics["train/loss"])
+
+    hf_to_checkpoint(tmp_path / "hf", tmp_path / "ckpt")
+    checkpoint_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "llama"
+    with SafetensorsCheckpoint(tmp_path / "hf") as original, SafetensorsCheckpoint(tmp_path / "back") as back:
+        assert back.names() == original.names()
+        for name in original.names():
+            box = [slice(0, n) for n in original.shape(name)]
+            torch.testing.assert_close(back.read(name, box), original.read(name, box), rtol=0, atol=0)
