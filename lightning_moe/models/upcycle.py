@@ -26,12 +26,12 @@ linear, whereas Megatron's ``moe_activation_scale ** (1/3)`` on both projections
 ``silu`` and is exact only for homogeneous activations.
 
 The combine weights sum to ``c`` for softmax over the top-k logits (``router_pre_softmax=False``),
-for softmax before top-k only when every expert is chosen (``router_topk == num_experts``), and
-for sigmoid scores with ``router_topk > 1`` (normalised). Token dropping
-(``expert_capacity_factor``) drops parts of the sum, and ``apply_probs_on_input`` puts ``p`` inside
-the activation: :func:`upcycle` refuses these (and ``router_topk`` not a multiple of ``G``, and
-group-limited routing whose groups would split a block) unless ``exact=False``. A shared expert
-starts with a zero down projection, so it adds nothing at step 0 and trains from there.
+for softmax before top-k only when every expert is chosen (``router_topk == num_experts``), for
+sigmoid scores with ``router_topk > 1`` (normalised), and whenever ``router_topk_renormalize=True``.
+Token dropping (``expert_capacity_factor``) drops parts of the sum, and ``apply_probs_on_input``
+puts ``p`` inside the activation: :func:`upcycle` refuses these (and ``router_topk`` not a multiple
+of ``G``, and group-limited routing whose groups would split a block) unless ``exact=False``. A
+shared expert starts with a zero down projection, so it adds nothing at step 0 and trains from there.
 
 Targets the reference decoder's `DenseMLP` (``gate_proj``, ``up_proj``, ``down_proj``), which is
 also what a dense Llama/Qwen3 checkpoint imported into `MoEDecoder` holds.
@@ -57,11 +57,12 @@ def exactness_problems(cfg: MoEConfig, granularity: int) -> list[str]:
     k, e, g = cfg.router_topk, cfg.num_experts, granularity
     if k % g:
         problems.append(f"router_topk={k} is not a multiple of granularity={g} (top-k would take part of a block)")
-    if cfg.router_score_function == "softmax" and cfg.router_pre_softmax and k != e:
+    if cfg.router_score_function == "softmax" and cfg.router_pre_softmax and k != e and not cfg.renormalizes_topk:
         problems.append("router_pre_softmax=True: the top-k softmax weights sum to less than 1, differently per token "
-                        "(set router_pre_softmax=False)")
-    if cfg.router_score_function == "sigmoid" and k == 1:
-        problems.append("sigmoid scores with router_topk=1 are not normalised (use router_topk > 1 or softmax)")
+                        "(set router_pre_softmax=False or router_topk_renormalize=True)")
+    if cfg.router_score_function == "sigmoid" and not cfg.renormalizes_topk:
+        problems.append("sigmoid scores are not renormalised here (router_topk=1 or router_topk_renormalize=False): "
+                        "set router_topk_renormalize=True")
     if cfg.expert_capacity_factor is not None:
         problems.append("expert_capacity_factor drops assignments (set it to None for dropless routing)")
     if cfg.apply_probs_on_input:

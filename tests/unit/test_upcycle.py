@@ -35,6 +35,8 @@ def _tokens(batch: int = 2, seq: int = 16, vocab: int = 97, seed: int = 1) -> to
         (8, 4, 2, {"router_num_groups": 2, "router_group_topk": 1}),
         (8, 2, 2, {"shared_expert_intermediate_size": 16, "aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}),
         (8, 4, 4, {"router_score_function": "sigmoid", "router_enable_expert_bias": True}),
+        (8, 1, 1, {"router_score_function": "sigmoid", "router_topk_renormalize": True}),  # one weight, 1
+        (8, 2, 2, {"router_pre_softmax": True, "router_topk_renormalize": True}),
     ],
 )
 def test_upcycled_logits_equal_the_dense_model(num_experts, topk, granularity, fields):
@@ -113,6 +115,8 @@ def test_a_lightning_module_gets_its_config_and_hyperparameters_updated():
         (dict(num_experts=8, router_topk=3, granularity=2), "multiple of granularity"),
         (dict(num_experts=8, router_topk=2, router_pre_softmax=True), "router_pre_softmax"),
         (dict(num_experts=8, router_topk=1, router_score_function="sigmoid"), "sigmoid"),
+        (dict(num_experts=8, router_topk=2, router_score_function="sigmoid", router_topk_renormalize=False),
+         "router_topk_renormalize=True"),
         (dict(num_experts=8, router_topk=2, expert_capacity_factor=1.0), "expert_capacity_factor"),
         (dict(num_experts=8, router_topk=4, granularity=4, router_num_groups=4, router_group_topk=2), "groups"),
     ],
