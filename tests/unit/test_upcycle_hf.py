@@ -106,3 +106,24 @@ def test_what_no_moe_family_expresses_is_refused(tmp_path):
     # Mixtral has no dense blocks, Qwen3-MoE has qk-norm
     with pytest.raises(ValueError, match="mixtral: dense blocks"):
         module.save_hf(tmp_path / "out")
+
+
+
+def test_a_checkpoint_of_the_upcycled_module_still_exports_the_moe_family_with_the_token_ids(tmp_path):
+    import lightning as L
+
+    save_dense("llama", tmp_path / "dense")
+    module = upcycle(MoELanguageModel.from_hf(tmp_path / "dense", module_kwargs=dict(warmup_steps=1)),
+                     num_experts=4, router_topk=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    data = [{"input_ids": IDS[i : i + 2, :-1], "labels": IDS[i : i + 2, 1:]} for i in (0, 2)]
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    trainer.save_checkpoint(tmp_path / "upcycled.ckpt")
+    restored = MoELanguageModel.load_from_checkpoint(tmp_path / "upcycled.ckpt", weights_only=True)
+    restored.save_hf(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and TOKEN_IDS.items() <= config.items()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert relative_error(hf(IDS).logits, restored.eval()(IDS)) < 1e-4
