@@ -33,8 +33,8 @@ def _cross_entropy_kernel(logits_ptr, grad_ptr, labels_ptr, loss_ptr, kept_ptr, 
     kept = label != ignore_index
     inv_kept = 1.0 / tl.maximum(tl.load(kept_ptr).to(tl.float32), 1.0)
     cols = tl.arange(0, BLOCK_V)
-    running_max = tl.full([], float("-inf"), tl.float32)
-    running_sum = tl.zeros([], tl.float32)
+    running_max = float("-inf")  # loop-carried fp32 scalars
+    running_sum = 0.0
     for start in range(0, V, BLOCK_V):
         x = tl.load(row_logits + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, 0))
