@@ -37,8 +37,9 @@ Data -> model, resolved before instantiation and written into the saved ``config
   (setting it shorter than ``data.seq_length`` is an error).
 - ``model.overrides.vocab_size`` follows an explicit ``data.vocab_size`` (with ``data.data_path``),
   or with ``data.text_files`` the tokenizer's size (``data.vocab_size`` when given), unless the
-  overrides set it. A model vocabulary smaller than the data's (256 for the embedded corpus, an
-  explicit ``data.vocab_size``, or the tokenizer's) is an error.
+  overrides set it or ``model.config`` is a Hugging Face checkpoint directory (its embedding fixes
+  it). A model vocabulary smaller than the data's (256 for the embedded corpus, an explicit
+  ``data.vocab_size``, or the tokenizer's) is an error.
 
 These are not ``parser.link_arguments`` links: a link target must be its own init argument and
 stops being settable, while the model takes these fields inside its ``overrides`` dict.
@@ -81,6 +82,7 @@ from lightning_moe.data.corpus import VOCAB_SIZE
 from lightning_moe.data.datamodule import LMDataModule
 from lightning_moe.data.text import load_tokenizer
 from lightning_moe.errors import InputError
+from lightning_moe.models.hf.reader import is_hf_checkpoint_dir
 from lightning_moe.models.lightning_module import MoELanguageModel, resolve_model_config
 
 DEFAULT_CALLBACKS: list[dict[str, Any]] = [
@@ -207,7 +209,11 @@ def link_data_to_model(config: Namespace) -> None:
         overrides["vocab_size"] = data.vocab_size
     if data.get("text_files") is not None and data.get("tokenizer") is not None:
         data_vocab = data.vocab_size or len(load_tokenizer(data.tokenizer))  # local files only, no download
-        overrides.setdefault("vocab_size", data_vocab)
+        # A Hugging Face checkpoint's vocabulary is its embedding's (often padded past the tokenizer's
+        # size); only a model built from scratch takes the tokenizer's.
+        from_checkpoint = isinstance(model.config, str) and is_hf_checkpoint_dir(model.config)
+        if not from_checkpoint:
+            overrides.setdefault("vocab_size", data_vocab)
     model.overrides = overrides
     cfg = resolve_model_config(_plain(model.config), overrides)
     if data_vocab is not None and cfg.vocab_size < data_vocab:

@@ -189,3 +189,41 @@ def test_fine_tuning_from_local_text_through_the_cli(tokenizer_dir, tmp_path, mo
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert losses[0] == pytest.approx(np.log(vocab), abs=0.3)
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+def test_fine_tuning_an_hf_checkpoint_on_local_text_in_one_command(tokenizer_dir, tmp_path, monkeypatch):
+    """``--model.config=HF_DIR --data.tokenizer=HF_DIR``: the checkpoint's embedding (padded past the
+    tokenizer's size, as published checkpoints are) keeps its vocabulary and its weights load."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from lightning_moe.cli import MoECLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-moe"])
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=160, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16)
+    reference = transformers.Qwen3MoeForCausalLM(config).eval()
+    reference.save_pretrained(hf_dir)
+    for item in tokenizer_dir.iterdir():
+        shutil.copy(item, hf_dir / item.name)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(60, seed=3)))
+    cli = MoECLI(args=[
+        "fit", f"--model.config={hf_dir}", "--model.learning_rate=1e-12", "--model.warmup_steps=0",
+        f"--data.text_files=[{corpus}]", f"--data.tokenizer={hf_dir}", "--data.seq_length=32",
+        "--data.micro_batch_size=2", "--trainer.max_steps=2", "--trainer.accelerator=cpu",
+        "--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ])
+    assert len(load_tokenizer(str(hf_dir))) < 160 and cli.model.model_config.vocab_size == 160
+    assert cli.trainer.global_step == 2
+    ids = torch.randint(0, 120, (2, 9))
+    with torch.no_grad():
+        want = reference(ids).logits
+        assert ((cli.model.eval()(ids) - want).norm() / want.norm()).item() < 1e-4
