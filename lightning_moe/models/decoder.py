@@ -28,13 +28,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.document_mask import DocumentMask, causal_attention, document_positions
 from lightning_moe.models.layers import Embedding, Linear, ProjectionRMSNorm, RMSNorm, apply_rotary, rotary_cos_sin
 from lightning_moe.models.mla import MultiHeadLatentAttention
 from lightning_moe.nn.compute_weights import autocast_dtype, compute_weight
 from lightning_moe.nn.cross_entropy import cross_entropy_mean
 from lightning_moe.nn.moe_layer import MoELayer
+from lightning_moe.parallel.context_parallel import context_parallel_attention
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.tensor.parallel import ParallelStyle
 
 IGNORE_INDEX = -100
@@ -46,7 +49,8 @@ class Attention(nn.Module):
     The number of heads is read from the projected tensors at forward time (``view(B, S, -1, hd)``),
     so after column-parallel sharding of ``q_proj``/``k_proj``/``v_proj`` each rank runs its local
     heads with no change here. ``qk_norm`` normalises each head (``qk_norm_scope="head"``) or the
-    whole query / key projection (``"projection"``, OLMoE) before the rotary embedding.
+    whole query / key projection (``"projection"``, OLMoE) before the rotary embedding. With
+    ``documents`` (a packed batch) no query attends across a document boundary.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -65,13 +69,20 @@ class Attention(nn.Module):
         q_norm_size, k_norm_size = (q_size, kv_size) if self.norms_projection else (hd, hd)
         self.q_norm: Optional[RMSNorm] = norm(q_norm_size, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm: Optional[RMSNorm] = norm(k_norm_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.cp_group: Optional[ProcessGroup] = None  # set_context_parallel
+        self.cp_comm_type = "p2p"
+
+    def set_context_parallel(self, group: Optional[ProcessGroup], comm_type: str = "p2p") -> None:
+        """Attend across the context-parallel ``group`` (MegatronMoEStrategy calls this): the input is
+        then this rank's load-balanced shard of each sequence (`lightning_moe.parallel.context_parallel`)."""
+        self.cp_group, self.cp_comm_type = group, comm_type
 
     def reset_parameters(self) -> None:
         for module in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.q_norm, self.k_norm):
             if module is not None:
                 module.reset_parameters()
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, documents: Optional[DocumentMask] = None) -> Tensor:
         batch, seq = x_BSD.shape[:2]
         q_BSX, k_BSX = self.q_proj(x_BSD), self.k_proj(x_BSD)
         if self.q_norm is not None and self.norms_projection:
@@ -85,7 +96,11 @@ class Attention(nn.Module):
         q_BSHd = apply_rotary(q_BSHd, cos, sin)
         k_BSGd = apply_rotary(k_BSGd, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q_BSHd, k_BSGd, v_BSGd))
-        out_BHSd = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.cp_group is not None:
+            docs_BS = None if documents is None else documents.document_ids_BS
+            out_BHSd = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, document_ids_BS=docs_BS)
+        else:
+            out_BHSd = causal_attention(q, k, v, documents)
         return self.o_proj(out_BHSd.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -136,16 +151,20 @@ class DecoderLayer(nn.Module):
         for module in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
             module.reset_parameters()
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, documents: Optional[DocumentMask] = None) -> Tensor:
+        # documents goes by keyword: the TP plan's PrepareModuleInput lays out the positional inputs only
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, documents=documents)
         return h_BSD + self.mlp(self.mlp_norm(h_BSD))
 
 
 class MoEDecoder(nn.Module):
     """Decoder-only language model; block ``i`` is MoE where ``cfg.moe_layer_pattern[i]``.
 
-    ``forward(input_ids [B, S], position_ids=None) -> logits [B, S, V]``;
-    ``loss(input_ids, labels)`` is the mean next-token cross-entropy. ``labels`` are already
+    ``forward(input_ids [B, S], position_ids=None, document_ids=None) -> logits [B, S, V]``;
+    ``loss(input_ids, labels, position_ids=None, document_ids=None)`` is the mean next-token
+    cross-entropy. ``document_ids [B, S]`` marks the documents of a packed batch
+    (`lightning_moe.models.document_mask`): attention stays inside each document, and positions
+    default to restarting at 0 at each one. ``labels`` are already
     shifted (``labels[b, s]`` is the target of position ``s``, as Megatron and torchtitan data
     pipelines produce; this keeps sequence sharding for context parallelism simple) and
     ``-100`` marks positions to ignore.
@@ -190,31 +209,50 @@ class MoEDecoder(nn.Module):
         """``[V, D]`` weight of the output projection (the embedding when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden_states(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None
+    ) -> Tensor:
         """Final normed hidden states ``[B, S, D]`` (before the output projection)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
+        documents: Optional[DocumentMask] = None
+        if document_ids is not None:
+            if document_ids.shape != input_ids.shape:
+                raise ValueError(f"document_ids {tuple(document_ids.shape)} must match input_ids "
+                                 f"{tuple(input_ids.shape)}: one document index per token.")
+            documents = DocumentMask(document_ids)  # built once, shared by every layer
+            if position_ids is None:
+                position_ids = document_positions(document_ids)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         cfg = self.config
         cos, sin = rotary_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         h_BSD = self.embed_tokens(input_ids)
         for layer in self.layers.values():
-            h_BSD = layer(h_BSD, cos, sin)
+            h_BSD = layer(h_BSD, cos, sin) if documents is None else layer(h_BSD, cos, sin, documents=documents)
         return self.norm(h_BSD)
 
-    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None
+    ) -> Tensor:
         """Logits ``[B, S, V]`` for ``input_ids`` ``[B, S]``; ``position_ids`` ``[S]`` or ``[B, S]``
-        (default ``0..S-1``)."""
-        h_BSD = self.hidden_states(input_ids, position_ids)
+        (default ``0..S-1``, or restarting at each document of ``document_ids [B, S]``)."""
+        h_BSD = self.hidden_states(input_ids, position_ids, document_ids)
         if self.lm_head is None:
             return F.linear(h_BSD, compute_weight(self.embed_tokens.weight, autocast_dtype(h_BSD)))
         return self.lm_head(h_BSD)
 
-    def loss(self, input_ids: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+    def loss(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        position_ids: Optional[Tensor] = None,
+        document_ids: Optional[Tensor] = None,
+    ) -> Tensor:
         """Mean cross-entropy over the tokens whose label is not -100 (router losses excluded:
-        their gradients reach the routers by themselves)."""
-        return causal_lm_loss(self(input_ids, position_ids), labels)
+        their gradients reach the routers by themselves). In a packed batch the data module sets
+        the label of each document's last token to -100: it does not predict the next document."""
+        return causal_lm_loss(self(input_ids, position_ids, document_ids), labels)
 
     def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
         """Tensor-parallel styles for ``parallelize_module(model, tp_mesh, plan)`` (dense parts).

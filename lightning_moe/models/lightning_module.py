@@ -1,7 +1,9 @@
 """`MoELanguageModel`: the reference decoder as a LightningModule (causal LM, AdamW, warmup + cosine).
 
 Batches are ``{"input_ids": [B, S], "labels": [B, S]}`` with labels already shifted and -100 for
-ignored positions (what :class:`~lightning_moe.data.datamodule.LMDataModule` yields). The decoder is
+ignored positions (what :class:`~lightning_moe.data.datamodule.LMDataModule` yields); a packed
+batch (``LMDataModule(pack_sequences=True)``) adds ``position_ids`` and ``document_ids`` ``[B, S]``,
+which reach the decoder (attention within documents, see `lightning_moe.models.document_mask`). The decoder is
 built in :meth:`configure_model` so that a strategy can create it on the meta device and
 parallelize it before materialising. Hooks stay minimal: no host syncs beyond Lightning's own
 logging.
@@ -304,8 +306,10 @@ class MoELanguageModel(LightningModule):
         if self.hf_source is None and checkpoint.get(HF_SOURCE_KEY) is not None:
             self.hf_source = {"path": None, **checkpoint[HF_SOURCE_KEY]}
 
-    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
-        return self.model(input_ids, position_ids)
+    def forward(
+        self, input_ids: Tensor, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None
+    ) -> Tensor:
+        return self.model(input_ids, position_ids, document_ids)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A checkpoint saved after max_steps stopped the fit mid-epoch records that epoch as
@@ -335,7 +339,7 @@ class MoELanguageModel(LightningModule):
             router.reset_step_state()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.model.loss(batch["input_ids"], batch["labels"])
+        loss = self._batch_loss(batch)
         if self._writes_metrics_this_step():
             # Only on the steps whose metrics Lightning writes (it flushes when the count of
             # optimizer steps taken, this one included, is a multiple of log_every_n_steps) and
@@ -351,6 +355,10 @@ class MoELanguageModel(LightningModule):
         for name, value in self._router_losses().items():
             self.log(f"train/{name}", value, on_step=True, on_epoch=False)
         return loss
+
+    def _batch_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """The decoder's loss on a batch, packed (``position_ids``, ``document_ids``) or not."""
+        return self.model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"), batch.get("document_ids"))
 
     def _mean_over_ranks(self, value: Tensor) -> Tensor:
         """The mean of a scalar over all ranks: one all-reduce of a copy (``strategy.reduce``
@@ -383,7 +391,7 @@ class MoELanguageModel(LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         labels = batch["labels"]
-        loss = self.model.loss(batch["input_ids"], labels)
+        loss = self._batch_loss(batch)
         tokens = (labels != IGNORE_INDEX).sum()
         weighted = loss.detach() * tokens
         if self._val_loss_sum is None:

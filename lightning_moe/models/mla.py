@@ -29,10 +29,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.document_mask import DocumentMask, causal_attention
 from lightning_moe.models.layers import Linear, RMSNorm, apply_rotary
 from lightning_moe.models.rope_scaling import latent_softmax_mscale
 
@@ -44,7 +44,8 @@ class SharedRopeKey(nn.Identity):
 
 class MultiHeadLatentAttention(nn.Module):
     """Causal MLA through ``F.scaled_dot_product_attention``; ``forward(x [B, S, D], cos, sin)``
-    with ``cos``/``sin`` of width ``qk_rope_head_dim`` (``[S, r]`` or ``[B, S, r]``).
+    with ``cos``/``sin`` of width ``qk_rope_head_dim`` (``[S, r]`` or ``[B, S, r]``); with
+    ``documents`` (a packed batch) no query attends across a document boundary.
 
     The number of heads is read from the projections at forward time, so each TP rank runs its
     local heads unchanged. SDPA takes values narrower than queries/keys (``v_head_dim`` 128 against
@@ -92,7 +93,7 @@ class MultiHeadLatentAttention(nn.Module):
             if module is not None:
                 module.reset_parameters()
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, documents: Optional[DocumentMask] = None) -> Tensor:
         batch, seq = x_BSD.shape[:2]
         if self.q_proj is not None:
             q_BSX = self.q_proj(x_BSD)
@@ -113,7 +114,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_BSHq = torch.cat([q_nope_BSHn, q_rope_BSHr], dim=-1)
         k_BSHq = torch.cat([k_nope_BSHn, k_rope_BS1r.expand(-1, -1, heads, -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q_BSHq, k_BSHq, v_BSHv))
-        out_BHSv = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        out_BHSv = causal_attention(q, k, v, documents, scale=self.softmax_scale)
         return self.o_proj(out_BHSv.transpose(1, 2).reshape(batch, seq, -1))
 
 
