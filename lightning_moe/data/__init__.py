@@ -20,6 +20,10 @@ def __getattr__(name: str):
         from lightning_moe.data import datamodule
 
         return getattr(datamodule, name)
+    if name == "PackedDocumentDataset":
+        from lightning_moe.data import packing  # imports torch
+
+        return packing.PackedDocumentDataset
     if name in ("PackedTokenDataset", "build_text_datasets", "load_tokenizer"):
         from lightning_moe.data import text  # imports torch
 
@@ -34,6 +38,7 @@ __all__ = [
     "IndexedDatasetWriter",
     "LMDataModule",
     "MappedTokens",
+    "PackedDocumentDataset",
     "PackedTokenDataset",
     "TokenWindowDataset",
     "VOCAB_SIZE",

@@ -25,6 +25,12 @@ One exception: ``Trainer(overfit_batches=...)`` swaps in a ``SequentialSampler``
 rank (Lightning's ``_resolve_overfit_batches``), so all data-parallel ranks then read the
 same windows.
 
+Packing. With ``pack_sequences=True`` the windows are the same, and each sample also carries
+``position_ids`` and ``document_ids`` ``[S]`` (positions restart at 0 at each document, attention
+stays inside it) and no label crosses a document boundary (`lightning_moe.data.packing`).
+Document boundaries come from the corpus's document offsets, the indexed dataset's document
+index, or the text files' documents.
+
 Resuming. The training loader is a :class:`ResumableDataLoader`, stateful in Lightning's
 sense: a checkpoint holds its position (epoch, windows trained), and a fit resumed from it,
 mid-epoch included, reads exactly the batches an uninterrupted run would have read.
@@ -43,6 +49,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_moe.data.corpus import VOCAB_SIZE, load_corpus
 from lightning_moe.data.indexed_dataset import IndexedDataset, IndexedDatasetNotFoundError, MappedTokens
+from lightning_moe.data.packing import PackedDocumentDataset
 from lightning_moe.data.text import PackedTokenDataset, build_text_datasets, load_tokenizer
 from lightning_moe.data.text import text_files as list_text_files
 
@@ -174,7 +181,8 @@ class ResumableDataLoader(DataLoader):
 
 
 class LMDataModule(LightningDataModule):
-    """Language-model batches ``{"input_ids": [B, S], "labels": [B, S]}`` (int64).
+    """Language-model batches ``{"input_ids": [B, S], "labels": [B, S]}`` (int64), with
+    ``position_ids`` and ``document_ids`` ``[B, S]`` too when ``pack_sequences``.
 
     Args:
         seq_length: tokens per sample ``S``.
@@ -195,6 +203,9 @@ class LMDataModule(LightningDataModule):
         tokenizer: local directory of a Hugging Face tokenizer (``save_pretrained``), loaded
             without network access; its EOS token separates the packed documents.
         text_field: the JSONL field that holds a document's text.
+        pack_sequences: keep the documents of a window apart: per-document ``position_ids``,
+            ``document_ids`` for attention masking, and label -100 on each document's last token
+            (Megatron's ``reset_position_ids``, ``reset_attention_mask`` and ``eod_mask_loss``).
     """
 
     def __init__(
@@ -210,6 +221,7 @@ class LMDataModule(LightningDataModule):
         text_files: Optional[Union[str, list[str]]] = None,
         tokenizer: Optional[str] = None,
         text_field: str = "text",
+        pack_sequences: bool = False,
     ) -> None:
         super().__init__()
         if seq_length < 1 or micro_batch_size < 1:
@@ -242,12 +254,13 @@ class LMDataModule(LightningDataModule):
         self._indexed: Optional[IndexedDataset] = None
         self.text_files = text_files
         self.text_field = text_field
+        self.pack_sequences = pack_sequences
         self.tokenizer_path = tokenizer
         self._tokenizer: Any = None
         if text_files is not None:
             list_text_files(text_files)  # a missing file fails at construction, not once the fit starts
-        self.train_dataset: Optional[Union[TokenWindowDataset, PackedTokenDataset]] = None
-        self.val_dataset: Optional[Union[TokenWindowDataset, PackedTokenDataset]] = None
+        self.train_dataset: Optional[Union[TokenWindowDataset, PackedTokenDataset, PackedDocumentDataset]] = None
+        self.val_dataset: Optional[Union[TokenWindowDataset, PackedTokenDataset, PackedDocumentDataset]] = None
 
     @property
     def tokenizer(self) -> Any:
@@ -292,13 +305,15 @@ class LMDataModule(LightningDataModule):
             return
         if self.text_files is not None:
             self.train_dataset, self.val_dataset = build_text_datasets(
-                self.text_files, self.tokenizer, self.seq_length, self.val_fraction, self.text_field
+                self.text_files, self.tokenizer, self.seq_length, self.val_fraction, self.text_field,
+                self.pack_sequences,
             )
             self._check_enough_windows()
             return
         if self.data_path is None:
             corpus = load_corpus(max_bytes=self.max_corpus_bytes, val_fraction=self.val_fraction)
             train, val = _file_range(corpus.train_tokens), _file_range(corpus.val_tokens)
+            train_ends, val_ends = corpus.train_offsets[1:], corpus.val_offsets[1:]
         else:
             data = self._indexed_dataset()
             num_val = int(round(data.num_documents * self.val_fraction))
@@ -307,8 +322,13 @@ class LMDataModule(LightningDataModule):
             first_val = data.num_documents - num_val
             train = data.mapped_tokens(0, first_val)
             val = data.mapped_tokens(first_val, data.num_documents)
-        self.train_dataset = TokenWindowDataset(train, self.seq_length)
-        self.val_dataset = TokenWindowDataset(val, self.seq_length)
+            train_ends, val_ends = data.document_ends(0, first_val), data.document_ends(first_val, data.num_documents)
+        if self.pack_sequences:
+            self.train_dataset = PackedDocumentDataset(train, train_ends, self.seq_length)
+            self.val_dataset = PackedDocumentDataset(val, val_ends, self.seq_length)
+        else:
+            self.train_dataset = TokenWindowDataset(train, self.seq_length)
+            self.val_dataset = TokenWindowDataset(val, self.seq_length)
         self._check_enough_windows()
 
     def _check_enough_windows(self) -> None:
@@ -356,7 +376,9 @@ class LMDataModule(LightningDataModule):
         # ("completed" is incremented only after that hook).
         return int(loop.batch_progress.current.processed)
 
-    def _loader(self, dataset: Union[TokenWindowDataset, PackedTokenDataset], train: bool) -> DataLoader:
+    def _loader(
+        self, dataset: Union[TokenWindowDataset, PackedTokenDataset, PackedDocumentDataset], train: bool
+    ) -> DataLoader:
         # The sampler's drop_last gives every data-parallel rank the same number of windows
         # (no rank waits in a collective for a batch another rank lacks) and reads no window
         # twice. Training also drops the last partial batch: every micro-batch is [B, S].

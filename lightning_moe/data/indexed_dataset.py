@@ -285,6 +285,16 @@ class IndexedDataset:
         start, end = self.document_token_range(first_document, last_document)
         return self._bin_map[start:end]
 
+    def document_ends(self, first_document: int = 0, last_document: Optional[int] = None) -> np.ndarray:
+        """``int64 [last - first]``: where each of documents ``[first_document, last_document)`` ends
+        (exclusive), as token offsets into their ``flat_tokens`` stream (the boundaries packing keeps)."""
+        start, _ = self.document_token_range(first_document, last_document)
+        last = self.num_documents if last_document is None else last_document
+        end_sequences = np.asarray(self.document_indices[first_document + 1 : last + 1], dtype=np.int64)
+        # a document's end is the start of the sequence after its last one (the data's end for the last)
+        pointers = np.append(self.sequence_pointers // self.dtype.itemsize, self._num_tokens)
+        return pointers[end_sequences] - start
+
     def mapped_tokens(
         self, first_document: int = 0, last_document: Optional[int] = None
     ) -> MappedTokens:

@@ -15,7 +15,9 @@
   EOS, ...) and cut into windows of ``S + 1`` tokens as `TokenWindowDataset` does (input = the
   first ``S``, labels = the last ``S``: labels are already shifted). The last, partial window is
   kept, padded with the pad token (EOS when there is none), and its labels are -100 from the
-  first padded position on, so no token is lost and no loss is computed on padding.
+  first padded position on, so no token is lost and no loss is computed on padding. With
+  ``pack_sequences`` the windows also carry ``position_ids`` and ``document_ids`` and no label
+  crosses a document boundary (`lightning_moe.data.packing`).
 * **Split.** The last ``val_fraction`` of the documents (at least one when ``val_fraction > 0``
   and there are two or more) form the validation stream, as for Megatron ``data_path`` data.
 
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_moe.data.packing import PackedDocumentDataset
 from lightning_moe.errors import InputError
 
 IGNORE_INDEX = -100
@@ -138,13 +141,20 @@ def leading_bos(tokenizer: Any) -> list[int]:
 def tokenize_documents(tokenizer: Any, documents: Sequence[str]) -> np.ndarray:
     """One ``int32`` stream: each document's tokens (no special tokens) followed by EOS, preceded by
     BOS where the tokenizer adds one itself (:func:`leading_bos`)."""
+    return tokenize_documents_with_ends(tokenizer, documents)[0]
+
+
+def tokenize_documents_with_ends(tokenizer: Any, documents: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`tokenize_documents`'s stream and ``int64 [num_documents]``, where each document
+    (BOS and EOS included) ends in it, for packing with document boundaries."""
     bos, eos = leading_bos(tokenizer), [tokenizer.eos_token_id]
     pieces: list[np.ndarray] = []
     for start in range(0, len(documents), _BATCH_DOCUMENTS):
         batch = list(documents[start : start + _BATCH_DOCUMENTS])
         for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
             pieces.append(np.asarray(bos + ids + eos, dtype=np.int32))
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    ends = np.cumsum([piece.size for piece in pieces], dtype=np.int64)
+    return (np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)), ends
 
 
 def split_documents(documents: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
@@ -189,14 +199,25 @@ class PackedTokenDataset(Dataset):
 
 
 def build_text_datasets(
-    paths: Union[str, Sequence[str]], tokenizer: Any, seq_length: int, val_fraction: float, text_field: str = "text"
-) -> tuple[PackedTokenDataset, PackedTokenDataset]:
-    """``(train, val)`` packed datasets from local text files (see the module doc)."""
+    paths: Union[str, Sequence[str]],
+    tokenizer: Any,
+    seq_length: int,
+    val_fraction: float,
+    text_field: str = "text",
+    pack_sequences: bool = False,
+) -> tuple[Dataset, Dataset]:
+    """``(train, val)`` packed datasets from local text files (see the module doc); with
+    ``pack_sequences`` they keep the documents apart (`lightning_moe.data.packing`)."""
     documents = list(read_documents(text_files(paths), text_field))
     if not documents:
         raise TextDataError(f"text_files {paths!r} hold no document (only blank JSONL lines?).")
     train_docs, val_docs = split_documents(documents, val_fraction)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pack_sequences:
+        train_tokens, train_ends = tokenize_documents_with_ends(tokenizer, train_docs)
+        val_tokens, val_ends = tokenize_documents_with_ends(tokenizer, val_docs)
+        return (PackedDocumentDataset(train_tokens, train_ends, seq_length, pad_id),
+                PackedDocumentDataset(val_tokens, val_ends, seq_length, pad_id))
     return (PackedTokenDataset(tokenize_documents(tokenizer, train_docs), seq_length, pad_id),
             PackedTokenDataset(tokenize_documents(tokenizer, val_docs), seq_length, pad_id))
 
@@ -212,4 +233,5 @@ __all__ = [
     "split_documents",
     "text_files",
     "tokenize_documents",
+    "tokenize_documents_with_ends",
 ]

@@ -358,7 +358,8 @@ class MoELanguageModel(LightningModule):
 
     def _batch_loss(self, batch: dict[str, Tensor]) -> Tensor:
         """The decoder's loss on a batch, packed (``position_ids``, ``document_ids``) or not."""
-        return self.model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"), batch.get("document_ids"))
+        positions, documents = batch.get("position_ids"), batch.get("document_ids")
+        return self.model.loss(batch["input_ids"], batch["labels"], positions, documents)
 
     def _mean_over_ranks(self, value: Tensor) -> Tensor:
         """The mean of a scalar over all ranks: one all-reduce of a copy (``strategy.reduce``
