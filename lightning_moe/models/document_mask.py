@@ -3,7 +3,8 @@
 Representation (shared by the data module, the decoder and context parallelism):
 
 * ``document_ids [B, S]`` (integer): the index of the document each token belongs to within its
-  row, non-decreasing along the row (``0 0 0 1 1 2 ...``; a row's padded tail is one more document).
+  row, non-decreasing along the row (``0 0 0 1 1 2 ...``; a row's padded tail is one more document;
+  the ``"flex"`` block mask relies on the order, the ``"sdpa"`` mask only on equality).
 * ``position_ids [B, S]``: restart at 0 at each document (:func:`document_positions` derives them).
 
 Query ``q`` attends to key ``k`` of the same row iff ``k <= q`` and both carry the same document
@@ -20,6 +21,9 @@ Kernels (one semantics, chosen by device, :class:`DocumentMask` ``backend``):
 * ``"flex"`` (CUDA default): compiled FlexAttention with a ``BlockMask`` built once per forward
   and shared by every layer: key blocks outside a query block's documents are skipped, so the work
   falls with the document lengths instead of staying ``S^2 / 2``, and no ``S x S`` mask is stored.
+  The block mask is read off the ids at block edges (:func:`document_block_mask`: ids are
+  non-decreasing, so a block's first and last ids bound it), ``O(B (S / 128)^2)`` on the device
+  with no host sync and nothing to compile.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 BACKENDS = ("sdpa", "flex")
+FLEX_BLOCK_SIZE = 128  # FlexAttention's default tile
 _compiled_flex_attention: Optional[Callable[..., Tensor]] = None
 
 
@@ -87,15 +92,7 @@ class DocumentMask:
 
     def _block_mask(self) -> Any:
         if self._mask is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            docs_BS = self.document_ids_BS
-
-            def same_document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (q_idx >= kv_idx) & (docs_BS[b, q_idx] == docs_BS[b, kv_idx])
-
-            batch, seq = docs_BS.shape
-            self._mask = create_block_mask(same_document_causal, batch, None, seq, seq, device=docs_BS.device)
+            self._mask = document_block_mask(self.document_ids_BS)
         return self._mask
 
     def attend(self, q_BHSd: Tensor, k_BGSd: Tensor, v_BGSe: Tensor, scale: Optional[float] = None) -> Tensor:
@@ -113,6 +110,52 @@ class DocumentMask:
             )
         flex = _flex_attention() if q_BHSd.is_cuda else _eager_flex_attention()
         return flex(q_BHSd, k_BGSd, v_BGSe, block_mask=self._block_mask(), scale=scale, enable_gqa=enable_gqa)
+
+
+def same_document_causal_mask_mod(document_ids_BS: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """FlexAttention ``mask_mod``: key visible iff causal and in the query's document."""
+
+    def same_document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & (document_ids_BS[b, q_idx] == document_ids_BS[b, kv_idx])
+
+    return same_document_causal
+
+
+def document_block_mask(document_ids_BS: Tensor, block_size: int = FLEX_BLOCK_SIZE) -> Any:
+    """The FlexAttention ``BlockMask`` of the same-document causal mask, from the ids at block edges.
+
+    With ids non-decreasing along a row, query block ``i`` and key block ``j <= i`` share a
+    document iff the key block's last id reaches the query block's first id (partial block: the
+    ``mask_mod`` decides per token), and every pair is visible iff ``j < i`` and the key block's
+    first id equals the query block's last id (full block: no ``mask_mod``). Equal to
+    ``create_block_mask(same_document_causal_mask_mod(ids), B, None, S, S)`` without evaluating
+    the mask on ``S x S`` tokens.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, seq = document_ids_BS.shape
+    num_blocks = -(-seq // block_size)
+    device = document_ids_BS.device
+    starts_N = torch.arange(num_blocks, device=device) * block_size
+    first_BN = document_ids_BS[:, starts_N]
+    last_BN = document_ids_BS[:, (starts_N + block_size - 1).clamp(max=seq - 1)]
+    block_NN = torch.arange(num_blocks, device=device)
+    causal_NN = block_NN.unsqueeze(1) >= block_NN.unsqueeze(0)  # [query block, key block]
+    below_NN = block_NN.unsqueeze(1) > block_NN.unsqueeze(0)
+    shared_BNN = last_BN.unsqueeze(1) >= first_BN.unsqueeze(2)  # key block's last id >= query block's first
+    full_BNN = below_NN & (first_BN.unsqueeze(1) == last_BN.unsqueeze(2))
+    partial_BNN = causal_NN & shared_BNN & ~full_BNN
+
+    def ordered(dense_BNN: Tensor) -> tuple[Tensor, Tensor]:
+        # per query block: how many key blocks, and their indices first (stable: ascending)
+        dense = dense_BNN.unsqueeze(1).to(torch.int32)  # [B, 1 (heads), N, N]
+        indices = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+        return dense.sum(dim=-1).to(torch.int32), indices
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial_BNN), *ordered(full_BNN), BLOCK_SIZE=block_size,
+        mask_mod=same_document_causal_mask_mod(document_ids_BS), seq_lengths=(seq, seq),
+    )
 
 
 def _eager_flex_attention() -> Callable[..., Tensor]:
@@ -134,4 +177,11 @@ def causal_attention(
     return documents.attend(q_BHSd, k_BGSd, v_BGSe, scale)
 
 
-__all__ = ["BACKENDS", "DocumentMask", "causal_attention", "document_positions"]
+__all__ = [
+    "BACKENDS",
+    "DocumentMask",
+    "causal_attention",
+    "document_block_mask",
+    "document_positions",
+    "same_document_causal_mask_mod",
+]

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from lightning_moe.models import MoEDecoder, get_preset
-from lightning_moe.models.document_mask import DocumentMask, causal_attention, document_positions
+from lightning_moe.models.document_mask import (
+    DocumentMask,
+    causal_attention,
+    document_block_mask,
+    document_positions,
+    same_document_causal_mask_mod,
+)
 
 # Two rows of 24 tokens: row 0 holds documents of 5, 11 and 8 tokens, row 1 of 1, 16 and 7.
 LENGTHS = ([5, 11, 8], [1, 16, 7])
@@ -111,6 +117,44 @@ def test_flex_and_sdpa_masks_agree(groups, value_dim):
     for b, index in _segments(document_ids):
         alone = causal_attention(q[b:b + 1, :, index], k[b:b + 1, :, index], v[b:b + 1, :, index], None, scale=0.3)
         torch.testing.assert_close(sdpa[b:b + 1, :, index], alone, rtol=0, atol=1e-6)
+
+
+def _random_documents(batch, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        lengths = []
+        while sum(lengths) < seq:
+            lengths.append(int(torch.randint(1, 40, (1,), generator=g)))
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seq])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("seq,block", [(48, 8), (64, 16), (256, 128)])
+def test_block_mask_from_block_edges_equals_create_block_mask(seq, block):
+    """The BlockMask read off the ids at block edges equals FlexAttention's own, built by evaluating
+    the mask on every token pair: the same partial and full blocks in the same order. (With a
+    partial last block, create_block_mask also evaluates the padding queries past ``S``, whose
+    outputs are dropped; the forward test below covers that case.)"""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for seed in range(3):
+        docs = _random_documents(3, seq, seed)
+        ours = document_block_mask(docs, block)
+        want = create_block_mask(same_document_causal_mask_mod(docs), 3, None, seq, seq, BLOCK_SIZE=block)
+        for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(ours, field), getattr(want, field)), field
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_over_several_blocks_and_a_partial_one_equals_sdpa():
+    g = torch.Generator().manual_seed(2)
+    docs = _random_documents(2, 300, seed=5)
+    q, k, v = (torch.randn(2, n, 300, 8, generator=g) for n in (4, 2, 2))
+    sdpa = DocumentMask(docs, backend="sdpa").attend(q, k, v)
+    with torch.no_grad():
+        flex = DocumentMask(docs, backend="flex").attend(q, k, v)
+    torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
 
 
 def test_bad_document_ids_name_the_fix():
