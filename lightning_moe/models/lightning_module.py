@@ -277,6 +277,7 @@ class MoELanguageModel(LightningModule):
             "num_attention_heads": cfg.num_attention_heads,
             "num_query_groups": cfg.num_query_groups or cfg.num_attention_heads,
             "num_moe_layers": cfg.num_moe_layers,  # 0: expert parallelism is refused
+            "context_parallel_attention": cfg.attention_type == "gqa",  # MLA: context parallelism is refused
         }
         if cfg.moe is not None:
             out["num_experts"] = cfg.moe.num_experts

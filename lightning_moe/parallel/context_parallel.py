@@ -110,17 +110,17 @@ class _AllGather(torch.autograd.Function):
 
 
 def _block_attention(
-    q_BHSd: Tensor, k_BHTd: Tensor, v_BHTd: Tensor, visible_ST: Tensor, scale: float
+    q_BHSd: Tensor, k_BHTd: Tensor, v_BHTd: Tensor, visible: Tensor, scale: float
 ) -> tuple[Tensor, Tensor]:
     """fp32 attention of one query block over one key block: output ``[B, H, S, d]`` and the
-    log-sum-exp of the scores ``[B, H, S]``.
+    log-sum-exp of the scores ``[B, H, S]``; ``visible`` ``[S, T]`` or ``[B, 1, S, T]``.
 
     Hidden scores take the lowest finite fp32 value, not -inf: a query row that sees no key of
     this block gets a log-sum-exp near that value, so its weight in the merge is exactly 0 and
     its gradients are 0, not NaN.
     """
     scores = torch.matmul(q_BHSd, k_BHTd.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~visible_ST, torch.finfo(scores.dtype).min)
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
     lse_BHS = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse_BHS.unsqueeze(-1))
     return torch.matmul(probs, v_BHTd), lse_BHS
@@ -140,6 +140,7 @@ def context_parallel_attention(
     group: Optional[dist.ProcessGroup],
     comm_type: CPCommType = "p2p",
     scale: Optional[float] = None,
+    document_ids_BS: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal attention of this rank's load-balanced shard over the whole sequence of the CP group.
 
@@ -147,7 +148,9 @@ def context_parallel_attention(
     where ``q``/``k``/``v`` are this rank's shard (:func:`shard_sequence` order, ``S = S_full / CP``)
     and ``group`` is the CP group (the strategy's ``context_parallel_group``; None or one rank:
     plain causal attention). ``G`` key/value heads serve ``H`` query heads (grouped-query
-    attention, ``H % G == 0``). Returns ``[B, H, S, d]`` in the query dtype.
+    attention, ``H % G == 0``). ``document_ids_BS``: this rank's shard of a packed batch's
+    document ids (`lightning_moe.models.document_mask`); a query then sees only keys of its own
+    document (they travel with the keys). Returns ``[B, H, S, d]`` in the query dtype.
     """
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"comm_type={comm_type!r}: choose one of {CP_COMM_TYPES}.")
@@ -164,28 +167,87 @@ def context_parallel_attention(
     q = q_BHSd.float()
     kv_2BGSd = torch.stack([k_BGSd, v_BGSd]).float()
 
-    def attend(kv: Tensor, source_rank: int) -> tuple[Tensor, Tensor]:
-        k_idx = load_balanced_indices(seq_full, cp_size, source_rank, device)
-        visible_ST = k_idx.unsqueeze(0) <= q_idx.unsqueeze(1)
+    def attend(kv: Tensor, k_idx: Tensor, k_docs_BT: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        visible = k_idx.unsqueeze(0) <= q_idx.unsqueeze(1)  # [S, T]
+        if k_docs_BT is not None:  # [B, 1, S, T]: also the same document
+            visible = (visible & (document_ids_BS.unsqueeze(2) == k_docs_BT.unsqueeze(1))).unsqueeze(1)
         k, v = (t.repeat_interleave(heads // groups, dim=1) for t in kv.unbind(0))
-        return _block_attention(q, k, v, visible_ST, scale)
+        return _block_attention(q, k, v, visible, scale)
 
     if cp_size == 1:
-        out, _ = attend(kv_2BGSd, 0)
+        out, _ = attend(kv_2BGSd, q_idx, document_ids_BS)
     elif comm_type == "allgather":
         kv_C2BGSd = _AllGather.apply(kv_2BGSd, group)
-        # every rank's keys at once: concatenate the ranks' shards along the sequence
+        # every rank's keys at once: the ranks' shards side by side along the sequence
         kv_all = torch.cat(kv_C2BGSd.unbind(0), dim=-2)
         k_idx = torch.cat([load_balanced_indices(seq_full, cp_size, r, device) for r in range(cp_size)])
-        visible_ST = k_idx.unsqueeze(0) <= q_idx.unsqueeze(1)
-        k, v = (t.repeat_interleave(heads // groups, dim=1) for t in kv_all.unbind(0))
-        out, _ = _block_attention(q, k, v, visible_ST, scale)
+        k_docs = None
+        if document_ids_BS is not None:
+            parts = [torch.empty_like(document_ids_BS) for _ in range(cp_size)]
+            dist.all_gather(parts, document_ids_BS.contiguous(), group=group)
+            k_docs = torch.cat(parts, dim=1)
+        out, _ = attend(kv_all, k_idx, k_docs)
     else:
         # Step 0 is this rank's own block (every query sees at least itself: a finite lse);
         # step s holds rank (r - s)'s keys/values while they travel on around the ring.
-        out, lse = attend(kv_2BGSd, cp_rank)
-        kv = kv_2BGSd
+        out, lse = attend(kv_2BGSd, q_idx, document_ids_BS)
+        kv, k_docs = kv_2BGSd, document_ids_BS
         for step in range(1, cp_size):
             kv = _RingShift.apply(kv, group)
-            out, lse = _merge(out, lse, *attend(kv, (cp_rank - step) % cp_size))
+            if k_docs is not None:
+                k_docs = _shift(k_docs.contiguous(), group, step=1)
+            k_idx = load_balanced_indices(seq_full, cp_size, (cp_rank - step) % cp_size, device)
+            out, lse = _merge(out, lse, *attend(kv, k_idx, k_docs))
     return out.to(q_BHSd.dtype)
+
+
+#: Batch entries whose dimension 1 is the sequence: sharded by :func:`shard_batch`.
+SEQUENCE_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids", "document_ids", "loss_mask")
+
+
+def shard_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
+    """This CP rank's load-balanced shard of a batch dict: every ``SEQUENCE_KEYS`` tensor ``[B, S, ...]``
+    cut along dim 1; other entries unchanged. Without ``position_ids`` the global positions
+    ``0..S-1`` are added first (RoPE must see each token's position in the whole sequence).
+
+    Raises (before any collective): ``S`` not divisible by ``2 x cp_size``; a packed batch
+    (``document_ids``) without ``position_ids``.
+    """
+    input_ids = batch["input_ids"]
+    batch_size, seq_len = input_ids.shape[:2]
+    check_sequence_length(seq_len, cp_size)
+    out = dict(batch)
+    if "position_ids" not in out:
+        if "document_ids" in out:
+            raise ValueError(
+                "a packed batch (document_ids) needs position_ids under context parallelism: positions restart at "
+                "each document, which a shard cannot see; add them in the data module (LMDataModule does)."
+            )
+        out["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand(batch_size, seq_len)
+    for key in SEQUENCE_KEYS:
+        value = out.get(key)
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
+            out[key] = shard_sequence(value, cp_size, cp_rank, dim=1)
+    return out
+
+
+def token_mean_over_group(
+    local_mean: Tensor, labels: Tensor, group: Optional[dist.ProcessGroup], ignore_index: int = -100
+) -> Tensor:
+    """A CP rank's token-mean loss turned into the CP group's (one all-reduce of two scalars).
+
+    Value: the mean over every labelled token of the group's sequences (what one process gets).
+    Gradient: that of ``CP x n_local / n_group x local_mean``, so that gradients averaged over
+    the CP ranks (with DP: over DP x CP) are the gradient of the group's token mean, also when
+    ranks hold different numbers of labelled tokens. With equal counts it is ``local_mean``'s.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return local_mean
+    cp_size = dist.get_world_size(group)
+    count = (labels != ignore_index).sum().to(torch.float32)
+    stats = torch.stack([count, local_mean.detach().float() * count])
+    dist.all_reduce(stats, group=group)
+    total = stats[0].clamp(min=1.0)
+    for_grad = local_mean * (count * cp_size / total).to(local_mean.dtype)
+    value = (stats[1] / total).to(local_mean.dtype)
+    return for_grad + (value - for_grad).detach()

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_moe.layout import ParallelLayout
 from lightning_moe.nn.compute_weights import ComputeWeightCache
 from lightning_moe.parallel import checkpoint as ckpt
+from lightning_moe.parallel import context_parallel as cp_attention
 from lightning_moe.parallel.fsdp import (
     expert_params,
     mixed_precision_policy,
@@ -61,11 +62,18 @@ class MegatronMoEStrategy(ModelParallelStrategy):
 
     Args:
         tensor_parallel_size: TP for dense layers (needs the module's ``tensor_parallel_plan``).
-        context_parallel_size: CP (accepted by the layout; execution not implemented yet: raises).
+        context_parallel_size: CP, each sequence split over this many ranks (load-balanced chunks
+            ``i`` and ``2CP-1-i``; `lightning_moe.parallel.context_parallel`). The strategy shards the
+            batch's sequence tensors and makes every attention with ``set_context_parallel`` attend
+            across the CP group.
         pipeline_parallel_size: PP (accepted by the layout; execution not implemented yet: raises).
         expert_parallel_size: EP, experts split over this many ranks (folded over TP x CP x DP).
         expert_tensor_parallel_size: ETP, each expert's weights split over this many ranks.
         data_parallel_size: "auto" (derived) or an explicit DP that must match the world size.
+        cp_comm_type: how context-parallel attention exchanges keys/values (Megatron's
+            ``cp_comm_type``): "p2p" (default; a ring of send/recv overlapping the blocks' attention,
+            memory for one remote block at a time in the forward) or "allgather" (every rank's
+            keys/values gathered once).
         sharding: "fsdp" (FSDP2 over DP x CP) or "ddp" (replicated, all-reduced) for dense params.
         expert_sharding: "fsdp" (FSDP2 over EDP) or "ddp" for expert params.
         sequence_parallel: with TP > 1, keep activations between layers sharded over the sequence.
@@ -99,6 +107,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         expert_parallel_size: int = 1,
         expert_tensor_parallel_size: int = 1,
         data_parallel_size: Literal["auto"] | int = "auto",
+        cp_comm_type: cp_attention.CPCommType = "p2p",
         sharding: ShardingMode = "fsdp",
         expert_sharding: ShardingMode = "fsdp",
         sequence_parallel: bool = True,
@@ -120,6 +129,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         for name, value in (("sharding", sharding), ("expert_sharding", expert_sharding)):
             if value not in ("fsdp", "ddp"):
                 raise ValueError(f"{name}={value!r}: choose 'fsdp' or 'ddp'.")
+        if cp_comm_type not in cp_attention.CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={cp_comm_type!r}: choose one of {cp_attention.CP_COMM_TYPES}.")
         if token_dispatcher not in (None, "alltoall", "allgather"):
             raise ValueError(f"token_dispatcher={token_dispatcher!r}: choose 'alltoall', 'allgather' or None.")
         if dispatch_transport not in (None, "nccl", "copy_engine"):
@@ -132,6 +143,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             "expert_tensor_parallel_size": expert_tensor_parallel_size,
             "data_parallel_size": data_parallel_size,
         }
+        self.cp_comm_type = cp_comm_type
         self.sharding = sharding
         self.expert_sharding = expert_sharding
         self.sequence_parallel = sequence_parallel
@@ -188,7 +200,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if callable(declare):
             constraints = dict(declare())
         num_moe_layers = constraints.pop("num_moe_layers", None)
+        context_parallel_attention = constraints.pop("context_parallel_attention", None)
         layout = ParallelLayout(world_size=world_size, **self.sizes, **constraints)
+        if layout.context_parallel_size > 1 and context_parallel_attention is False:
+            raise ValueError(self._no_context_parallel_attention("the module declares attention without it"))
         if num_moe_layers == 0 and (layout.expert_parallel_size > 1 or layout.expert_tensor_parallel_size > 1):
             raise ValueError(
                 f"expert_parallel_size={layout.expert_parallel_size}, expert_tensor_parallel_size="
@@ -199,11 +214,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             raise ValueError(
                 "pipeline_parallel_size > 1 is accepted by ParallelLayout but pipeline execution is not "
                 "implemented in MegatronMoEStrategy yet: set pipeline_parallel_size=1 (use EP/TP/FSDP)."
-            )
-        if layout.context_parallel_size > 1:
-            raise ValueError(
-                "context_parallel_size > 1 is accepted by ParallelLayout but context-parallel attention is "
-                "not implemented in MegatronMoEStrategy yet: set context_parallel_size=1."
             )
         return layout
 
@@ -269,13 +279,16 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         layers = moe_layers(model)
         self._validate_model(model, layers)
         accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1)))
-        tp = layout.tensor_parallel_size
+        tp, cp = layout.tensor_parallel_size, layout.context_parallel_size
         stage_group = self._group("stage")
+        if cp > 1:
+            self._make_attention_context_parallel(model)
         for layer in layers:
             # Aux-loss gradients are injected per micro-batch; Lightning divides the task loss by
             # the accumulation count, so the aux losses get the same 1/N (Megatron's auto-scaler).
-            layer.router.aux_loss_scale = 1.0 / accumulate
-            layer.router.sequence_parallel_group = self._group("tp") if tp > 1 else None
+            layer.router.aux_loss_scale = self._aux_loss_scale(accumulate)
+            # ranks holding slices of the same sequences (Megatron's tp-cp group): aux-loss counts
+            layer.router.sequence_parallel_group = self._group("cp_tp") if tp * cp > 1 else None
             layer.router.global_aux_loss_group = stage_group
         if layout.expert_parallel_size > 1 or layout.expert_tensor_parallel_size > 1:
             from lightning_moe.parallel.expert_parallel import expert_parallel_layer
@@ -299,17 +312,58 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if self.expert_sharding == "fsdp" and layers and layout.expert_data_parallel_size > 1:
             shard_experts(model, layout.mesh("edp"), mp_policy, self.reshard_after_forward)
             self._experts_fsdp = True
-        if self.sharding == "fsdp" and layout.data_parallel_size > 1:
+        if self.sharding == "fsdp" and layout.data_parallel_size * cp > 1:
             # FSDP over DP must not take the router/shared experts (reduced over the stage) nor
             # experts it does not shard over EDP (they live on the expert mesh).
             ignored = moe_replicated_params(model)
             if not self._experts_fsdp:
                 ignored += expert_params(model)
-            wrapped = shard_dense(model, layout.mesh("dp"), mp_policy, self.reshard_after_forward, ignored)
+            wrapped = shard_dense(model, layout.mesh(self._dense_mesh_name), mp_policy, self.reshard_after_forward, ignored)
             self._dense_fsdp = True
             # The LightningModule itself is never wrapped: its own parameters (and any module
             # FSDP skipped) are all-reduced by finalize_gradients like in "ddp" mode.
             self._fsdp_managed = {p for module in wrapped for p in module.parameters()} | set(ignored)
+
+    @property
+    def _dense_mesh_name(self) -> str:
+        """Dense parameters are averaged (FSDP: sharded) over DP x CP: CP ranks hold distinct tokens."""
+        return "dp_cp" if self.layout.context_parallel_size > 1 else "dp"
+
+    def _aux_loss_scale(self, accumulate: int) -> float:
+        """Gradient of the aux losses per unit: 1 / accumulation steps (Lightning's scaling of the
+        task loss), times CP: each CP rank's aux loss is its share of the micro-batch's, while
+        gradients are averaged over DP x CP like the task loss, whose CP ranks each hold a mean."""
+        return self.layout.context_parallel_size / accumulate
+
+    @property
+    def context_parallel_group(self) -> dist.ProcessGroup | None:
+        """The CP group this rank's sequences are split over (None without context parallelism)."""
+        return self._group("cp")
+
+    def _no_context_parallel_attention(self, found: str) -> str:
+        return (
+            f"context_parallel_size={self.sizes['context_parallel_size']} needs attention that attends across the "
+            f"CP group: a module with set_context_parallel(group, comm_type) ({found}). Use the reference decoder's "
+            "grouped-query attention (attention_type='gqa'; multi-head latent attention is not context-parallel "
+            "yet), give your attention such a method calling "
+            "lightning_moe.parallel.context_parallel.context_parallel_attention, or set context_parallel_size=1."
+        )
+
+    def _make_attention_context_parallel(self, model: torch.nn.Module) -> None:
+        """Hand the CP group to every attention that can take it (``set_context_parallel(group,
+        comm_type)``, as the reference decoder's `Attention`); refuse attention modules without it."""
+        capable = [m for m in model.modules() if callable(getattr(m, "set_context_parallel", None))]
+        # attention modules by name that cannot attend across the CP group (MLA, a user's own)
+        others = sorted(
+            {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention") and m not in capable}
+        )
+        if others or not capable:
+            raise ValueError(
+                self._no_context_parallel_attention(f"found {', '.join(others)} without it" if others else "found none")
+            )
+        group = self.context_parallel_group
+        for module in capable:
+            module.set_context_parallel(group, self.cp_comm_type)
 
     def _validate_model(self, model: torch.nn.Module, layers: list) -> None:
         layout = self.layout
@@ -337,7 +391,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             out["token dispatch"] = layers[0].dispatcher.describe()
             if layers[0].config.expert_alignment > 1:
                 out["expert groups"] = f"padded to {layers[0].config.expert_alignment} tokens"
-        out["dense params"] = f"{self.sharding} over DP" if self.layout.data_parallel_size > 1 else "replicated (DP=1)"
+        dp_cp = self.layout.data_parallel_size * self.layout.context_parallel_size
+        out["dense params"] = f"{self.sharding} over DP x CP" if dp_cp > 1 else "replicated (DP=1)"
+        if self.layout.context_parallel_size > 1:
+            out["context parallel"] = f"{self.cp_comm_type}, load-balanced chunks"
         out["expert params"] = (
             f"{self.expert_sharding} over EDP" if self.layout.expert_data_parallel_size > 1 else "local (EDP=1)"
         )
@@ -348,11 +405,68 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.layout.context_parallel_size > 1:
+            return self._context_parallel_training_step(*args, **kwargs)
+        return self._training_step(*args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.cache_weight_casts:
             return super().training_step(*args, **kwargs)
         # The weight casts made here serve every micro-batch until the optimizer step (cleared there).
         with self._weight_casts.active():
             return super().training_step(*args, **kwargs)
+
+    def _context_parallel_training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """The module's step on this rank's shard of the batch; its loss made the global token mean.
+
+        The module computes its usual mean over its (local) labelled tokens. Its value is replaced
+        by the mean over the CP group's tokens (what one process would get), and its gradient by
+        that of ``CP x (sum of local token losses) / (tokens of the CP group)``, which gradients
+        averaged over DP x CP turn into the gradient of the global token mean.
+        """
+        from lightning_moe.parallel.context_parallel import token_mean_over_group
+
+        accumulate = max(1, int(getattr(self.lightning_module.trainer, "accumulate_grad_batches", 1)))
+        for layer in moe_layers(self.model):
+            layer.router.aux_loss_scale = self._aux_loss_scale(accumulate)  # the module may have reset it
+        local = self._shard_batch(batch)
+        out = self._training_step(local, *args, **kwargs)
+        labels = local.get("labels") if isinstance(local, dict) else None
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if labels is None or not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                "context_parallel_size > 1 needs a batch dict with 'labels' (-100 = ignored) and a training_step "
+                "returning the token-mean loss (or a dict with 'loss'): the strategy makes it the global token mean."
+            )
+        loss = token_mean_over_group(loss, labels, self.context_parallel_group)
+        if isinstance(out, dict):
+            return {**out, "loss": loss}
+        return loss
+
+    def _shard_batch(self, batch: Any) -> Any:
+        """This CP rank's load-balanced shard of the batch's sequence tensors (``[B, S, ...]``:
+        ``cp_attention.SEQUENCE_KEYS``); ``position_ids`` are made global ``0..S-1`` first when absent."""
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            raise ValueError(
+                "context_parallel_size > 1 needs dict batches with 'input_ids' [B, S] (and 'labels'): the strategy "
+                "shards their sequence dimension over the CP group."
+            )
+        layout = self.layout
+        return cp_attention.shard_batch(
+            batch, layout.context_parallel_size, layout.rank_in_group("cp", dist.get_rank())
+        )
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.layout.context_parallel_size > 1 and args:
+            args = (self._shard_batch(args[0]), *args[1:])
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.layout.context_parallel_size > 1 and args:
+            args = (self._shard_batch(args[0]), *args[1:])
+        return super().test_step(*args, **kwargs)
 
     @override
     def on_train_end(self) -> None:
@@ -403,7 +517,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             # the FSDP units afterwards (e.g. nn.Linear -> te.Linear), whose new parameters
             # must still be reduced.
             dense = [p for p in model.parameters() if p not in self._fsdp_managed]
-        all_reduce_grads(dense, self._group("dp"), scale=1.0 / layout.data_parallel_size)
+        all_reduce_grads(dense, self._group(self._dense_mesh_name), scale=1.0 / dp_cp)
         experts = expert_params(model)
         if self._experts_fsdp:
             scale_grads(experts, layout.expert_data_parallel_size / dp_cp)

@@ -75,3 +75,37 @@ def test_indivisible_sequence_names_the_fix():
 
     with pytest.raises(ValueError, match="not divisible by 2 x context_parallel_size = 4"):
         shard_sequence(torch.zeros(1, 10), 2, 0)
+
+
+def _documents():
+    # packed rows: documents of lengths 5, 9, 2 and 16; per-token ids are sharded like the tokens
+    return torch.tensor([[0] * 5 + [1] * 9 + [2] * 2, [0] * 16])
+
+
+def _cp_document_attention(rank, world_size, comm_type):
+    import torch.distributed as dist
+
+    from lightning_moe.parallel.context_parallel import context_parallel_attention, shard_sequence, unshard_sequence
+
+    q, k, v, w = (shard_sequence(t, world_size, rank, dim=2) for t in _inputs())
+    docs = shard_sequence(_documents(), world_size, rank, dim=1)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    out = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, document_ids_BS=docs)
+    (out * w).sum().backward()
+    parts = {name: [torch.empty_like(t) for _ in range(world_size)] for name, t in (("out", out), ("dk", k.grad))}
+    dist.all_gather(parts["out"], out.detach().contiguous())
+    dist.all_gather(parts["dk"], k.grad.contiguous())
+    return [unshard_sequence(parts[n], dim=2).numpy() for n in ("out", "dk")]
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_packed_documents_match_the_document_mask(comm_type):
+    q, k, v, w = (t.clone() for t in _inputs())
+    k.requires_grad_()
+    docs = _documents()
+    mask = ((docs.unsqueeze(2) == docs.unsqueeze(1)) & torch.ones(S, S, dtype=torch.bool).tril()).unsqueeze(1)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    (want * w).sum().backward()
+    out, dk = run_distributed(_cp_document_attention, 4, comm_type, timeout=60)[0]
+    torch.testing.assert_close(torch.from_numpy(out), want.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(dk), k.grad, rtol=0, atol=1e-5)

@@ -23,12 +23,23 @@ def _setup(strategy, devices=4, config="tiny"):
         (dict(expert_parallel_size=4, expert_tensor_parallel_size=2), "divide|divisible"),
         (dict(data_parallel_size=3), "data_parallel_size"),
         (dict(pipeline_parallel_size=2), "pipeline"),
-        (dict(context_parallel_size=2), "context"),
+        (dict(context_parallel_size=3), "context_parallel_size .* does not divide"),
     ],
 )
 def test_invalid_sizes_raise_before_process_groups(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         _setup(MegatronMoEStrategy(**kwargs))
+    assert not dist.is_initialized()
+
+
+def test_context_parallel_refuses_multi_head_latent_attention_before_process_groups():
+    module = MoELanguageModel("tiny", overrides={"attention_type": "mla", "num_query_groups": None, "q_lora_rank": 16,
+                                                 "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                                                 "v_head_dim": 8})
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MegatronMoEStrategy(context_parallel_size=2), logger=False)
+    trainer.strategy._lightning_module = module
+    with pytest.raises(ValueError, match="multi-head latent attention is not context-parallel"):
+        trainer.strategy.setup_environment()
     assert not dist.is_initialized()
 
 
