@@ -71,9 +71,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         expert_tensor_parallel_size: ETP, each expert's weights split over this many ranks.
         data_parallel_size: "auto" (derived) or an explicit DP that must match the world size.
         cp_comm_type: how context-parallel attention exchanges keys/values (Megatron's
-            ``cp_comm_type``): "p2p" (default; a ring of send/recv overlapping the blocks' attention,
-            memory for one remote block at a time in the forward) or "allgather" (every rank's
-            keys/values gathered once).
+            ``cp_comm_type``): "p2p" (default; a ring of send/recv, one remote block per step merged
+            by log-sum-exp; autograd keeps the received blocks for the backward) or "allgather"
+            (every rank's keys/values gathered once, one attention).
         sharding: "fsdp" (FSDP2 over DP x CP) or "ddp" (replicated, all-reduced) for dense params.
         expert_sharding: "fsdp" (FSDP2 over EDP) or "ddp" for expert params.
         sequence_parallel: with TP > 1, keep activations between layers sharded over the sequence.
