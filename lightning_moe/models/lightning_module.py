@@ -349,7 +349,7 @@ class MoELanguageModel(LightningModule):
             # the same loss, so the mean over the world is the mean over the replicas). The
             # backward uses the local loss. The lr is this step's: `self.log` turns a Python
             # float into a device tensor, a synchronous host-to-device copy on GPU.
-            mean_loss = self._mean_over_ranks(loss.detach())
+            mean_loss = self._mean_over_ranks(self._replica_loss(loss.detach(), batch["labels"]))
             self.log("train/loss", mean_loss, on_step=True, on_epoch=False, prog_bar=True)
             self.log("train/ppl", torch.exp(mean_loss), on_step=True, on_epoch=False)
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
@@ -361,6 +361,16 @@ class MoELanguageModel(LightningModule):
         """The decoder's loss on a batch, packed (``position_ids``, ``document_ids``) or not."""
         positions, documents = batch.get("position_ids"), batch.get("document_ids")
         return self.model.loss(batch["input_ids"], batch["labels"], positions, documents)
+
+    def _replica_loss(self, loss: Tensor, labels: Tensor) -> Tensor:
+        """The token mean over this data-parallel replica's batch: under context parallelism each
+        rank holds a shard of it (the mean over the CP group's labelled tokens, one all-reduce)."""
+        group = getattr(self.trainer.strategy, "context_parallel_group", None)
+        if group is None:
+            return loss
+        from lightning_moe.parallel.context_parallel import token_mean_over_group
+
+        return token_mean_over_group(loss, labels, group)
 
     def _mean_over_ranks(self, value: Tensor) -> Tensor:
         """The mean of a scalar over all ranks: one all-reduce of a copy (``strategy.reduce``

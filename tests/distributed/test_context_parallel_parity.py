@@ -57,3 +57,52 @@ def test_context_parallel_layout_matches_one_process(layout):
 def test_sequence_aux_loss_spans_the_cp_group():
     # Megatron's seq aux loss with CP: per-sequence counts summed over the CP group
     _check("cp2", "seq_aux")
+
+
+def _uneven_labels(rank, world_size, cp):
+    """Labels ignored mostly early in each sequence, so the CP ranks hold different numbers of
+    labelled tokens; returns per-step returned losses, the logged train/loss and the parameters."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.utils.data import DataLoader
+
+    from _parity import VOCAB, _module
+    from lightning_moe import MegatronMoEStrategy
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (STEPS, 2, SEQ + 1), generator=g)
+    batches = []
+    for t in tokens:
+        labels = t[:, 1:].clone()
+        labels[:, : SEQ // 2][torch.rand(2, SEQ // 2, generator=g) < 0.7] = -100
+        batches.append({"input_ids": t[:, :-1], "labels": labels})
+    returned, logged = [], []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            returned.append(float(outputs["loss"]))
+            logged.append(float(trainer.callback_metrics["train/loss"]))
+
+    strategy = MegatronMoEStrategy(context_parallel_size=cp, print_layout=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, log_every_n_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[Record()], num_sanity_val_steps=0,
+    )
+    trainer.fit(_module(tiny_config(), 0.5), DataLoader(batches, batch_size=None))
+    state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank:
+        return None
+    return returned, logged, {k: v.detach().float().numpy().copy() for k, v in state.items() if torch.is_tensor(v)}
+
+
+def test_uneven_labelled_tokens_per_cp_rank_give_the_global_token_mean():
+    ref_returned, ref_logged, ref_state = run_distributed(_uneven_labels, 1, 1, timeout=120)[0]
+    returned, logged, state = run_distributed(_uneven_labels, 2, 2, timeout=120)[0]
+    torch.testing.assert_close(torch.tensor(returned), torch.tensor(ref_returned), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_returned), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(ref_logged), torch.tensor(ref_returned), rtol=0, atol=1e-6)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(torch.from_numpy(state[name]), torch.from_numpy(value), rtol=0, atol=1e-5, msg=name)
