@@ -16,6 +16,7 @@ LAYOUTS = {  # name: (world size, strategy kwargs)
     "cp2": (2, dict(context_parallel_size=2)),
     "cp2_allgather": (2, dict(context_parallel_size=2, cp_comm_type="allgather")),
     "cp4": (4, dict(context_parallel_size=4)),
+    "cp4_allgather": (4, dict(context_parallel_size=4, cp_comm_type="allgather")),
     "cp2_ep2": (2, dict(context_parallel_size=2, expert_parallel_size=2)),
     "tp2_cp2": (4, dict(tensor_parallel_size=2, context_parallel_size=2, cp_comm_type="allgather")),
     "cp2_dp2_fsdp": (4, dict(context_parallel_size=2, sharding="fsdp", expert_sharding="fsdp")),
@@ -59,9 +60,11 @@ def test_sequence_aux_loss_spans_the_cp_group():
     _check("cp2", "seq_aux")
 
 
-def _uneven_labels(rank, world_size, cp):
+def _uneven_labels(rank, world_size, cp, packed=False, comm_type="p2p"):
     """Labels ignored mostly early in each sequence, so the CP ranks hold different numbers of
-    labelled tokens; returns per-step returned losses, the logged train/loss and the parameters."""
+    labelled tokens; returns per-step returned losses, the logged train/loss and the parameters.
+    ``packed``: each row holds documents of lengths 5, 7 and 4 (document_ids, position_ids
+    restarting per document, a document's last label ignored), as the packing data module yields."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -77,7 +80,14 @@ def _uneven_labels(rank, world_size, cp):
     for t in tokens:
         labels = t[:, 1:].clone()
         labels[:, : SEQ // 2][torch.rand(2, SEQ // 2, generator=g) < 0.7] = -100
-        batches.append({"input_ids": t[:, :-1], "labels": labels})
+        batch = {"input_ids": t[:, :-1], "labels": labels}
+        if packed:
+            lengths = torch.tensor([5, 7, 4])
+            docs = torch.repeat_interleave(torch.arange(3), lengths).expand(2, SEQ)
+            batch["document_ids"] = docs
+            batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths.tolist()]).expand(2, SEQ)
+            labels[:, lengths.cumsum(0) - 1] = -100
+        batches.append(batch)
     returned, logged = [], []
 
     class Record(Callback):
@@ -85,7 +95,7 @@ def _uneven_labels(rank, world_size, cp):
             returned.append(float(outputs["loss"]))
             logged.append(float(trainer.callback_metrics["train/loss"]))
 
-    strategy = MegatronMoEStrategy(context_parallel_size=cp, print_layout=False)
+    strategy = MegatronMoEStrategy(context_parallel_size=cp, cp_comm_type=comm_type, print_layout=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, log_every_n_steps=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -104,5 +114,15 @@ def test_uneven_labelled_tokens_per_cp_rank_give_the_global_token_mean():
     torch.testing.assert_close(torch.tensor(returned), torch.tensor(ref_returned), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_returned), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(ref_logged), torch.tensor(ref_returned), rtol=0, atol=1e-6)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(torch.from_numpy(state[name]), torch.from_numpy(value), rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_packed_documents_under_cp2_match_one_process(comm_type):
+    ref_returned, _, ref_state = run_distributed(_uneven_labels, 1, 1, True, timeout=120)[0]
+    returned, logged, state = run_distributed(_uneven_labels, 2, 2, True, comm_type, timeout=120)[0]
+    torch.testing.assert_close(torch.tensor(returned), torch.tensor(ref_returned), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(logged), torch.tensor(ref_returned), rtol=0, atol=1e-5)
     for name, value in ref_state.items():
         torch.testing.assert_close(torch.from_numpy(state[name]), torch.from_numpy(value), rtol=0, atol=1e-5, msg=name)
