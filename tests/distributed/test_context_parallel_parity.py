@@ -18,8 +18,12 @@ LAYOUTS = {  # name: (world size, strategy kwargs)
     "cp4": (4, dict(context_parallel_size=4)),
     "cp4_allgather": (4, dict(context_parallel_size=4, cp_comm_type="allgather")),
     "cp2_ep2": (2, dict(context_parallel_size=2, expert_parallel_size=2)),
-    "tp2_cp2": (4, dict(tensor_parallel_size=2, context_parallel_size=2, cp_comm_type="allgather")),
+    "cp2_ep2_allgather": (2, dict(context_parallel_size=2, expert_parallel_size=2, cp_comm_type="allgather")),
+    "tp2_cp2": (4, dict(tensor_parallel_size=2, context_parallel_size=2)),
+    "tp2_cp2_allgather": (4, dict(tensor_parallel_size=2, context_parallel_size=2, cp_comm_type="allgather")),
     "cp2_dp2_fsdp": (4, dict(context_parallel_size=2, sharding="fsdp", expert_sharding="fsdp")),
+    "cp2_dp2_fsdp_allgather": (4, dict(context_parallel_size=2, sharding="fsdp", expert_sharding="fsdp",
+                                       cp_comm_type="allgather")),
 }
 
 
