@@ -136,7 +136,9 @@ def test_a_dense_config_counts_its_parameters_and_flops(tmp_path):
     cfg = module.model_config
     assert total_parameters(cfg) == sum(p.numel() for p in module.parameters())
     assert model_flops_per_token(cfg, 12) > 6 * cfg.num_layers * 3 * cfg.hidden_size * cfg.ffn_hidden_size
-    assert module.parallel_constraints() == {"num_attention_heads": 4, "num_query_groups": 2, "num_moe_layers": 0}
+    assert module.parallel_constraints() == {
+        "num_attention_heads": 4, "num_query_groups": 2, "num_moe_layers": 0, "context_parallel_attention": True
+    }
 
 
 @pytest.mark.parametrize("kwargs", [dict(expert_parallel_size=2), dict(expert_tensor_parallel_size=2)])
