@@ -45,16 +45,17 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_moe.data.corpus import VOCAB_SIZE, load_corpus
 from lightning_moe.data.indexed_dataset import IndexedDataset, IndexedDatasetNotFoundError, MappedTokens
 from lightning_moe.data.packing import PackedDocumentDataset
 from lightning_moe.data.text import PackedTokenDataset, build_text_datasets, load_tokenizer
 from lightning_moe.data.text import text_files as list_text_files
+from lightning_moe.data.windows import LazyTokenWindows
 
 
-class TokenWindowDataset(Dataset):
+class TokenWindowDataset(LazyTokenWindows):
     """Non-overlapping windows of ``seq_length`` tokens (+1 for the shifted labels).
 
     Item ``i`` is ``{"input_ids": tokens[i*S : i*S+S], "labels": tokens[i*S+1 : i*S+S+1]}``,
@@ -67,29 +68,12 @@ class TokenWindowDataset(Dataset):
     """
 
     def __init__(self, tokens: Union[np.ndarray, MappedTokens], seq_length: int) -> None:
-        if seq_length < 1:
-            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        self.seq_length = seq_length
-        self._source = tokens
-        self._tokens: Optional[np.ndarray] = tokens if isinstance(tokens, np.ndarray) else None
+        super().__init__(tokens, seq_length)
         self._num_windows = max(0, (len(tokens) - 1) // seq_length)
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        if isinstance(self._source, MappedTokens):
-            state["_tokens"] = None  # workers map the file themselves
-        return state
-
-    def __len__(self) -> int:
-        return self._num_windows
-
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < self._num_windows:
-            raise IndexError(f"window {i} out of range for {self._num_windows} windows")
-        if self._tokens is None:
-            self._tokens = self._source.open()
-        start = i * self.seq_length
-        window = torch.from_numpy(self._tokens[start : start + self.seq_length + 1].astype(np.int64))
+        tokens, start = self._stream(i), i * self.seq_length
+        window = torch.from_numpy(tokens[start : start + self.seq_length + 1].astype(np.int64))
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 

@@ -24,14 +24,13 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
-
 from lightning_moe.data.indexed_dataset import MappedTokens
+from lightning_moe.data.windows import LazyTokenWindows
 
 IGNORE_INDEX = -100
 
 
-class PackedDocumentDataset(Dataset):
+class PackedDocumentDataset(LazyTokenWindows):
     """Windows of ``seq_length`` tokens over documents packed back to back (see the module doc).
 
     Item ``i``: ``{"input_ids", "labels", "position_ids", "document_ids"}``, each ``int64 [S]``.
@@ -54,41 +53,25 @@ class PackedDocumentDataset(Dataset):
         seq_length: int,
         pad_id: Optional[int] = None,
     ) -> None:
-        if seq_length < 1:
-            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         ends = np.asarray(document_ends, dtype=np.int64)
         if len(tokens) and (ends.size == 0 or ends[-1] != len(tokens) or np.any(np.diff(ends) < 0) or ends[0] < 0):
             raise ValueError(
                 f"document_ends must not decrease and must end at the stream length {len(tokens)} (one end offset "
                 "per document); build them from the corpus offsets or the indexed dataset's document index."
             )
-        self.seq_length = seq_length
+        super().__init__(tokens, seq_length)
         self.pad_id = pad_id
         self.document_ends = ends
-        self._source = tokens
-        self._tokens: Optional[np.ndarray] = tokens if isinstance(tokens, np.ndarray) else None
         num_tokens = len(tokens)
         if pad_id is None:
             self._num_windows = max(0, (num_tokens - 1) // seq_length)
         else:
             self._num_windows = -(-(num_tokens - 1) // seq_length) if num_tokens > 1 else 0
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        if isinstance(self._source, MappedTokens):
-            state["_tokens"] = None  # workers map the file themselves
-        return state
-
-    def __len__(self) -> int:
-        return self._num_windows
-
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < self._num_windows:
-            raise IndexError(f"window {i} out of range for {self._num_windows} windows")
-        if self._tokens is None:
-            self._tokens = self._source.open()
+        tokens = self._stream(i)
         seq, start = self.seq_length, i * self.seq_length
-        chunk = self._tokens[start : start + seq + 1].astype(np.int64)
+        chunk = tokens[start : start + seq + 1].astype(np.int64)
         window = np.full(seq + 1, 0 if self.pad_id is None else self.pad_id, dtype=np.int64)
         window[: chunk.size] = chunk
         # Document of every window token; tokens past the stream's end get num_documents (one more).
