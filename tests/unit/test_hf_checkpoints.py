@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from lightning_moe.models import MoELanguageModel, get_preset  # noqa: E402
 from lightning_moe.models.hf import HFCheckpointError, SafetensorsCheckpoint, load_hf_weights  # noqa: E402
 from lightning_moe.models.decoder import MoEDecoder  # noqa: E402
+from _hf_checks import assert_reloads_as, assert_same_tensors, relative_error  # noqa: E402
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, num_experts_per_tok=2)
@@ -31,10 +32,6 @@ ARCHITECTURES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, norm_topk_prob=False, pad_token_id=0,
                                                        eos_token_id=1)),
 }
-
-
-def relative_error(got, want):
-    return ((got - want).norm() / want.norm()).item()
 
 
 def hf_model(arch, **extra):
@@ -71,16 +68,8 @@ def test_import_and_export_match_transformers(arch, tmp_path):
     module.save_hf(tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["model_type"] == arch
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(reloaded) is type(reference)
-    with torch.no_grad():
-        assert relative_error(reloaded(ids).logits, want) < 1e-4
-    # every tensor of the original checkpoint comes back under its name, with its values
-    with SafetensorsCheckpoint(tmp_path / "hf") as original, SafetensorsCheckpoint(tmp_path / "out") as exported:
-        assert exported.names() == original.names()
-        for name in original.names():
-            box = [slice(0, n) for n in original.shape(name)]
-            torch.testing.assert_close(exported.read(name, box), original.read(name, box), rtol=0, atol=0)
+    assert_reloads_as(reference, tmp_path / "out", ids, want)
+    assert_same_tensors(tmp_path / "hf", tmp_path / "out")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from lightning_moe.models import MoELanguageModel, get_preset  # noqa: E402
 from lightning_moe.models.hf import SafetensorsCheckpoint, choose_architecture  # noqa: E402
 from lightning_moe.models.mla import MultiHeadLatentAttention  # noqa: E402
+from _hf_checks import assert_reloads_as, assert_same_tensors, relative_error  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -46,10 +47,6 @@ def tokens():
     return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def relative_error(got, want):
-    return ((got - want).norm() / want.norm()).item()
-
-
 @pytest.mark.parametrize(
     "extra",
     [{}, {"q_lora_rank": None}, {"rope_parameters": YARN}, {"norm_topk_prob": False}, {"num_experts_per_tok": 1}],
@@ -75,15 +72,8 @@ def test_import_and_export_match_transformers(extra, tmp_path):
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["model_type"] == "deepseek_v3" and saved["rope_interleave"]
     assert saved["norm_topk_prob"] == extra.get("norm_topk_prob", True)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(reloaded) is type(reference)
-    with torch.no_grad():
-        assert relative_error(reloaded(ids).logits, want) < 1e-4
-    with SafetensorsCheckpoint(tmp_path / "hf") as original, SafetensorsCheckpoint(tmp_path / "out") as exported:
-        assert exported.names() == original.names()
-        for name in original.names():
-            box = [slice(0, n) for n in original.shape(name)]
-            torch.testing.assert_close(exported.read(name, box), original.read(name, box), rtol=0, atol=0, msg=name)
+    assert_reloads_as(reference, tmp_path / "out", ids, want)
+    assert_same_tensors(tmp_path / "hf", tmp_path / "out")
 
 
 def test_multi_token_prediction_tensors_are_skipped(tmp_path):

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from lightning_moe.models import MoELanguageModel  # noqa: E402
 from lightning_moe.models.flops import model_flops_per_token, total_parameters  # noqa: E402
 from lightning_moe.models.hf import SafetensorsCheckpoint  # noqa: E402
+from _hf_checks import assert_reloads_as, assert_same_tensors, relative_error  # noqa: E402
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2)
@@ -25,10 +26,6 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
 }
-
-
-def relative_error(got, want):
-    return ((got - want).norm() / want.norm()).item()
 
 
 def hf_model(family, **extra):
@@ -63,15 +60,8 @@ def test_import_and_export_match_transformers(family, tmp_path):
 
     module.save_hf(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == family
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(reloaded) is type(reference)
-    with torch.no_grad():
-        assert relative_error(reloaded(ids).logits, want) < 1e-4
-    with SafetensorsCheckpoint(tmp_path / "hf") as original, SafetensorsCheckpoint(tmp_path / "out") as exported:
-        assert exported.names() == original.names()
-        for name in original.names():
-            box = [slice(0, n) for n in original.shape(name)]
-            torch.testing.assert_close(exported.read(name, box), original.read(name, box), rtol=0, atol=0)
+    assert_reloads_as(reference, tmp_path / "out", ids, want)
+    assert_same_tensors(tmp_path / "hf", tmp_path / "out")
 
 
 def test_yarn_and_tied_embeddings(tmp_path):

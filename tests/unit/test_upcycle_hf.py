@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_moe.models import MoELanguageModel, upcycle  # noqa: E402
+from _hf_checks import relative_error  # noqa: E402
 
 TOKEN_IDS = dict(bos_token_id=3, eos_token_id=4, pad_token_id=5)  # not any family's defaults
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -18,10 +19,6 @@ COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_la
 DENSE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 IDS = torch.randint(0, COMMON["vocab_size"], (4, 17), generator=torch.Generator().manual_seed(1))
-
-
-def relative_error(got, want):
-    return ((got - want).norm() / want.norm()).item()
 
 
 def save_dense(family, path):
