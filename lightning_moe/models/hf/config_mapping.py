@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.hf import deepseek_v3, dense_families
+from lightning_moe.models.hf.decoder_fields import llama_style_fields
 
 ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -229,25 +230,10 @@ def hf_config_dict(cfg: ModelConfig, arch: str, base: Optional[dict[str, Any]] =
     out = dict(base or {})
     out.pop("rope_scaling", None)
     out.update(
-        architectures=[ARCHITECTURES[arch]],
-        model_type=arch,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_seq_length,
-        rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default"},
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        initializer_range=cfg.init_method_std,
-        hidden_act="silu",
-        attention_dropout=0.0,
+        llama_style_fields(cfg, ARCHITECTURES[arch], arch, {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+                           dtype),
         num_experts_per_tok=moe.router_topk,
         router_aux_loss_coef=moe.aux_loss_coeffs[0] if moe.active_aux_losses else 0.0,
-        dtype=dtype,
     )
     if arch == "mixtral":
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size,

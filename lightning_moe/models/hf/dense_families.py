@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.hf.decoder_fields import llama_style_fields
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # (qk_norm, add_qkv_bias) of each family's attention
@@ -111,26 +112,7 @@ def hf_config_dict(cfg: ModelConfig, arch: str, base: Optional[dict[str, Any]], 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rope.update({k: v for k, v in cfg.rope_scaling.items() if v is not None and (k, v) != ("truncate", True)})
-    out.update(
-        architectures=[ARCHITECTURES[arch]],
-        model_type=arch,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_seq_length,
-        rope_parameters=rope,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        initializer_range=cfg.init_method_std,
-        hidden_act="silu",
-        attention_dropout=0.0,
-        dtype=dtype,
-    )
+    out.update(llama_style_fields(cfg, ARCHITECTURES[arch], arch, rope, dtype), intermediate_size=cfg.ffn_hidden_size)
     if arch == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     else:
