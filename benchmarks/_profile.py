@@ -81,7 +81,6 @@ def timeline(events: list[dict]) -> list[list]:
 
 def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
     """Profile one call of ``step`` (after one warm-up call); see the module docstring."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -89,6 +88,14 @@ def profile_step(step: Callable[[], None], top_kernels: int = 25) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()  # host sync: every kernel of the step inside the trace
+    return summarize_profile(prof, top_kernels)
+
+
+def summarize_profile(prof, top_kernels: int = 25) -> dict:
+    """The `profile_step` summary of a finished ``torch.profiler.profile`` (for a step that a loop
+    other than ours drives, such as Lightning's)."""
+    from torch.autograd import DeviceType
+
     averages = prof.key_averages()
     kernels = sorted((e for e in averages if e.device_type == DeviceType.CUDA),
                      key=lambda e: e.device_time_total, reverse=True)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import os
 import statistics
 import sys
 import time
@@ -77,6 +79,11 @@ def marginal_layer(step_s: tuple[float, float], flops: tuple[float, float], laye
         "full_layers": full_layers, "projected_full_step_s": full_s,
         "projected_full_tflops_per_gpu": full_flops / full_s / 1e12 / devices if full_s > 0 else None,
     }
+
+
+def trainer_rank_zero(args) -> bool:
+    """Whether this process is the first of the Lightning run (launched by Lightning as LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
 def sync(args) -> None:
@@ -213,6 +220,31 @@ def lightning_run(args) -> Optional[tuple[list[float], list[float]]]:
             losses.append(self.window_loss)
             self.window_loss = 0.0
 
+    class ProfileLastStep(Callback):
+        """``--profile --skip-bare``: the kernels of the last optimizer step (all its micro-batches
+        and the optimizer), as Lightning runs it."""
+
+        prof = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == (args.warmup + args.steps - 1) * args.accumulate:
+                from torch.profiler import ProfilerActivity, profile
+
+                sync(args)  # host sync: the profiled step starts on an idle GPU
+                self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self.prof.__enter__()
+
+        def on_train_end(self, trainer, pl_module):
+            if self.prof is not None:
+                from benchmarks._profile import print_profile, summarize_profile
+
+                sync(args)  # host sync: every kernel of the step inside the trace
+                self.prof.__exit__(None, None, None)
+                print_profile(summarize_profile(self.prof, top_kernels=40), rows=40)
+
+    callbacks = [Timer()]
+    if args.profile and args.skip_bare and trainer_rank_zero(args):
+        callbacks.append(ProfileLastStep())
     # Every data-parallel rank takes its share (the strategy's distributed sampler) of DP times the
     # micro-batches one rank runs.
     num_batches = (args.warmup + args.steps) * args.accumulate * data_parallel_size(args)
@@ -236,7 +268,7 @@ def lightning_run(args) -> Optional[tuple[list[float], list[float]]]:
         **precision, max_steps=args.warmup + args.steps, logger=False,
         accumulate_grad_batches=args.accumulate,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=args.clip, callbacks=[Timer()], num_sanity_val_steps=0, limit_val_batches=0,
+        gradient_clip_val=args.clip, callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0,
         # On one device the micro-batches are already a deterministic stream: keep their order, as
         # the bare loop does (a distributed strategy would otherwise get Lightning's shuffling
         # sampler, whose permutation depends on the number of micro-batches). On several, the
@@ -323,12 +355,14 @@ def main(argv=None) -> None:
 
         hf_config(cfg)  # refuses a shape HF's Qwen3-MoE cannot express, before anything runs
         runs = (*runs, ("hf_transformers", lambda a: hf_loop(a, cfg, batches)))
-    elif args.precision != "bf16":
+    if args.precision != "bf16" and not args.skip_bare:
         raise SystemExit("--precision applies to the Lightning run only: add --skip-bare")
     cuda = args.accelerator == "cuda"
     peak_flops = spec_peak_flops(args)
     for name, fn in runs:
         if cuda:
+            gc.collect()  # the run before may leave its model in reference cycles: free it first
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         outcome = fn(args)
         if outcome is None:  # a rank other than 0 of a multi-process run: rank 0 reports
