@@ -142,7 +142,7 @@ def bare_loop(args) -> list[float]:
     from lightning_moe.nn.compute_weights import ComputeWeightCache
 
     # the weight casts of one optimizer step shared by its micro-batches, as the strategy does
-    weight_casts = ComputeWeightCache()
+    weight_casts = ComputeWeightCache(accumulate_grads_in_place=args.accumulate_grads_in_place == "on")
     casts_active = weight_casts.active if args.cache_weight_casts == "on" else contextlib.nullcontext
     torch.cuda.synchronize()  # host sync: the first step's start
     last_end = time.perf_counter()
@@ -262,6 +262,7 @@ def lightning_run(args) -> Optional[tuple[list[float], list[float]]]:
         expert_tensor_parallel_size=args.expert_tensor_parallel, sharding=args.sharding,
         expert_sharding=args.expert_sharding, token_dispatcher=args.dispatcher, print_layout=False,
         cache_weight_casts=args.cache_weight_casts == "on",
+        accumulate_grads_in_place=args.accumulate_grads_in_place == "on",
     )
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy,
@@ -304,6 +305,9 @@ def main(argv=None) -> None:
     parser.add_argument("--expert-backend", default="auto", help="grouped GEMM backend: auto, grouped_mm, te")
     parser.add_argument("--cache-weight-casts", choices=["on", "off"], default="on",
                         help="MegatronMoEStrategy(cache_weight_casts=...): bf16 weight casts once per optimizer step")
+    parser.add_argument("--accumulate-grads-in-place", choices=["on", "off"], default="off",
+                        help="MegatronMoEStrategy(accumulate_grads_in_place=...): micro-batches after the "
+                             "first add their weight gradients into .grad in one pass")
     parser.add_argument("--fused-cross-entropy", choices=["on", "off"], default="on",
                         help="off: the LM loss through F.cross_entropy on fp32 logits (nn.cross_entropy.FUSED_KERNEL)")
     parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")

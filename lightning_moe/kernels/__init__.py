@@ -34,6 +34,18 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+def accumulate_widened_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst += src`` (``src`` in a narrower float dtype, ``dst`` the same number of elements,
+    both contiguous): bf16 into fp32 on a GPU with Triton in one pass
+    (``widen_triton.accumulate_widened_``), else torch's in-place add, which computes in ``dst``'s
+    dtype. The same bits either way."""
+    if dst.dtype == torch.float32 and src.dtype == torch.bfloat16 and use_triton(dst):
+        from lightning_moe.kernels.widen_triton import accumulate_widened_ as triton_accumulate
+
+        return triton_accumulate(dst, src.contiguous())
+    return dst.add_(src.view(dst.shape))
+
+
 def widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``; bf16 to fp32 on a GPU with Triton through ``widen_triton.widen_to_fp32``
     (one vectorized pass, where torch's copy runs its per-element casting loop at about half the

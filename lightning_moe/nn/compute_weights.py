@@ -21,6 +21,14 @@ runs through the same cast node, whose backward keeps nothing, so each backward 
 gradient into the fp32 ``.grad`` as before: the gradients are the same bits as with a cast per
 micro-batch. A weight changed in place (its version moved) is cast again; the cache only serves
 autograd-recorded leaves (no-grad evaluation casts as before).
+
+``ComputeWeightCache(accumulate_grads_in_place=True)`` goes one step further, as Megatron-Core's
+gradient-accumulation fusion does: once a parameter has a ``.grad``, the cast's backward adds the
+bf16 gradient into it in one pass (read 2 + 4 bytes, write 4, per element) instead of widening it
+to a new fp32 tensor that autograd's ``AccumulateGrad`` then adds (read 2, write 4, then read 8,
+write 4). The same bits; but for those micro-batches autograd carries no gradient to the
+parameter: a ``register_hook`` hook on it receives None, while a
+``register_post_accumulate_grad_hook`` hook still runs and sees the updated ``.grad``.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_moe.kernels import use_triton, widened
+from lightning_moe.kernels import accumulate_widened_, use_triton, widened
 
 _active: Optional["ComputeWeightCache"] = None
 
@@ -40,7 +48,11 @@ _active: Optional["ComputeWeightCache"] = None
 class ComputeWeightCache:
     """The compute-dtype copies of master weights made while `active`, kept until `clear`."""
 
-    def __init__(self) -> None:
+    def __init__(self, accumulate_grads_in_place: bool = False) -> None:
+        """``accumulate_grads_in_place``: the casts' backward adds each bf16 weight gradient into
+        the parameter's existing fp32 ``.grad`` itself, bypassing ``AccumulateGrad`` (module
+        docstring). Applies to fp32 -> bf16 casts of a parameter or of a contiguous view of all of it."""
+        self.accumulate_grads_in_place = accumulate_grads_in_place
         # (id(parameter), shape, dtype) -> (parameter, its version at the cast, the cast)
         self._casts: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[Tensor, int, Tensor]] = {}
 
@@ -68,7 +80,8 @@ class ComputeWeightCache:
         kept = self._casts.get(key)
         if kept is not None and kept[0] is source and kept[1] == source._version:
             return kept[2]
-        copy = _cast(w, dtype)
+        into = source if self.accumulate_grads_in_place and _covers(w, source) else None
+        copy = _cast(w, dtype, accumulate_into=into)
         self._casts[key] = (source, source._version, copy)
         return copy
 
@@ -90,24 +103,49 @@ class _MasterWeightCast(torch.autograd.Function):
     `kernels.widened` (torch's bf16 -> fp32 copy runs at about half the bandwidth). The same
     values as ``w.to(torch.bfloat16)`` and its autograd for a defined gradient (None stays None);
     first order only, as the GEMMs that consume it. Its backward keeps no tensors, so several
-    backward passes may run through one node (`ComputeWeightCache`)."""
+    backward passes may run through one node (`ComputeWeightCache`).
+
+    ``accumulate_into``: a parameter that ``w`` covers element for element (`_covers`); while it
+    has an fp32 ``.grad``, the backward adds the gradient there (`kernels.accumulate_widened_`)
+    and hands autograd none."""
 
     @staticmethod
-    def forward(ctx, w_fp32: Tensor) -> Tensor:
+    def forward(ctx, w_fp32: Tensor, accumulate_into: tuple[Optional[Tensor]] = (None,)) -> Tensor:
         ctx.set_materialize_grads(False)  # no gradient must stay None, not become fp32 zeros
+        # In a tuple, so that autograd does not take the parameter for a second input (an edge to
+        # its AccumulateGrad); a reference, not a saved tensor, so the node stays reusable.
+        (ctx.accumulate_into,) = accumulate_into
         return w_fp32.to(torch.bfloat16)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_bf16: Optional[Tensor]) -> Optional[Tensor]:
-        return None if grad_bf16 is None else widened(grad_bf16, torch.float32)
+    def backward(ctx, grad_bf16: Optional[Tensor]) -> tuple[Optional[Tensor], None]:
+        if grad_bf16 is None:
+            return None, None
+        param = ctx.accumulate_into
+        main_grad = None if param is None else param.grad
+        if (main_grad is not None and type(main_grad) is Tensor and main_grad.dtype == torch.float32
+                and main_grad.is_contiguous() and main_grad.numel() == grad_bf16.numel()):
+            accumulate_widened_(main_grad, grad_bf16.contiguous())
+            return None, None
+        return widened(grad_bf16, torch.float32), None
 
 
-def _cast(w: Tensor, dtype: torch.dtype) -> Tensor:
+def _covers(w: Tensor, param: Tensor) -> bool:
+    """``w`` is ``param`` or a contiguous view of all of it in the same element order."""
+    if w is param:
+        return True
+    return (type(w) is Tensor and type(param.data) is Tensor and w.is_contiguous() and param.is_contiguous()
+            and w.numel() == param.numel() and w.data_ptr() == param.data_ptr())
+
+
+def _cast(w: Tensor, dtype: torch.dtype, accumulate_into: Optional[Tensor] = None) -> Tensor:
     # Our widening kernel takes plain CUDA tensors; tensor subclasses (DTensor weights under tensor
-    # parallelism) take their own ``to``.
-    if w.dtype == torch.float32 and dtype == torch.bfloat16 and type(w.data) is Tensor and use_triton(w):
-        return _MasterWeightCast.apply(w)
+    # parallelism) take their own ``to``. In-place accumulation runs on any device (a torch add
+    # off the GPU), so that CPU runs take the same path.
+    if (w.dtype == torch.float32 and dtype == torch.bfloat16 and type(w.data) is Tensor
+            and (use_triton(w) or accumulate_into is not None)):
+        return _MasterWeightCast.apply(w, (accumulate_into,))
     return w.to(dtype)
 
 

@@ -144,6 +144,44 @@ def test_widen_to_fp32_is_exact(n):
         widen_to_fp32(x.float())
 
 
+@pytest.mark.parametrize("n", [1, 8191, 3 * 8192 + 5])
+def test_accumulate_widened_adds_in_place_with_the_bits_of_widen_then_add(n):
+    """``dst += src`` in one pass: the same bits as widening ``src`` and adding it, into the same
+    tensor (the in-place gradient accumulation of `ComputeWeightCache`)."""
+    from lightning_moe.kernels import accumulate_widened_
+
+    torch.manual_seed(n)
+    dst = torch.randn(n, device="cuda") * 3
+    src = torch.randn(n, device="cuda").to(torch.bfloat16)
+    want = dst + src.float()
+    ptr = dst.data_ptr()
+    out = accumulate_widened_(dst, src)
+    assert out.data_ptr() == ptr and torch.equal(dst, want)
+
+
+def test_in_place_accumulation_on_the_gpu_matches_autograds_accumulation():
+    """Experts on fp32 masters over three micro-batches: the same ``.grad`` bits with the cache's
+    in-place accumulation (Triton kernel) as with autograd's widen-then-add."""
+    from lightning_moe.nn.compute_weights import ComputeWeightCache
+    from lightning_moe.nn.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 64, 32, activation="swiglu", backend="grouped_mm").cuda()
+    xs = [torch.randn(96, 64, device="cuda") for _ in range(3)]
+    sizes = torch.tensor([16, 32, 0, 48], device="cuda")
+    grads = []
+    for in_place in (False, True):
+        experts.zero_grad(set_to_none=True)
+        cache = ComputeWeightCache(accumulate_grads_in_place=in_place)
+        for x in xs:
+            with cache.active(), torch.autocast("cuda", dtype=torch.bfloat16):
+                y = experts(x, sizes)
+            y.float().square().mean().backward()
+        grads.append([p.grad.clone() for p in experts.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_torch_grouped_mm_writes_only_its_operands_dtype():
     """Why bf16 experts on fp32 master weights widen their weight gradient in a pass of its own
     (`compute_weights._MasterWeightCast`) while the FP8 kernel writes it in fp32: torch's grouped

@@ -20,7 +20,8 @@ def casts(monkeypatch) -> list:
     """One entry per cast made (not served from a cache)."""
     made: list = []
     real = compute_weights._cast
-    monkeypatch.setattr(compute_weights, "_cast", lambda w, dtype: made.append(tuple(w.shape)) or real(w, dtype))
+    monkeypatch.setattr(compute_weights, "_cast",
+                        lambda w, dtype, **kw: made.append(tuple(w.shape)) or real(w, dtype, **kw))
     return made
 
 
@@ -115,7 +116,7 @@ class _Tokens(Dataset):
         return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
 
 
-def _fit(cache_weight_casts: bool) -> list[torch.Tensor]:
+def _fit(cache_weight_casts: bool, accumulate_grads_in_place: bool = False) -> list[torch.Tensor]:
     from lightning.pytorch import Trainer
 
     from lightning_moe import MegatronMoEStrategy
@@ -123,7 +124,8 @@ def _fit(cache_weight_casts: bool) -> list[torch.Tensor]:
 
     torch.manual_seed(0)
     module = MoELanguageModel("tiny", overrides={"num_layers": 2, "vocab_size": 64}, max_steps=2)
-    strategy = MegatronMoEStrategy(print_layout=False, cache_weight_casts=cache_weight_casts)
+    strategy = MegatronMoEStrategy(print_layout=False, cache_weight_casts=cache_weight_casts,
+                                   accumulate_grads_in_place=accumulate_grads_in_place)
     trainer = Trainer(
         accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=2,
         accumulate_grad_batches=3, gradient_clip_val=1.0, limit_val_batches=0, logger=False,
@@ -160,3 +162,61 @@ def test_no_cache_serves_inside_uncached_weights(casts):
         assert len(cache) == 0 and len(casts) == 2
         compute_weight(w, torch.bfloat16)
     assert len(cache) == 1
+
+
+def test_in_place_accumulation_gives_the_same_bits_into_the_same_grad_tensor():
+    """``accumulate_grads_in_place``: micro-batches after the first add into the same ``.grad``
+    tensor themselves; autograd hands the parameter no gradient then (a tensor hook sees None), and
+    post-accumulate hooks still run."""
+    model, data = _model(), _micro_batches(3)
+    plain = _accumulate(model, ComputeWeightCache(), data)
+    hooked = {name: 0 for name, _ in model.named_parameters()}
+    seen = {name: [] for name, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: hooked.__setitem__(name, hooked[name] + 1))
+        p.register_hook(lambda g, name=name: seen[name].append(g is not None))
+    first_grads: dict[str, torch.Tensor] = {}
+    model.zero_grad(set_to_none=True)
+    cache = ComputeWeightCache(accumulate_grads_in_place=True)
+    for i, (x, sizes) in enumerate(data):
+        with cache.active(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model["experts"](model["proj"](x), sizes)
+        y.float().square().mean().backward()
+        if i == 0:
+            first_grads = {name: p.grad for name, p in model.named_parameters()}
+    for (name, p), want in zip(model.named_parameters(), plain):
+        assert torch.equal(p.grad, want), name
+    cast = {"proj.weight", "experts.fc1_weight", "experts.fc2_weight"}  # the weights compute_weight casts
+    for name, p in model.named_parameters():
+        assert hooked[name] == 3, name
+        assert seen[name] == ([True, False, False] if name in cast else [True] * 3), name
+        if name in cast:
+            assert p.grad is first_grads[name]  # the same tensor, added into
+
+
+def test_in_place_accumulation_adds_into_existing_zeros_and_leaves_views_of_part_alone():
+    w = torch.randn(6, 4, requires_grad=True)
+    w.grad = torch.zeros(6, 4)  # zero_grad(set_to_none=False)
+    kept = w.grad
+    cache = ComputeWeightCache(accumulate_grads_in_place=True)
+    with cache.active():
+        compute_weight(w, torch.bfloat16).float().sum().backward()
+        part = compute_weight(w[:3], torch.bfloat16, source=w)  # a view of part of w: through autograd
+        (2 * part.float()).sum().backward()
+    want = torch.ones(6, 4)
+    want[:3] += 2
+    assert w.grad is kept and torch.equal(w.grad, want)
+
+
+def test_strategy_accumulates_in_place_with_the_same_training():
+    in_place = _fit(True, accumulate_grads_in_place=True)
+    plain = _fit(True)
+    for a, b in zip(in_place, plain):
+        assert torch.equal(a, b)
+
+
+def test_strategy_refuses_in_place_accumulation_without_the_cache():
+    from lightning_moe import MegatronMoEStrategy
+
+    with pytest.raises(ValueError, match="cache_weight_casts=True"):
+        MegatronMoEStrategy(cache_weight_casts=False, accumulate_grads_in_place=True)
