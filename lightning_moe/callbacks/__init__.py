@@ -1,7 +1,8 @@
-"""Lightning callbacks: MoE routing statistics, throughput / MFU and the progress bar."""
+"""Lightning callbacks: CUDA-graph capture, MoE routing statistics, throughput / MFU and the progress bar."""
 
+from lightning_moe.callbacks.cuda_graphs import CUDAGraphs
 from lightning_moe.callbacks.moe_monitor import MoEMonitor
 from lightning_moe.callbacks.progress import MoEProgressBar
 from lightning_moe.callbacks.throughput import PEAK_FLOPS, MoEThroughput
 
-__all__ = ["PEAK_FLOPS", "MoEMonitor", "MoEProgressBar", "MoEThroughput"]
+__all__ = ["PEAK_FLOPS", "CUDAGraphs", "MoEMonitor", "MoEProgressBar", "MoEThroughput"]

@@ -23,6 +23,7 @@ computed in fp32; the output is cast back to the query dtype.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -147,13 +148,16 @@ def context_parallel_attention(
     A drop-in for ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``
     where ``q``/``k``/``v`` are this rank's shard (:func:`shard_sequence` order, ``S = S_full / CP``)
     and ``group`` is the CP group (the strategy's ``context_parallel_group``; None or one rank:
-    plain causal attention). ``G`` key/value heads serve ``H`` query heads (grouped-query
+    plain causal attention), or a :class:`TokenShards` (dynamic context parallelism: shards of
+    any sizes, each token's index given). ``G`` key/value heads serve ``H`` query heads (grouped-query
     attention, ``H % G == 0``). ``document_ids_BS``: this rank's shard of a packed batch's
     document ids (`lightning_moe.models.document_mask`); a query then sees only keys of its own
     document (they travel with the keys). Returns ``[B, H, S, d]`` in the query dtype.
     """
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"comm_type={comm_type!r}: choose one of {CP_COMM_TYPES}.")
+    if isinstance(group, TokenShards):
+        return _token_shards_attention(q_BHSd, k_BGSd, v_BGSd, group, comm_type, scale, document_ids_BS)
     heads, groups = q_BHSd.shape[1], k_BGSd.shape[1]
     if heads % groups:
         raise ValueError(f"{heads} query heads are not a multiple of {groups} key/value heads.")
@@ -198,6 +202,77 @@ def context_parallel_attention(
                 k_docs = _shift(k_docs.contiguous(), group, step=1)
             k_idx = load_balanced_indices(seq_full, cp_size, (cp_rank - step) % cp_size, device)
             out, lse = _merge(out, lse, *attend(kv, k_idx, k_docs))
+    return out.to(q_BHSd.dtype)
+
+
+@dataclass(frozen=True)
+class TokenShards:
+    """This rank's tokens under dynamic context parallelism (`lightning_moe.parallel.dynamic_cp`):
+    shards of uneven sizes, so the causal order comes with the tokens instead of from the chunk
+    arithmetic of :func:`load_balanced_indices`.
+
+    Attributes:
+        group: the sub-group sharing this rank's sequences (None: this rank alone).
+        index_BS: ``[B, S]`` int64, each local token's place in its sub-group's sequences laid end
+            to end (a query sees keys of its document with an index not above its own).
+        max_tokens: the largest ``S`` of any rank of the group (known from the plan: no sync);
+            keys/values are padded to it for the exchange, the padding in no document.
+    """
+
+    group: Optional[dist.ProcessGroup]
+    index_BS: Tensor
+    max_tokens: int
+
+
+def _token_shards_attention(
+    q_BHSd: Tensor,
+    k_BGSd: Tensor,
+    v_BGSd: Tensor,
+    shards: TokenShards,
+    comm_type: CPCommType,
+    scale: Optional[float],
+    document_ids_BS: Optional[Tensor],
+) -> Tensor:
+    """:func:`context_parallel_attention` over shards of uneven sizes (:class:`TokenShards`)."""
+    heads, groups = q_BHSd.shape[1], k_BGSd.shape[1]
+    if heads % groups:
+        raise ValueError(f"{heads} query heads are not a multiple of {groups} key/value heads.")
+    scale = 1.0 / math.sqrt(q_BHSd.shape[-1]) if scale is None else scale
+    group = shards.group
+    size = 1 if group is None else dist.get_world_size(group)
+    seq_local = q_BHSd.shape[2]
+    q_idx_BS = shards.index_BS
+    q_docs_BS = torch.zeros_like(q_idx_BS) if document_ids_BS is None else document_ids_BS.to(q_idx_BS.dtype)
+    q = q_BHSd.float()
+    kv_2BGSd = torch.stack([k_BGSd, v_BGSd]).float()
+
+    def attend(kv: Tensor, keys_2BT: Tensor) -> tuple[Tensor, Tensor]:
+        k_idx_BT, k_docs_BT = keys_2BT.unbind(0)
+        visible = (k_idx_BT.unsqueeze(1) <= q_idx_BS.unsqueeze(2)) & (k_docs_BT.unsqueeze(1) == q_docs_BS.unsqueeze(2))
+        k, v = (t.repeat_interleave(heads // groups, dim=1) for t in kv.unbind(0))
+        return _block_attention(q, k, v, visible.unsqueeze(1), scale)
+
+    keys_2BS = torch.stack([q_idx_BS, q_docs_BS])
+    if size == 1:
+        out, _ = attend(kv_2BGSd, keys_2BS)
+        return out.to(q_BHSd.dtype)
+    # Every rank's block padded to the group's largest: padded keys carry document -1 (no query's).
+    pad = shards.max_tokens - seq_local
+    kv_pad = torch.nn.functional.pad(kv_2BGSd, (0, 0, 0, pad))
+    keys_pad = torch.cat([keys_2BS, torch.stack([torch.zeros_like(q_idx_BS[:, :1]), -torch.ones_like(q_idx_BS[:, :1])])
+                          .expand(2, q_idx_BS.shape[0], pad)], dim=-1)
+    if comm_type == "allgather":
+        kv_all = torch.cat(_AllGather.apply(kv_pad, group).unbind(0), dim=-2)
+        parts = [torch.empty_like(keys_pad) for _ in range(size)]
+        dist.all_gather(parts, keys_pad.contiguous(), group=group)
+        out, _ = attend(kv_all, torch.cat(parts, dim=-1))
+    else:
+        out, lse = attend(kv_2BGSd, keys_2BS)  # own block first: every query sees itself
+        kv, keys = kv_pad, keys_pad
+        for _ in range(1, size):
+            kv = _RingShift.apply(kv, group)
+            keys = _shift(keys.contiguous(), group, step=1)
+            out, lse = _merge(out, lse, *attend(kv, keys))
     return out.to(q_BHSd.dtype)
 
 

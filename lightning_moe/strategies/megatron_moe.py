@@ -174,6 +174,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self._grads_finalized = False
         self._steps_by_tensor_kind: list[Optimizer] = []  # optimizers whose mixed groups step kind by kind
         self._crash_hook: Callable[[str], None] | None = None  # tests simulate crashes
+        # Set by the DynamicContextParallel callback: shard(batch) -> (this rank's batch, loss group)
+        # replaces the static CP shard of training batches.
+        self.sequence_sharder: Any = None
 
     # ------------------------------------------------------------------ precision
     @property
@@ -411,6 +414,12 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         )
         out["process group"] = str(self._process_group_backend)
         out["precision"] = precision_description(self.precision_plugin)
+        # Callbacks that change how the step runs name it here (CUDAGraphs: what it captures).
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        for callback in getattr(trainer, "callbacks", None) or []:
+            rows = getattr(callback, "layout_rows", None)
+            if callable(rows) and self.model is not None:
+                out.update(rows(self.model))
         return out
 
     # ------------------------------------------------------------------ steps
@@ -440,7 +449,10 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         accumulate = max(1, int(getattr(self.lightning_module.trainer, "accumulate_grad_batches", 1)))
         for layer in moe_layers(self.model):
             layer.router.aux_loss_scale = self._aux_loss_scale(accumulate)  # the module may have reset it
-        local = self._shard_batch(batch)
+        if self.sequence_sharder is not None:  # dynamic CP: sequences re-laid over DP x CP, the loss the pool's
+            local, loss_group = self.sequence_sharder.shard(batch)
+        else:
+            local, loss_group = self._shard_batch(batch), self.context_parallel_group
         out = self._training_step(local, *args, **kwargs)
         labels = local.get("labels") if isinstance(local, dict) else None
         loss = out.get("loss") if isinstance(out, dict) else out
@@ -449,7 +461,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 "context_parallel_size > 1 needs a batch dict with 'labels' (-100 = ignored) and a training_step "
                 "returning the token-mean loss (or a dict with 'loss'): the strategy makes it the global token mean."
             )
-        loss = token_mean_over_group(loss, labels, self.context_parallel_group)
+        loss = token_mean_over_group(loss, labels, loss_group)
         if isinstance(out, dict):
             return {**out, "loss": loss}
         return loss

@@ -1,0 +1,132 @@
+"""DynamicContextParallel under the gold test: on packed batches of documents from 16 to 512 tokens,
+4 gloo processes with dynamic CP (sub-groups of 1, 2 and 4 ranks chosen per micro-batch) return
+the losses and train to the parameters of static CP4 and of one process (fp32, atol 1e-5), also
+with EP=2 folded over the CP ranks and with either key/value exchange."""
+
+import functools
+
+import pytest
+import torch
+
+from _launch import run_distributed
+
+SEQ, VOCAB, STEPS = 512, 64, 2
+# Documents per row (each row S = 512 tokens): one long document, mixes of short and middle ones.
+ROWS = (
+    ((512,), (16, 48, 200, 248)),
+    ((100, 30, 16, 366), (256, 256)),
+)
+# Attention-dominated with a costly exchange: the 512-token step runs at CP4, the next mixes a CP2
+# group for the 366-token document with two ranks running the rest alone.
+COST = dict(attention_s_per_token_pair=1e-6, linear_s_per_token=1e-6, cp_s_per_token=1e-7, cp_s_per_exchange=5e-3)
+MEMORY_LIMIT = 512
+
+
+def _config() -> dict:
+    moe = dict(
+        num_experts=8, router_topk=2, ffn_hidden_size=32, router_score_function="sigmoid",
+        router_enable_expert_bias=True, router_bias_update_rate=1e-2, router_load_balancing_type="none",
+        aux_loss_coeff=0.0, z_loss_coeff=None,
+    )
+    return dict(
+        vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=48, first_k_dense_layers=1, moe=moe, max_seq_length=SEQ,
+    )
+
+
+def _batches() -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for rows in ROWS:
+        tokens = torch.randint(0, VOCAB, (len(rows), SEQ + 1), generator=g)
+        labels = tokens[:, 1:].clone()
+        docs, positions = [], []
+        for r, lengths in enumerate(rows):
+            assert sum(lengths) == SEQ
+            ends = torch.tensor(lengths).cumsum(0)
+            labels[r, ends - 1] = -100  # a document's last token does not predict the next document
+            docs.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+            positions.append(torch.cat([torch.arange(n) for n in lengths]))
+        batches.append({"input_ids": tokens[:, :-1], "labels": labels, "document_ids": torch.stack(docs),
+                        "position_ids": torch.stack(positions)})
+    return batches
+
+
+def _train(rank, world_size, strategy_kwargs, dynamic):
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.utils.data import DataLoader
+
+    from _parity import _module
+    from lightning_moe import MegatronMoEStrategy
+    from lightning_moe.callbacks import DynamicContextParallel
+    from lightning_moe.parallel.dynamic_cp import CostModel
+
+    torch.manual_seed(0)
+    returned, plans, logged = [], [], []
+    callbacks = []
+    dynamic_cp = None
+    if dynamic:
+        dynamic_cp = DynamicContextParallel(memory_limit_tokens=MEMORY_LIMIT, cost_model=CostModel(**COST))
+        callbacks.append(dynamic_cp)
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            returned.append(float(outputs["loss"]))
+            if dynamic_cp is not None:
+                plans.append(dynamic_cp.last_plan.sequences_per_cp_size())
+                logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("dynamic_cp/")})
+
+    strategy = MegatronMoEStrategy(print_layout=False, **strategy_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, log_every_n_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[*callbacks, Record()], num_sanity_val_steps=0,
+    )
+    trainer.fit(_module(_config(), 0.5), DataLoader(_batches(), batch_size=None))
+    state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank:
+        return None
+    return returned, plans, logged, {k: v.detach().float().numpy().copy() for k, v in state.items() if torch.is_tensor(v)}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(world_size: int, kwargs: tuple, dynamic: bool):
+    return run_distributed(_train, world_size, dict(kwargs), dynamic, timeout=240)[0]
+
+
+def _assert_same(result, reference):
+    returned, _, _, state = result
+    ref_returned, _, _, ref_state = reference
+    torch.testing.assert_close(torch.tensor(returned), torch.tensor(ref_returned), rtol=0, atol=1e-5)
+    assert state.keys() == ref_state.keys()
+    for name, value in ref_state.items():
+        torch.testing.assert_close(torch.from_numpy(state[name]), torch.from_numpy(value), rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        (("context_parallel_size", 4),),
+        (("context_parallel_size", 4), ("cp_comm_type", "allgather")),
+        (("context_parallel_size", 4), ("expert_parallel_size", 2)),
+    ],
+    ids=["cp4", "cp4_allgather", "cp4_ep2"],
+)
+def test_dynamic_cp_matches_static_cp4_and_one_process(kwargs):
+    single = _run(1, (), False)
+    static = _run(4, kwargs, False)
+    dynamic = _run(4, kwargs, True)
+    _assert_same(static, single)
+    _assert_same(dynamic, single)
+    _assert_same(dynamic, static)
+    plans, logged = dynamic[1], dynamic[2]
+    # the plans really mix CP sizes: some sequences alone on a rank, some over a sub-group
+    used = {size for plan in plans for size in plan}
+    assert 1 in used and used & {2, 4}, plans
+    for plan, metrics, rows in zip(plans, logged, ROWS):
+        assert sum(plan.values()) == sum(len(r) for r in rows)
+        assert {int(k.removeprefix("dynamic_cp/sequences_cp")): v for k, v in metrics.items()
+                if "sequences_cp" in k} == {c: float(plan.get(c, 0)) for c in (1, 2, 4)}
+        assert metrics["dynamic_cp/modelled_speedup"] >= 1.0
