@@ -12,9 +12,10 @@ sequences (the documents of every data-parallel replica's packed rows), choose
 minimizing the largest per-rank cost of :class:`CostModel` while no rank holds more than
 ``memory_limit_tokens`` tokens. The search is deterministic (same lengths, same plan on every
 rank, no communication): the static layout (each DP replica's sequences over its CP group) is the
-first candidate; a hill climb over partitions (split a group in two halves, merge two equal groups)
-places the sequences of each candidate by longest-cost-first greedy and keeps the best. The
-result is never worse than the static layout on the cost model.
+first candidate; hill climbs over partitions (split a group in two halves, merge two equal groups)
+from it, from all groups at the largest size and from all ranks alone place the sequences of each
+candidate by longest-cost-first greedy and keep the best. The result is never worse than the
+static layout on the cost model.
 """
 
 from __future__ import annotations
@@ -310,11 +311,11 @@ def plan_micro_batch(
             best = (scored[0], sizes, assignment, scored[1])
         return scored[0]
 
-    # Hill climb over partitions (sizes in descending order: aligned offsets), from the static one
-    # and from all ranks at max_cp; each step moves to the best neighbour while it improves.
+    # Hill climb over partitions (sizes in descending order: aligned offsets), from the static one,
+    # all groups at max_cp and all ranks alone; each step moves to the best neighbour while it improves.
     seen: set[tuple[int, ...]] = set()
     for start in (tuple([min(static_cp, max_cp)] * (pool_size // min(static_cp, max_cp))),
-                  tuple([max_cp] * (pool_size // max_cp))):
+                  tuple([max_cp] * (pool_size // max_cp)), tuple([1] * pool_size)):
         current, current_cost = start, consider(start) if start not in seen else None
         seen.add(start)
         current_cost = math.inf if current_cost is None else current_cost
