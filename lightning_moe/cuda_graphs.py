@@ -1,131 +1,181 @@
-"""A whole `MoELayer` (forward and backward) captured in CUDA graphs.
+"""Modules (forward and backward) captured in CUDA graphs: `capture_modules`, `capture_moe_layer`.
 
 Fine-grained MoE blocks launch many small kernels: at the qwen3_30b_a3b shape the FP8 block's
 host issues its forward more slowly than the GPU runs it, so a step started on an idle GPU waits
-for the host. `capture_moe_layer` records the layer's forward and backward once each with
-`torch.cuda.make_graphed_callables`; every later call replays two graphs, one launch each.
+for the host. `capture_modules` records the forward and backward of several modules with
+`torch.cuda.make_graphed_callables`, all in one memory pool, in the order a training step runs
+them (forwards first to last, backwards last to first); every later call replays one graph
+forward and one backward per module. `capture_moe_layer` does this for one `MoELayer` and makes
+its ``forward`` replay. The `lightning_moe.callbacks.CUDAGraphs` callback drives `capture_modules`
+under a Lightning ``Trainer``.
 
-That is possible because the layer never reads a device value on the host: routing, the
+That is possible because the captured code never reads a device value on the host: routing, the
 permutation plan, the expert groups' padding and the FP8 casts are all sized by static shapes.
 What does read one is refused with the fix named: the all-to-all dispatcher's dropless path
 (its split sizes are host integers), FSDP-sharded submodules (their all-gathers run from hooks).
 
 What a graph freezes, and so what the caller must keep fixed after the capture:
-- the input's shape and dtype, and which inputs require gradients;
+- the inputs' shapes, strides and dtypes, and which inputs require gradients;
 - the parameters themselves (in-place optimizer updates are fine; replacing a parameter is not);
 - host-side choices made at capture: autocast on or off for the forward (the graph's forward
   keeps that state whatever the state at later calls; the backward is captured without autocast,
   as a training loop calls backward outside it), FP8 amax recording on (training), the recipe,
-  the dispatcher. A delayed-scaling state must have had one `update_delayed_scaling`
-  before the capture (a state without scales casts with an extra amax pass, which the graph would
-  keep forever), and that update keeps running outside the graph, in place, once per step.
-- the capture itself leaves no trace: the layer's buffers (FP8 amax histories and scales) hold
-  afterwards what they held before it, and ``.grad`` is untouched.
+  the dispatcher, Python numbers read in the forward (a router's ``aux_loss_scale``). A
+  delayed-scaling state must have had one `update_delayed_scaling` before the capture (a state
+  without scales casts with an extra amax pass, which the graph would keep forever), and that
+  update keeps running outside the graph, in place, once per step.
+- the capture itself leaves no trace: the modules' buffers (FP8 amax histories and scales, router
+  token counts) hold afterwards what they held before it, ``.grad`` is untouched, and the CUDA
+  random generator is where it was.
+- attributes a forward assigns (``MoELayer.last_stats``, ``router.latest_losses``) are set again
+  after every replay to the objects the capture made, whose tensors the replay refreshes: readers
+  such as `MoEMonitor` see each replay's values, also after an eager forward (evaluation) in between.
 - no autograd graph of an earlier step alive at the capture (a kept loss or output): its leaves'
   AccumulateGrad nodes would tie the captured backward to the stream that step ran on (an error
   that says so is raised).
-- one micro-batch in flight: the outputs and the tensors saved for backward live in the graph's
+- one micro-batch in flight: the outputs and the tensors saved for backward live in the graphs'
   memory, so the next forward overwrites them. Run each forward's backward before the next
-  forward (no pipelining of several micro-batches through one captured layer).
+  forward, and call the modules in the order of the capture (no pipelining of several
+  micro-batches, no module called twice in one step).
 
 Gradients: the backward graph writes every parameter's gradient into a buffer of its own, and
 autograd hands that buffer to ``.grad`` when ``.grad`` is None (no copy). The next replay would
 then overwrite ``.grad`` before adding to it. So a parameter whose ``.grad`` still holds such a
 buffer at the next backward raises, unless ``accumulate_grads=True``, which copies the gradient
 out of the graph's buffer at the first backward after ``.grad`` was cleared (one copy of every
-gradient per accumulation window; later micro-batches add in place). An input that is a leaf
-tensor gets the graph's buffer as its ``.grad`` likewise; clear it before the next backward.
+gradient per accumulation window; later micro-batches add in place). `CapturedModules.clear_stale_grads`
+sets such a ``.grad`` back to None, for a loop that zeroes gradients in place
+(``zero_grad(set_to_none=False)``) before each backward. An input that is a leaf tensor gets the
+graph's buffer as its ``.grad`` likewise; clear it before the next backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_moe._capture import collector_held_off
 from lightning_moe.nn.compute_weights import uncached_weights
+from lightning_moe.nn.experts import local_tensor
 
 
-def _check_capturable(layer: nn.Module, sample_x: Tensor) -> None:
-    """Raise, naming the fix, for what a CUDA graph of ``layer`` could not replay correctly."""
+def _check_capturable(module: nn.Module, sample_args: Sequence[Any]) -> None:
+    """Raise, naming the fix, for what a CUDA graph of ``module`` could not replay correctly."""
     if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
         raise ValueError(
-            "capture_moe_layer under autocast needs its weight cache off: capture inside "
+            "a CUDA-graph capture under autocast needs its weight cache off: capture inside "
             "torch.autocast('cuda', dtype=..., cache_enabled=False)"
         )
-    if getattr(getattr(layer, "dispatcher", None), "syncs_host", False):
-        raise ValueError(
-            f"{type(layer.dispatcher).__name__} reads its split sizes on the host (dropless all-to-all), "
-            "which a CUDA graph cannot replay: set MoEConfig(expert_capacity_factor=..., "
-            "pad_expert_input_to_capacity=True) or use the all-gather dispatcher"
-        )
+    for layer in module.modules():
+        dispatcher = getattr(layer, "dispatcher", None)
+        if getattr(dispatcher, "syncs_host", False):
+            raise ValueError(
+                f"{type(dispatcher).__name__} reads its split sizes on the host (dropless all-to-all), which a "
+                "CUDA graph cannot replay: use the all-gather dispatcher (MegatronMoEStrategy(token_dispatcher="
+                "'allgather')), or set MoEConfig(expert_capacity_factor=..., pad_expert_input_to_capacity=True)"
+            )
     from torch.distributed.fsdp import FSDPModule
 
-    if any(isinstance(m, FSDPModule) for m in layer.modules()):
-        raise ValueError("capture_moe_layer cannot capture FSDP-sharded modules (their all-gathers run "
-                         "from hooks); capture a layer without expert or dense sharding")
-    if not layer.training:
-        raise ValueError("capture_moe_layer captures a training step (forward and backward): call layer.train()")
-    _check_fp8_state(layer)
-    if not sample_x.is_cuda or any(not p.is_cuda for p in layer.parameters()):
-        raise ValueError("capture_moe_layer needs the layer and its input on a CUDA device")
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise ValueError("a CUDA graph cannot capture FSDP-sharded modules (their all-gathers run from hooks); "
+                         "capture a module without expert or dense sharding (sharding='ddp', expert_sharding='ddp')")
+    if not module.training:
+        raise ValueError("a CUDA-graph capture records a training step (forward and backward): call layer.train() "
+                         f"on the captured {type(module).__name__}")
+    _check_fp8_state(module)
+    tensors = [t for t in sample_args if isinstance(t, Tensor)]
+    if not tensors or any(not t.is_cuda for t in tensors) or any(not p.is_cuda for p in module.parameters()):
+        raise ValueError(f"capturing {type(module).__name__} needs the module and its inputs on a CUDA device")
 
 
-def _check_fp8_state(layer: nn.Module) -> None:
+def _check_fp8_state(module: nn.Module) -> None:
     """FP8 delayed scaling: the scales must exist (see the module docstring) and amaxes be recorded."""
     from lightning_moe.precision.delayed import delayed_state, recording_amax
     from lightning_moe.precision.modules import fp8_modules
 
-    modules = fp8_modules(layer)
+    modules = fp8_modules(module)
     if not modules:
         return
     if not recording_amax():
-        raise ValueError("capture_moe_layer with amax recording paused would freeze an evaluation step: "
+        raise ValueError("a CUDA-graph capture with amax recording paused would freeze an evaluation step: "
                          "capture outside amax_recording_paused()")
-    for module in modules:
-        state = delayed_state(module)
+    for fp8 in modules:
+        state = delayed_state(fp8)
         if state is None or state.fresh:
             raise ValueError(
-                f"{type(module).__name__} has no delayed-scaling scales yet: run one training step and "
+                f"{type(fp8).__name__} has no delayed-scaling scales yet: run one training step and "
                 "update_delayed_scaling (what FP8Precision does at each optimizer step) before capturing"
             )
 
 
-def _guard_gradient(param: nn.Parameter, accumulate_grads: bool) -> None:
-    """Keep ``param.grad`` from aliasing the backward graph's gradient buffer (module docstring)."""
+def _storage(t: Tensor) -> int:
+    """The address of the storage under ``t`` (a DTensor's local shard)."""
+    return local_tensor(t).untyped_storage().data_ptr()
 
-    def hook(grad: Tensor) -> Tensor:
-        current = param.grad
-        if current is None:
-            return grad.clone() if accumulate_grads else grad
-        if current.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
-            raise RuntimeError(
-                "a captured MoE layer's backward ran while .grad still held the previous backward's gradient "
-                "(the graph's buffer, just overwritten): clear gradients between backwards "
-                "(optimizer.zero_grad(set_to_none=True)) or capture with accumulate_grads=True"
-            )
-        return grad
 
-    param.register_hook(hook)
+class _GradientGuard:
+    """Keeps ``.grad`` from aliasing the backward graphs' gradient buffers (module docstring)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], accumulate_grads: bool) -> None:
+        self.params = list(params)
+        self.accumulate_grads = accumulate_grads
+        self._handed: dict[int, int] = {}  # id(param) -> storage of the graph buffer handed to .grad
+        self._handles = [p.register_hook(self._hook_for(p)) for p in self.params]
+
+    def _hook_for(self, param: nn.Parameter) -> Callable[[Tensor], Tensor]:
+        def hook(grad: Tensor) -> Tensor:
+            current = param.grad
+            if current is None:
+                if self.accumulate_grads:
+                    return grad.clone()
+                self._handed[id(param)] = _storage(grad)
+                return grad
+            if _storage(current) == _storage(grad):
+                raise RuntimeError(
+                    "a captured module's backward ran while .grad still held the previous backward's gradient "
+                    "(the graph's buffer, just overwritten): clear gradients between backwards "
+                    "(optimizer.zero_grad(set_to_none=True)) or capture with accumulate_grads=True"
+                )
+            return grad
+
+        return hook
+
+    def clear_stale_grads(self) -> None:
+        """``.grad = None`` where ``.grad`` is still a graph's buffer (see the module docstring)."""
+        for param in self.params:
+            grad = param.grad
+            if grad is not None and self._handed.get(id(param)) == _storage(grad):
+                param.grad = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 class _ForwardUnderAutocast(nn.Module):
-    """``layer``'s own forward inside the autocast state of the capture, so that the capture can
-    run with autocast off around it: torch captures the backward under the caller's thread-local
-    state, and autocast on there would run the backward's matmuls in bf16 too (the router's fp32
-    products, among others), unlike a training loop, which calls backward outside autocast."""
+    """What `make_graphed_callables` captures for one module: ``forward`` (the module's own,
+    unwrapped) called with the graph's tensors, inside the autocast state of the capture when
+    ``dtype`` is given, so that the capture can run with autocast off around it: torch captures
+    the backward under the caller's thread-local state, and autocast on there would run the
+    backward's matmuls in bf16 too (the router's fp32 products, among others), unlike a training
+    loop, which calls backward outside autocast. The module is registered as a submodule, so its
+    parameters are the ones `make_graphed_callables` takes gradients for."""
 
-    def __init__(self, layer: nn.Module, forward, dtype: torch.dtype) -> None:
+    def __init__(self, layer: nn.Module, forward: Callable[..., Any], dtype: Optional[torch.dtype]) -> None:
         super().__init__()
-        self.layer = layer  # registers the parameters make_graphed_callables takes gradients for
-        self._layer_forward = forward  # the unwrapped bound method: ``layer(x)`` would recurse
+        self.layer = layer
+        self._layer_forward = forward  # the unwrapped forward: ``layer(x)`` could recurse
         self._dtype = dtype
 
     @property
     def training(self) -> bool:
-        # make_graphed_callables replays only in the mode of the capture: the layer's mode decides.
+        # make_graphed_callables replays only in the mode of the capture: the module's mode decides.
         layer = self._modules.get("layer") if "_modules" in self.__dict__ else None
         return True if layer is None else layer.training
 
@@ -133,36 +183,156 @@ class _ForwardUnderAutocast(nn.Module):
     def training(self, mode: bool) -> None:
         pass  # follows the layer (nn.Module.__init__ and train() set it)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, *args: Tensor) -> Any:
+        if self._dtype is None:
+            return self._layer_forward(*args)
         with torch.autocast("cuda", dtype=self._dtype, cache_enabled=False):
-            return self._layer_forward(x)
+            return self._layer_forward(*args)
 
 
-def _capture(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int) -> nn.Module:
-    """`torch.cuda.make_graphed_callables` on ``layer``, the backward captured without autocast
-    (`_ForwardUnderAutocast`), with its most common failure explained. When the backward's
-    capture fails, torch leaves its capture stream current (``torch.cuda.graph``'s exit raises
-    before restoring it): the caller's stream is put back before raising."""
+def _holds_tensor(value: Any) -> bool:
+    """Whether an attribute value carries tensors a replay refreshes (a tensor, a container or a
+    dataclass of them)."""
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(isinstance(v, Tensor) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, Tensor) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(isinstance(getattr(value, f.name), Tensor) for f in dataclasses.fields(value))
+    return False
+
+
+_MODULE_INTERNALS = {"_parameters", "_buffers", "_modules", "training", "forward"}
+
+
+def _attributes(modules: Sequence[nn.Module]) -> dict[tuple[int, str], tuple[nn.Module, Any]]:
+    """Every plain attribute of every submodule (identity of the value kept, for `_assigned`)."""
+    out = {}
+    for root in modules:
+        for m in root.modules():
+            for name, value in vars(m).items():
+                if name not in _MODULE_INTERNALS:
+                    out[(id(m), name)] = (m, value)
+    return out
+
+
+def _assigned(before: dict, after: dict) -> list[tuple[nn.Module, str, Any]]:
+    """The tensor-holding attributes the capture assigned (new objects, or new names)."""
+    return [(m, key[1], value) for key, (m, value) in after.items()
+            if _holds_tensor(value) and (key not in before or before[key][1] is not value)]
+
+
+class CapturedModules:
+    """The graphs of `capture_modules`: ``replay(i, *tensors)`` runs module ``i``'s forward graph
+    (its backward graph runs in autograd's backward), in training mode; in evaluation mode the
+    module's forward runs eagerly, under the autocast state of the capture. `release` removes the
+    gradient hooks; the graphs go with the last reference to this object."""
+
+    def __init__(self, modules: list[nn.Module], proxies: list[nn.Module], assigned: list, guard: _GradientGuard) -> None:
+        self.modules = modules
+        self._proxies = proxies
+        self._assigned = assigned
+        self._guard = guard
+
+    def replay(self, index: int, *tensors: Tensor) -> Any:
+        out = self._proxies[index].forward(*tensors)
+        if self.modules[index].training:
+            for module, name, value in self._assigned:
+                setattr(module, name, value)
+        return out
+
+    def forward_of(self, index: int) -> Callable[..., Any]:
+        """Module ``index``'s forward that replays (a callable for ``module.forward``)."""
+        return lambda *tensors: self.replay(index, *tensors)
+
+    @property
+    def accumulate_grads(self) -> bool:
+        return self._guard.accumulate_grads
+
+    def clear_stale_grads(self) -> None:
+        """Set ``.grad`` to None where it still is a graph's gradient buffer (call before a backward
+        when gradients were zeroed in place since the last one)."""
+        self._guard.clear_stale_grads()
+
+    def release(self) -> None:
+        self._guard.remove()
+
+
+def _capture(proxies: list[nn.Module], sample_args: list[tuple], num_warmup_iters: int) -> None:
+    """`torch.cuda.make_graphed_callables` on ``proxies`` (one pool, their order), autocast off
+    around it (`_ForwardUnderAutocast`), with its most common failure explained. When a capture
+    fails, torch leaves its capture stream current (``torch.cuda.graph``'s exit raises before
+    restoring it): the caller's stream is put back before raising."""
     stream = torch.cuda.current_stream()
     autocast = torch.is_autocast_enabled("cuda")
-    target = _ForwardUnderAutocast(layer, layer.forward, torch.get_autocast_dtype("cuda")) if autocast else layer
     try:
-        # An earlier captured layer may be garbage (a reference cycle): no collection mid-capture.
+        # An earlier captured module may be garbage (a reference cycle): no collection mid-capture.
         with torch.autocast("cuda", enabled=False) if autocast else contextlib.nullcontext(), collector_held_off():
-            graphed = torch.cuda.make_graphed_callables(target, (sample_x,), num_warmup_iters=num_warmup_iters)
-        layer.forward = graphed.forward  # replays in training mode, else the (wrapped) eager forward
-        return layer
+            torch.cuda.make_graphed_callables(tuple(proxies), tuple(sample_args), num_warmup_iters=num_warmup_iters)
     except RuntimeError as error:  # torch.AcceleratorError is a RuntimeError
         torch.cuda.set_stream(stream)
         if "captur" not in str(error):
             raise
         raise RuntimeError(
-            "capturing the MoE layer's backward failed. The usual cause: an autograd graph of an earlier "
+            "capturing a module's backward failed. The usual cause: an autograd graph of an earlier "
             "eager step is still alive (a loss or an output kept in a variable), so the leaves' AccumulateGrad "
             "nodes stay tied to the stream that step ran on, which the capture cannot wait on. Drop those "
-            "references (del loss, output) before capture_moe_layer, or run the eager steps on a side stream. "
+            "references (del loss, output) before the capture, or run the eager steps on a side stream. "
             f"CUDA said: {error}" + (f" (after: {error.__context__})" if error.__context__ else "")
         ) from error
+
+
+def capture_modules(modules: Sequence[nn.Module], sample_args: Sequence[tuple], num_warmup_iters: int = 3,
+                    accumulate_grads: bool = False,
+                    forwards: Optional[Sequence[Callable[..., Any]]] = None) -> CapturedModules:
+    """Capture the forward and backward of each of ``modules`` in CUDA graphs sharing one pool.
+
+    ``modules``: in the order a training step calls them (each once). ``sample_args[i]``: tensors
+    of the shapes, strides, dtypes and ``requires_grad`` every later call of module ``i`` will
+    pass; their values do not matter and they become the graph's input buffers.
+    ``forwards[i]``: what module ``i``'s graph runs, called with ``*sample_args[i]`` (default: the
+    module's ``forward``); a caller that replaced ``module.forward`` passes the original here.
+    ``num_warmup_iters``: eager forward and backward passes on a side stream before the capture,
+    as `torch.cuda.make_graphed_callables` needs (every buffer gets its values back afterwards).
+    ``accumulate_grads``: gradients are accumulated over several backwards (gradient
+    accumulation) without clearing ``.grad`` between them (see the module docstring).
+    Autocast, when on at the capture, is part of the graphs' forwards (its dtype, cache off); the
+    backwards are captured without it. Returns the `CapturedModules`; nothing replays until the
+    caller calls ``replay`` (or installs `CapturedModules.forward_of`).
+    """
+    modules, sample_args = list(modules), [tuple(a) for a in sample_args]
+    forwards = [m.forward for m in modules] if forwards is None else list(forwards)
+    if not (len(modules) == len(sample_args) == len(forwards)) or not modules:
+        raise ValueError("capture_modules takes one tuple of sample args and one forward per module (at least one)")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("capture_modules: a module is listed twice (a graph replays once per step and module)")
+    for module, args in zip(modules, sample_args):
+        _check_capturable(module, args)
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    proxies = [_ForwardUnderAutocast(m, f, dtype) for m, f in zip(modules, forwards)]
+    # The warm-up passes run the backward on uninitialized output gradients (torch's choice), so
+    # they would record garbage FP8 amaxes (and count tokens into any counting buffer): every
+    # buffer gets its values from before the capture back, in place (the graphs keep its address).
+    buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
+    with torch.no_grad():
+        before = [b.clone() for b in buffers]
+    rng = torch.cuda.get_rng_state()  # host-side generator state (seed and offset): no device sync
+    attributes = _attributes(modules)
+    try:
+        # The graphs cast the weights themselves at every replay: a weight cast kept outside them
+        # (an active ComputeWeightCache) would freeze the weights of the capture.
+        with uncached_weights():
+            _capture(proxies, sample_args, num_warmup_iters)
+    finally:
+        torch.cuda.set_rng_state(rng)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, before):
+                buffer.copy_(value)
+    assigned = _assigned(attributes, _attributes(modules))
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    return CapturedModules(modules, proxies, assigned, _GradientGuard(params, accumulate_grads))
 
 
 def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int = 3,
@@ -170,33 +340,15 @@ def capture_moe_layer(layer: nn.Module, sample_x: Tensor, num_warmup_iters: int 
     """Capture ``layer``'s forward and backward in CUDA graphs; later calls replay them.
 
     ``sample_x``: an input of the shape, dtype and ``requires_grad`` every later call will use
-    ([B, S, D] or [T, D]); its values do not matter. ``num_warmup_iters``: eager forward and
-    backward passes on a side stream before the capture, as `torch.cuda.make_graphed_callables`
-    needs (they record FP8 amaxes like any training step, and leave ``.grad`` untouched).
+    ([B, S, D] or [T, D]); its values do not matter. ``num_warmup_iters``: as `capture_modules`.
     Returns ``layer`` itself, whose ``forward`` now copies its input into the graph's input
-    buffer and replays; its output is the graph's output buffer (see the module docstring for
-    what that implies). Autocast, when on at the capture, is part of the graph's forward (its
-    dtype, cache off) whatever the state at later calls; the backward is captured without it, as
-    a training loop calls backward outside autocast.
+    buffer and replays in training mode (in evaluation mode it runs eagerly); its output is the
+    graph's output buffer (see the module docstring for what that implies). Autocast, when on at
+    the capture, is part of the graph's forward (its dtype, cache off) whatever the state at later
+    calls; the backward is captured without it, as a training loop calls backward outside autocast.
     ``accumulate_grads``: gradients are accumulated over several backwards (gradient
     accumulation) without clearing ``.grad`` between them (see the module docstring).
     """
-    _check_capturable(layer, sample_x)
-    # The warm-up passes run the backward on uninitialized output gradients (torch's choice), so
-    # they would record garbage FP8 amaxes (and count tokens into any counting buffer): every
-    # buffer gets its values from before the capture back, in place (the graphs keep its address).
-    buffers = list(layer.buffers())
-    with torch.no_grad():
-        before = [b.clone() for b in buffers]
-    try:
-        # The graphs cast the weights themselves at every replay: a weight cast kept outside them
-        # (an active ComputeWeightCache) would freeze the weights of the capture.
-        with uncached_weights():
-            graphed = _capture(layer, sample_x, num_warmup_iters)
-    finally:
-        with torch.no_grad():
-            for buffer, value in zip(buffers, before):
-                buffer.copy_(value)
-    for param in layer.parameters():
-        _guard_gradient(param, accumulate_grads)
-    return graphed
+    captured = capture_modules([layer], [(sample_x,)], num_warmup_iters, accumulate_grads, [layer.forward])
+    layer.forward = captured.forward_of(0)
+    return layer

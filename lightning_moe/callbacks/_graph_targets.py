@@ -1,0 +1,222 @@
+"""What `CUDAGraphs` captures: scopes, module discovery, and the refusals of what a graph cannot replay.
+
+Plain functions over an ``nn.Module`` tree (no Trainer), so that they can be checked on CPU.
+
+Scopes, named as Megatron-Core's ``--cuda-graph-scope`` names them where they exist:
+
+- ``"full"``: whole decoder layers (the reference decoder's ``DecoderLayer``), Megatron's default;
+- ``"attn"``: attention only (``Attention``, ``MultiHeadLatentAttention``);
+- ``"moe"``: the MoE layer (``MoELayer``: router, dispatch, experts, combine);
+- ``"full_iteration"``: the network's whole forward and backward (the reference ``MoEDecoder``,
+  embedding to logits); the loss and the optimizer step stay eager.
+
+``"attn"`` and ``"moe"`` combine (``scope=("attn", "moe")``); the others stand alone. Reference
+types are matched by their qualified class names (this package's ``models`` sits above the
+callbacks and is not imported here), subclasses included. A user's own modules are added by class
+or by name (`fnmatch` patterns over the LightningModule's ``named_modules``). Only the outermost
+of nested matches is captured (the inner ones are inside its graph).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from typing import Union
+
+from torch import nn
+
+SCOPES = ("full", "attn", "moe", "full_iteration")
+_COMBINABLE = {"attn", "moe"}
+
+_SCOPE_TYPES = {
+    "full": ("lightning_moe.models.decoder.DecoderLayer",),
+    "attn": ("lightning_moe.models.decoder.Attention", "lightning_moe.models.mla.MultiHeadLatentAttention"),
+    "moe": ("lightning_moe.nn.moe_layer.MoELayer",),
+    "full_iteration": ("lightning_moe.models.decoder.MoEDecoder",),
+}
+
+# Mesh dimensions a captured parameter may be sharded over: expert parallelism only (each rank's
+# shard is a plain local tensor inside the forward). Anything else is FSDP or tensor parallelism.
+_CAPTURABLE_MESH_DIMS = {"ep", "etp"}
+
+ModuleSpec = Union[type, str]
+
+
+def normalize_scope(scope: Union[str, Sequence[str]]) -> tuple[str, ...]:
+    """The scope as a tuple of names; ``ValueError`` naming the choices for anything else."""
+    scopes = (scope,) if isinstance(scope, str) else tuple(scope)
+    unknown = [s for s in scopes if s not in SCOPES]
+    if unknown or not scopes:
+        raise ValueError(f"CUDAGraphs(scope={scope!r}): choose one of {SCOPES}, or ('attn', 'moe') together.")
+    if len(set(scopes)) != len(scopes):
+        raise ValueError(f"CUDAGraphs(scope={scope!r}) names a scope twice.")
+    if len(scopes) > 1 and not set(scopes) <= _COMBINABLE:
+        raise ValueError(
+            f"CUDAGraphs(scope={scope!r}): only 'attn' and 'moe' combine; 'full' already holds both and "
+            "'full_iteration' holds the whole network."
+        )
+    return scopes
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_scope_type(module: nn.Module, scopes: Iterable[str]) -> bool:
+    names = {name for scope in scopes for name in _SCOPE_TYPES[scope]}
+    return any(qualified_name(cls) in names for cls in type(module).__mro__)
+
+
+def _matches(name: str, module: nn.Module, spec: ModuleSpec) -> bool:
+    if isinstance(spec, type):
+        return isinstance(module, spec)
+    return fnmatch.fnmatchcase(name, spec)
+
+
+def _inside(name: str, outer: str) -> bool:
+    return name != outer and (outer == "" or name.startswith(outer + "."))
+
+
+def find_targets(root: nn.Module, scopes: Sequence[str],
+                 modules: Sequence[ModuleSpec] | None = None) -> list[tuple[str, nn.Module]]:
+    """The modules of ``root`` to capture, ``(qualified name, module)`` in registration order:
+    the scopes' reference types and the user's ``modules`` (classes or name patterns), the
+    outermost of nested matches only. ``ValueError`` naming the fix when nothing matches, when a
+    user spec matches nothing, or when the match is ``root`` itself."""
+    modules = list(modules or [])
+    for spec in modules:
+        if not isinstance(spec, (type, str)):
+            raise ValueError(f"CUDAGraphs(modules=...) takes module classes or qualified-name patterns, got {spec!r}.")
+    named = list(root.named_modules())
+    used = [False] * len(modules)
+    chosen = []
+    for name, module in named:
+        hit = _is_scope_type(module, scopes)
+        for i, spec in enumerate(modules):
+            if _matches(name, module, spec):
+                used[i] = hit = True
+        if hit:
+            chosen.append((name, module))
+    unused = [spec for spec, u in zip(modules, used) if not u]
+    if unused:
+        shown = ", ".join(qualified_name(s) if isinstance(s, type) else repr(s) for s in unused)
+        raise ValueError(f"CUDAGraphs(modules=...): {shown} matched no module of {type(root).__name__} "
+                         "(names are those of named_modules(), e.g. 'model.layers.0').")
+    if any(name == "" for name, _ in chosen):
+        raise ValueError(
+            f"CUDAGraphs cannot capture {type(root).__name__} itself (Lightning calls its training_step, not its "
+            "forward): name the network it runs, e.g. modules=['model']."
+        )
+    targets = [(n, m) for n, m in chosen if not any(_inside(n, o) for o, _ in chosen)]
+    if not targets:
+        wanted = ", ".join(name.rsplit(".", 1)[1] for scope in scopes for name in _SCOPE_TYPES[scope])
+        raise ValueError(
+            f"CUDAGraphs(scope={scopes if len(scopes) > 1 else scopes[0]!r}) found no {wanted} in "
+            f"{type(root).__name__}: pass your own modules, by class or by name, e.g. "
+            "CUDAGraphs(modules=[MyBlock]) or CUDAGraphs(modules=['model.blocks.*'])."
+        )
+    return targets
+
+
+def _hooks(module: nn.Module) -> list[str]:
+    kinds = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
+             "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
+    return [label for attr, label in kinds.items() if getattr(module, attr, None)]
+
+
+def _mesh_dims(param: nn.Parameter) -> set[str]:
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return set()
+    return set(mesh.mesh_dim_names or ("unnamed",))
+
+
+def check_targets(targets: Sequence[tuple[str, nn.Module]]) -> None:
+    """Refuse, naming the fix, what a CUDA graph of ``targets`` could not replay correctly:
+    FSDP-sharded or tensor-parallel parameters, module hooks (which a graph would run only at the
+    capture), the dropless all-to-all dispatch (host split sizes), host-syncing expert backends and
+    context-parallel attention. Raises ``ValueError``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import torch.nn.modules.module as module_globals
+
+    global_hooks = [label for label, hooks in (
+        ("forward pre-hooks", module_globals._global_forward_pre_hooks),
+        ("forward hooks", module_globals._global_forward_hooks),
+        ("backward hooks", module_globals._global_backward_hooks),
+        ("backward pre-hooks", getattr(module_globals, "_global_backward_pre_hooks", {})),
+    ) if hooks]
+    if global_hooks:
+        raise ValueError(
+            f"CUDAGraphs: global module {', '.join(global_hooks)} are registered (torch.nn.modules.module."
+            "register_module_*_hook), which a graph would run only at its capture: remove them before fit."
+        )
+    for name, target in targets:
+        shown = name or type(target).__name__
+        # An FSDP unit around the target is fine when none of the target's parameters is its (they
+        # are then plain tensors or expert-parallel shards, checked below): the MoE layers inside
+        # dense FSDP blocks keep their router, shared experts and unsharded experts out of FSDP.
+        for inner_name, inner in target.named_modules(prefix=name):
+            if isinstance(inner, FSDPModule):
+                raise ValueError(_fsdp_message(shown, inner_name))
+            hooks = _hooks(inner)
+            if hooks:
+                raise ValueError(
+                    f"CUDAGraphs: {inner_name or type(inner).__name__} ({type(inner).__name__}) inside {shown} has "
+                    f"{', '.join(hooks)}, which a graph would run only at its capture (tensor parallelism's input "
+                    "layouts, router replay, another callback's hooks). Remove them (tensor_parallel_size=1 for "
+                    "tensor parallelism), or leave that module out of the capture (another scope, or modules=[...])."
+                )
+            if getattr(inner, "cp_group", None) is not None:
+                raise ValueError(
+                    f"CUDAGraphs: {inner_name} attends across a context-parallel group, which CUDAGraphs does "
+                    "not capture: use context_parallel_size=1, or scope='moe' (the MoE layers only)."
+                )
+            _check_moe_layer(inner_name, inner)
+        for pname, param in target.named_parameters(prefix=name):
+            dims = _mesh_dims(param)
+            if dims - _CAPTURABLE_MESH_DIMS:
+                if "tp" in dims:
+                    raise ValueError(
+                        f"CUDAGraphs: {pname} is tensor-parallel (a DTensor over {sorted(dims)}), which CUDAGraphs "
+                        "does not capture: use tensor_parallel_size=1, or scope='moe' (MoE layers take local "
+                        "tensors)."
+                    )
+                raise ValueError(_fsdp_message(shown, f"{pname} (a DTensor over {sorted(dims)})"))
+
+
+def _check_moe_layer(name: str, module: nn.Module) -> None:
+    dispatcher = getattr(module, "dispatcher", None)
+    if dispatcher is not None and getattr(dispatcher, "syncs_host", False):
+        raise ValueError(
+            f"CUDAGraphs: {name} dispatches with {dispatcher.describe() if hasattr(dispatcher, 'describe') else dispatcher}"
+            ", whose dropless path reads its split sizes on the host, which a CUDA graph cannot replay: use "
+            "MegatronMoEStrategy(token_dispatcher='allgather') (sync-free and dropless), or a capacity with "
+            "padding, MoEConfig(expert_capacity_factor=..., pad_expert_input_to_capacity=True)."
+        )
+    backend = getattr(getattr(module, "experts", None), "backend", None)
+    if dispatcher is not None and backend in ("te", "loop"):
+        raise ValueError(
+            f"CUDAGraphs: {name}'s experts run expert_backend={backend!r}, which reads the group sizes on the host: "
+            "use MoEConfig(expert_backend='grouped_mm') (the default)."
+        )
+
+
+def _fsdp_message(target: str, sharded: str) -> str:
+    return (
+        f"CUDAGraphs cannot capture {target}: {sharded} is FSDP-sharded (its parameters are gathered by hooks "
+        "and freed after each use, so a graph would read stale memory). Use MegatronMoEStrategy(sharding='ddp', "
+        "expert_sharding='ddp') for the captured modules, or capture modules outside the sharded units "
+        "(scope='moe' with expert_sharding='ddp' keeps dense FSDP)."
+    )
+
+
+def describe_targets(targets: Sequence[tuple[str, nn.Module]]) -> str:
+    """``"4 x DecoderLayer (model.layers.0 .. model.layers.3)"``-style summary for logs and tables."""
+    counts: dict[str, int] = {}
+    for _, module in targets:
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    kinds = ", ".join(f"{n} x {kind}" for kind, n in counts.items())
+    names = [n for n, _ in targets]
+    span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+    return f"{kinds} ({span})"

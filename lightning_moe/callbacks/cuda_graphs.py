@@ -1,0 +1,316 @@
+"""`CUDAGraphs`: capture parts of a LightningModule's training step in CUDA graphs, replay them after.
+
+``Trainer(callbacks=[CUDAGraphs(scope="moe")])``: the module and its ``training_step`` stay as they
+are. Fine-grained MoE and FP8 steps at small micro-batches are host-bound (the host issues the
+kernels more slowly than the GPU runs them); a graph launches a module's whole forward, or
+backward, at once.
+
+How a fit runs with it:
+
+1. ``on_fit_start`` finds the modules of the scope (`lightning_moe.callbacks._graph_targets`),
+   refuses what a graph cannot replay, naming the fix, and routes each module's ``forward``
+   through the callback. On a machine without CUDA the callback does nothing but say so once.
+2. The first ``warmup_steps`` optimizer steps of the fit run eagerly; the callback records the
+   signature (shapes, dtypes, autocast state) of every training call of the modules.
+3. At the start of the next accumulation window the modules are captured together
+   (`lightning_moe.cuda_graphs.capture_modules`: one memory pool, in the order the step calls
+   them) under the precision plugin's training context; from then on every training call with
+   the recorded signature replays.
+
+Training semantics stay those of the eager step (the GPU tests check 20 steps bit for bit):
+
+- evaluation (validation, test, predict) and anything without gradients runs eagerly: the
+  modules are in eval mode or gradients are off there;
+- gradient accumulation: with ``accumulate_grad_batches > 1`` (or manual optimization) the first
+  backward of a window copies each gradient out of the graph's buffer, the later ones add in
+  place; with one micro-batch per step ``.grad`` is the graph's buffer itself (no copy), and a
+  ``zero_grad(set_to_none=False)`` between steps is handled by setting such a ``.grad`` to None
+  before the next backward (the same values);
+- FP8 delayed scaling: the graphs record amaxes into the modules' history in place and read the
+  scales the once-per-step update writes in place; a warm-up step gives every state its scales
+  before the capture. Expert-bias token counts, global aux-loss counts and the aux-loss
+  gradients likewise run inside the graphs on the routers' own buffers; a change of a router's
+  ``aux_loss_scale`` (baked into the backward graph) makes the callback capture again;
+- `MoEMonitor` and the module's router-loss logging read ``MoELayer.last_stats`` and
+  ``router.latest_losses``, which every replay sets to its own values;
+- a training call whose signature differs from the capture's (the last, smaller batch of an
+  epoch) runs eagerly, for that call only, with a one-line notice the first time per signature
+  (``eager_calls`` counts them). Everything else that differs from the capture is refused;
+- checkpoints: the graphs hold no state of their own. Every fit (a resume included) warms up for
+  ``warmup_steps`` steps after its start and captures then; a checkpoint loaded into a running
+  fit drops the graphs, and they are captured again after the warm-up.
+
+Memory: the graphs keep their modules' activations, temporaries and gradient buffers in one
+pool for good (about one eager step's activations of the captured modules); with gradient
+accumulation the gradients of the captured parameters are held twice (``.grad`` and the graph's
+buffer). Capturing synchronizes the device once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_moe.callbacks._graph_calls import (
+    CallSignature,
+    autocast_state,
+    bind_tensors,
+    call_signature,
+    describe,
+    sample_tensors,
+)
+from lightning_moe.callbacks._graph_targets import (
+    ModuleSpec,
+    check_targets,
+    describe_targets,
+    find_targets,
+    normalize_scope,
+)
+from lightning_moe.cuda_graphs import CapturedModules, capture_modules
+
+
+@dataclass
+class _Target:
+    name: str
+    module: nn.Module
+    forward: Callable[..., Any]  # the module's forward before the callback routed it
+    own_forward: bool  # ``forward`` was an instance attribute (put back as such afterwards)
+
+
+class CUDAGraphs(Callback):
+    """Capture a LightningModule's modules in CUDA graphs after a warm-up, replay them afterwards.
+
+    Args:
+        scope: what to capture, as Megatron-Core's ``--cuda-graph-scope`` names it: ``"full"``
+            (default: whole decoder layers), ``"attn"`` (attention), ``"moe"`` (MoE layers:
+            router, dispatch, experts, combine), ``("attn", "moe")`` (both, norms and residuals
+            eager) or ``"full_iteration"`` (the whole network's forward and backward, embedding to
+            logits; the loss and optimizer step stay eager). The reference decoder's types are
+            found by class (`lightning_moe.callbacks._graph_targets`).
+        warmup_steps: eager optimizer steps at the start of every fit before the capture
+            (default 3, as Megatron-Core's ``--cuda-graph-warmup-steps``; at least 1, which gives
+            FP8 delayed scaling its first scales and compiles the kernels outside the capture).
+        modules: more modules to capture: classes (every instance) or qualified-name patterns
+            over the LightningModule's ``named_modules`` (``"model.blocks.*"``); for models
+            outside this package. Default None: the scope's reference types only.
+        num_warmup_iters: eager forward and backward passes on a side stream that
+            `torch.cuda.make_graphed_callables` runs before capturing (default 3).
+
+    After the capture, ``captured`` lists the names of the captured modules and ``eager_calls``
+    counts the training calls that ran eagerly because their shapes differed from the capture's.
+    """
+
+    def __init__(self, scope: Union[str, Sequence[str]] = "full", warmup_steps: int = 3,
+                 modules: Optional[Sequence[ModuleSpec]] = None, num_warmup_iters: int = 3) -> None:
+        self.scopes = normalize_scope(scope)
+        for name, value in (("warmup_steps", warmup_steps), ("num_warmup_iters", num_warmup_iters)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CUDAGraphs({name}={value!r}) must be an int >= 1 (FP8 delayed scaling needs one "
+                                 "eager optimizer step before the capture).")
+        self.warmup_steps = warmup_steps
+        self.modules = list(modules or [])
+        self.num_warmup_iters = num_warmup_iters
+        self.captured: list[str] = []
+        self.eager_calls = 0
+        self._targets: list[_Target] = []
+        self._graphs: Optional[CapturedModules] = None
+        self._slots: dict[int, int] = {}  # target index -> position in the capture
+        self._signatures: list[CallSignature] = []  # per position
+        self._capture_key: tuple = ()
+        self._calls: list[tuple[int, CallSignature]] = []  # this micro-batch's training calls
+        self._last_calls: list[tuple[int, CallSignature]] = []  # the last finished micro-batch's
+        self._start_step: Optional[int] = None
+        self._noticed: set = set()
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, pl_module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The modules this callback captures in ``pl_module``, after its refusals (``ValueError``
+        naming the fix for anything a graph cannot replay)."""
+        targets = find_targets(pl_module, self.scopes, self.modules)
+        check_targets(targets)
+        return targets
+
+    def layout_rows(self, model: nn.Module) -> dict[str, str]:
+        """The layout table's row (`MegatronMoEStrategy` prints it): what will be captured."""
+        scope = self.scopes[0] if len(self.scopes) == 1 else "+".join(self.scopes)
+        if not any(p.is_cuda for p in model.parameters()):
+            return {"CUDA graphs": f"scope {scope!r}: off (no CUDA device)"}
+        targets = self.plan(model)
+        return {"CUDA graphs": f"scope {scope!r}: {describe_targets(targets)}, captured after "
+                               f"{self.warmup_steps} warm-up step{'s' if self.warmup_steps > 1 else ''}"}
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._uses_cuda(trainer):
+            rank_zero_info(f"CUDAGraphs: no CUDA device (training on {trainer.strategy.root_device.type}); "
+                           "nothing is captured, every step runs eagerly.")
+            return
+        self._refuse_setup(trainer)
+        targets = self.plan(pl_module)
+        self._install(targets)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._drop_graphs()
+        self._start_step = trainer.global_step
+        self._calls, self._last_calls = [], []
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._targets:
+            return
+        if self._calls:
+            self._last_calls = self._calls
+        self._calls = []
+        if self._graphs is not None and self._capture_key != self._key(trainer):
+            self._drop_graphs()  # a number the backward graphs baked in changed: capture again now
+            self._capture(trainer)
+            return
+        warmed_up = self._start_step is not None and trainer.global_step - self._start_step >= self.warmup_steps
+        window_start = batch_idx % max(1, trainer.accumulate_grad_batches) == 0
+        if self._graphs is None and warmed_up and window_start and self._last_calls:
+            self._capture(trainer)
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._graphs is not None and not self._graphs.accumulate_grads:
+            self._graphs.clear_stale_grads()
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._drop_graphs()
+        self._start_step = None  # set again by on_train_start: warm up after the load
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._uninstall()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._uninstall()  # also when the fit raised
+
+    def _uses_cuda(self, trainer: Trainer) -> bool:
+        return trainer.strategy.root_device.type == "cuda"
+
+    # ------------------------------------------------------------------ setup checks
+    def _refuse_setup(self, trainer: Trainer) -> None:
+        """Refusals that need the Trainer: Transformer Engine's FP8 and packed batches."""
+        plugin = trainer.precision_plugin
+        if getattr(plugin, "backend", None) == "te":
+            raise ValueError(
+                "CUDAGraphs with FP8Precision(backend='te'): Transformer Engine keeps its FP8 state outside the "
+                "modules and graphs it with its own make_graphed_callables; use FP8Precision(backend='torch')."
+            )
+        datamodule = getattr(trainer, "datamodule", None)
+        if getattr(datamodule, "pack_sequences", False) and self.scopes != ("moe",):
+            raise ValueError(
+                "CUDAGraphs: packed batches (pack_sequences=True) give attention a document mask per batch, which "
+                "a CUDA graph cannot take as an input: use scope='moe', or pack_sequences=False."
+            )
+
+    # ------------------------------------------------------------------ routing the forwards
+    def _install(self, targets: list[tuple[str, nn.Module]]) -> None:
+        self._uninstall()
+        for index, (name, module) in enumerate(targets):
+            own = "forward" in module.__dict__
+            self._targets.append(_Target(name, module, module.forward, own))
+            module.forward = self._routed_forward(index)
+
+    def _uninstall(self) -> None:
+        self._drop_graphs()
+        for target in self._targets:
+            if target.own_forward:
+                target.module.forward = target.forward
+            else:
+                target.module.__dict__.pop("forward", None)
+        self._targets = []
+
+    def _routed_forward(self, index: int) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            target = self._targets[index]
+            if not (target.module.training and torch.is_grad_enabled()):
+                return target.forward(*args, **kwargs)  # evaluation, or no gradients: eager
+            signature, tensors = call_signature(args, kwargs, target.name)
+            if self._graphs is None:
+                self._calls.append((index, signature))
+                return target.forward(*args, **kwargs)
+            slot = self._slots.get(index)
+            if slot is not None and self._signatures[slot] == signature:
+                return self._graphs.replay(slot, *tensors)
+            self._note_eager(target, slot, signature)
+            return target.forward(*args, **kwargs)
+
+        return forward
+
+    def _note_eager(self, target: _Target, slot: Optional[int], signature: CallSignature) -> None:
+        self.eager_calls += 1
+        key = (target.name, signature)
+        if key in self._noticed:
+            return
+        self._noticed.add(key)
+        if slot is None:
+            rank_zero_warn(f"CUDAGraphs: {target.name} was not called in the training step it was captured after; "
+                           "it runs eagerly.")
+            return
+        captured = self._signatures[slot]
+        what = "autocast" if captured.autocast != signature.autocast else "inputs"
+        rank_zero_info(f"CUDAGraphs: {target.name} got {what} other than at its capture ({describe(signature)} against "
+                       f"{describe(captured)}); this call runs eagerly (a last, smaller batch does).")
+
+    # ------------------------------------------------------------------ capture
+    def _key(self, trainer: Trainer) -> tuple:
+        """The Python numbers the captured backward graphs bake in."""
+        scales = tuple(getattr(getattr(m, "router", None), "aux_loss_scale", None)
+                       for t in self._targets for m in t.module.modules() if hasattr(m, "dispatcher"))
+        return (scales, trainer.accumulate_grad_batches)
+
+    def _capture(self, trainer: Trainer) -> None:
+        calls = self._last_calls
+        order = [index for index, _ in calls]
+        repeated = sorted({self._targets[i].name for i in order if order.count(i) > 1})
+        if repeated:
+            raise RuntimeError(
+                f"CUDAGraphs: {', '.join(repeated)} ran more than once in one training micro-batch (shared weights, "
+                "or recomputation under activation checkpointing); a graph replays once per module and step: leave "
+                "those modules out (another scope, or modules=...), or do not recompute them."
+            )
+        missing = [t.name for i, t in enumerate(self._targets) if i not in order]
+        if missing:
+            rank_zero_warn(f"CUDAGraphs: {', '.join(missing)} did not run in a training step; not captured.")
+        generator = torch.Generator().manual_seed(0)
+        modules = [self._targets[i].module for i in order]
+        forwards = [bind_tensors(self._targets[i].forward, sig) for i, sig in calls]
+        # Sample values are drawn on the host and copied to the device (a sync, once per capture).
+        samples = [sample_tensors(sig, generator) for _, sig in calls]
+        accumulate = trainer.accumulate_grad_batches > 1 or not trainer.lightning_module.automatic_optimization
+        with trainer.precision_plugin.train_step_context():
+            state = autocast_state()
+            if any(sig.autocast != state for _, sig in calls):
+                raise RuntimeError(
+                    f"CUDAGraphs: the training step ran its modules under autocast {calls[0][1].autocast}, the "
+                    f"precision plugin's train_step_context gives {state}: capture needs the step's own state; "
+                    "set autocast through the Trainer's precision, not inside training_step."
+                )
+            self._graphs = capture_modules(modules, samples, self.num_warmup_iters, accumulate, forwards)
+        self._slots = {index: slot for slot, index in enumerate(order)}
+        self._signatures = [sig for _, sig in calls]
+        self._capture_key = self._key(trainer)
+        self.captured = [self._targets[i].name for i in order]
+        rank_zero_info(f"CUDAGraphs: captured {describe_targets([(t.name, t.module) for t in self._captured()])} "
+                       f"at step {trainer.global_step}.")
+
+    def _captured(self) -> list[_Target]:
+        return [self._targets[i] for i in sorted(self._slots, key=self._slots.get)]
+
+    def _drop_graphs(self) -> None:
+        if self._graphs is not None:
+            self._graphs.release()
+        self._graphs, self._slots, self._signatures = None, {}, []

@@ -1,0 +1,381 @@
+"""`CUDAGraphs` on CPU: scope selection, module discovery, refusals and their messages, the CPU
+no-op notice, and the callback's bookkeeping in a real fit (warm-up, capture order, replay,
+eager evaluation, eager calls of another shape, capture again after a resume) with the capture
+itself replaced by an eager stand-in (the graphs are GPU tests: tests/gpu/test_cuda_graphs_callback_gpu.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_moe.callbacks.cuda_graphs as callback_module
+from lightning_moe.callbacks import CUDAGraphs
+from lightning_moe.callbacks._graph_calls import bind_tensors, call_signature, sample_tensors
+from lightning_moe.callbacks._graph_targets import check_targets, describe_targets, find_targets, normalize_scope
+from lightning_moe.cuda_graphs import _assigned, _attributes, _holds_tensor
+from lightning_moe.models import MoELanguageModel
+from lightning_moe.nn import MoEConfig, MoELayer
+
+SEQ = 16
+
+
+def tiny_model(**moe) -> MoELanguageModel:
+    overrides = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 2,
+                 "num_query_groups": 1, "moe": {"ffn_hidden_size": 32, **moe}}
+    return MoELanguageModel("tiny", overrides=overrides, learning_rate=1e-2, warmup_steps=1)
+
+
+def built(module: MoELanguageModel) -> MoELanguageModel:
+    torch.manual_seed(0)
+    module.configure_model()
+    return module
+
+
+class Tokens(Dataset):
+    def __init__(self, count: int, seed: int = 0) -> None:
+        self.tokens = torch.randint(0, 256, (count, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+
+
+# ---------------------------------------------------------------------------- scopes
+
+
+def test_scope_names_and_combinations():
+    assert normalize_scope("full") == ("full",)
+    assert normalize_scope(["attn", "moe"]) == ("attn", "moe")
+    with pytest.raises(ValueError, match="choose one of"):
+        normalize_scope("layers")
+    with pytest.raises(ValueError, match="only 'attn' and 'moe' combine"):
+        normalize_scope(("full", "moe"))
+    with pytest.raises(ValueError, match="twice"):
+        normalize_scope(("moe", "moe"))
+    with pytest.raises(ValueError, match="warmup_steps"):
+        CUDAGraphs(warmup_steps=0)
+    with pytest.raises(ValueError, match="num_warmup_iters"):
+        CUDAGraphs(num_warmup_iters=0)
+
+
+@pytest.mark.parametrize("scope, expected", [
+    ("full", ["model.layers.0", "model.layers.1"]),
+    ("attn", ["model.layers.0.attention", "model.layers.1.attention"]),
+    ("moe", ["model.layers.0.mlp", "model.layers.1.mlp"]),
+    (("attn", "moe"), ["model.layers.0.attention", "model.layers.0.mlp", "model.layers.1.attention",
+                       "model.layers.1.mlp"]),
+    ("full_iteration", ["model"]),
+])
+def test_reference_modules_found_by_type(scope, expected):
+    module = built(tiny_model())
+    assert [name for name, _ in find_targets(module, normalize_scope(scope))] == expected
+
+
+def test_mla_attention_found():
+    module = built(MoELanguageModel("tiny", overrides={
+        "num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "attention_type": "mla", "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "moe": {"ffn_hidden_size": 32}}))
+    (name, attention), = find_targets(module, ("attn",))
+    assert name == "model.layers.0.attention" and type(attention).__name__ == "MultiHeadLatentAttention"
+
+
+def test_user_modules_by_class_and_name():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(4, 4)
+
+    root = nn.Module()
+    root.net = Net()
+    assert [n for n, _ in find_targets(root, ("full",), [Block])] == ["net.blocks.0", "net.blocks.1"]
+    assert [n for n, _ in find_targets(root, ("full",), ["net.blocks.*"])] == ["net.blocks.0", "net.blocks.1"]
+    # nested matches: the outermost is captured, the inner ones are inside its graph
+    assert [n for n, _ in find_targets(root, ("full",), ["net", Block])] == ["net"]
+    with pytest.raises(ValueError, match=r"'net\.missing' matched no module"):
+        find_targets(root, ("full",), ["net.missing"])
+    with pytest.raises(ValueError, match=r"found no DecoderLayer in Module: pass your own modules"):
+        find_targets(root, ("full",))
+    with pytest.raises(ValueError, match=r"modules=\['model'\]"):
+        find_targets(root, ("full",), [""])
+    with pytest.raises(ValueError, match="module classes or qualified-name patterns"):
+        find_targets(root, ("full",), [3])
+
+
+def test_describe_targets():
+    module = built(tiny_model())
+    text = describe_targets(find_targets(module, ("moe",)))
+    assert text == "2 x MoELayer (model.layers.0.mlp .. model.layers.1.mlp)"
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def _moe_targets():
+    module = built(tiny_model())
+    return module, find_targets(module, ("full",))
+
+
+def test_reference_model_passes_the_checks():
+    module, targets = _moe_targets()
+    check_targets(targets)
+
+
+def test_dropless_all_to_all_is_refused_naming_allgather():
+    module, targets = _moe_targets()
+    module.model.layers["0"].mlp.dispatcher = SimpleNamespace(syncs_host=True, describe=lambda: "all-to-all (EP=2)")
+    with pytest.raises(ValueError, match=r"all-to-all \(EP=2\).*token_dispatcher='allgather'"):
+        check_targets(targets)
+
+
+def test_host_syncing_expert_backend_is_refused():
+    module, targets = _moe_targets()
+    module.model.layers["1"].mlp.experts.backend = "loop"
+    with pytest.raises(ValueError, match="expert_backend='grouped_mm'"):
+        check_targets(targets)
+
+
+def test_module_hooks_are_refused():
+    module, targets = _moe_targets()
+    module.model.layers["0"].mlp.router.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.router \(TopKRouter\).*forward hooks"):
+        check_targets(targets)
+
+
+def test_global_module_hooks_are_refused():
+    module, targets = _moe_targets()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        with pytest.raises(ValueError, match="global module forward hooks"):
+            check_targets(targets)
+    finally:
+        handle.remove()
+
+
+def test_fsdp_units_are_refused_naming_ddp():
+    from torch.distributed import fsdp
+
+    module, targets = _moe_targets()
+    experts = module.model.layers["0"].mlp.experts
+    # What fully_shard does to a module's class, without a process group.
+    experts.__class__ = type("FSDPGroupedExperts", (fsdp.FSDPModule, type(experts)), {})
+    with pytest.raises(ValueError, match=r"FSDP-sharded.*expert_sharding='ddp'"):
+        check_targets(targets)
+
+
+@pytest.mark.parametrize("dims, match", [(("dp",), "FSDP-sharded"), (("tp",), "tensor_parallel_size=1")])
+def test_sharded_parameters_are_refused(dims, match):
+    module, targets = _moe_targets()
+    weight = module.model.layers["0"].attention.q_proj.weight
+    weight.device_mesh = SimpleNamespace(mesh_dim_names=dims)  # what a DTensor parameter reports
+    with pytest.raises(ValueError, match=match):
+        check_targets(targets)
+
+
+def test_expert_parallel_shards_pass():
+    module, targets = _moe_targets()
+    module.model.layers["0"].mlp.experts.fc1_weight.device_mesh = SimpleNamespace(mesh_dim_names=("ep",))
+    check_targets(targets)
+
+
+def test_context_parallel_attention_is_refused():
+    module, targets = _moe_targets()
+    module.model.layers["0"].attention.cp_group = object()
+    with pytest.raises(ValueError, match="context_parallel_size=1"):
+        check_targets(targets)
+
+
+def test_uncapturable_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"documents=DocumentMask.*scope='moe'"):
+        call_signature((torch.zeros(2),), {"documents": type("DocumentMask", (), {})()}, "model.layers.0.attention")
+
+
+def test_te_fp8_and_packed_batches_are_refused_at_setup():
+    callback = CUDAGraphs()
+    te = SimpleNamespace(precision_plugin=SimpleNamespace(backend="te"), datamodule=None)
+    with pytest.raises(ValueError, match="FP8Precision\\(backend='torch'\\)"):
+        callback._refuse_setup(te)
+    packed = SimpleNamespace(precision_plugin=SimpleNamespace(), datamodule=SimpleNamespace(pack_sequences=True))
+    with pytest.raises(ValueError, match="pack_sequences=False"):
+        callback._refuse_setup(packed)
+    CUDAGraphs(scope="moe")._refuse_setup(packed)  # MoE layers take only their tokens
+
+
+# ---------------------------------------------------------------------------- calls and attributes
+
+
+def test_call_signature_binding_and_samples():
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    ids = torch.arange(6).view(2, 3)
+    signature, tensors = call_signature((x, None, 3), {"ids": ids, "mask": None}, "m")
+    assert tensors == (x, ids)
+    other, _ = call_signature((x[:1], None, 3), {"ids": ids}, "m")
+    assert other != signature  # another shape: another signature (that call runs eagerly)
+    seen = []
+    bind_tensors(lambda *a, **k: seen.append((a, k)), signature)(*tensors)
+    assert seen[0][0][1:] == (None, 3) and set(seen[0][1]) == {"ids"}
+    samples = sample_tensors(signature, torch.Generator().manual_seed(0))
+    assert [s.shape for s in samples] == [x.shape, ids.shape] and samples[0].requires_grad
+    assert not samples[1].requires_grad and samples[1].dtype == ids.dtype and not samples[1].any()
+
+
+def test_attributes_a_forward_assigns_are_found():
+    """What the capture re-assigns after each replay: the router's losses and the layer's stats."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, router_topk=2,
+                               aux_loss_coeff=1e-2))
+    before = _attributes([layer])
+    layer(torch.randn(2, 8, 16))
+    names = sorted(name for _, name, _ in _assigned(before, _attributes([layer])))
+    assert names == ["last_stats", "latest_losses"]
+    assert _holds_tensor({"a": torch.zeros(1)}) and not _holds_tensor(3) and not _holds_tensor({})
+
+
+# ---------------------------------------------------------------------------- the callback in a fit
+
+
+def _trainer(callbacks, max_steps, accumulate=1, **kwargs) -> Trainer:
+    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, callbacks=callbacks,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   accumulate_grad_batches=accumulate, num_sanity_val_steps=0, **kwargs)
+
+
+def test_cpu_fit_is_a_no_op_with_one_notice(caplog):
+    module = tiny_model()
+    callback = CUDAGraphs(scope="moe", warmup_steps=1)
+    with caplog.at_level(logging.INFO):
+        _trainer([callback], max_steps=2).fit(module, DataLoader(Tokens(8), batch_size=2))
+    notices = [r.getMessage() for r in caplog.records if "CUDAGraphs" in r.getMessage()]
+    assert notices == ["CUDAGraphs: no CUDA device (training on cpu); nothing is captured, every step runs eagerly."]
+    assert callback.captured == [] and all("forward" not in m.__dict__ for m in module.modules())
+    assert callback.layout_rows(module) == {"CUDA graphs": "scope 'moe': off (no CUDA device)"}
+
+
+@dataclass
+class _EagerCapture:
+    """Stands in for `capture_modules` on CPU: "replays" run the captured forwards eagerly."""
+
+    modules: list
+    forwards: list
+    accumulate_grads: bool
+    replays: int = 0
+    released: bool = False
+    stale_clears: int = 0
+
+    def replay(self, slot, *tensors):
+        self.replays += 1
+        return self.forwards[slot](*tensors)
+
+    def clear_stale_grads(self):
+        self.stale_clears += 1
+
+    def release(self):
+        self.released = True
+
+
+class _OnCPU(CUDAGraphs):
+    """The callback's bookkeeping on CPU (the capture itself is `_EagerCapture`)."""
+
+    def _uses_cuda(self, trainer):
+        return True
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    made = []
+
+    def fake(modules, samples, num_warmup_iters, accumulate_grads, forwards):
+        made.append(_EagerCapture(list(modules), list(forwards), accumulate_grads))
+        return made[-1]
+
+    monkeypatch.setattr(callback_module, "capture_modules", fake)
+    return made
+
+
+def _losses(module, callbacks, steps, accumulate=1, data=None, ckpt_path=None, **kwargs):
+    seen = []
+
+    class Keep(callback_module.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(outputs["loss"].item())
+
+    torch.manual_seed(0)
+    trainer = _trainer([*callbacks, Keep()], max_steps=steps, accumulate=accumulate, **kwargs)
+    trainer.fit(module, data or DataLoader(Tokens(64), batch_size=2), ckpt_path=ckpt_path)
+    return seen, trainer
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_capture_after_warm_up_then_replay(captures, accumulate):
+    reference, _ = _losses(tiny_model(), [], steps=5, accumulate=accumulate)
+    callback = _OnCPU(scope=("attn", "moe"), warmup_steps=2)
+    module = tiny_model()
+    losses, _ = _losses(module, [callback], steps=5, accumulate=accumulate)
+    assert losses == reference
+    (capture,) = captures
+    assert callback.captured == ["model.layers.0.attention", "model.layers.0.mlp",
+                                 "model.layers.1.attention", "model.layers.1.mlp"]  # the order of the step
+    assert capture.accumulate_grads == (accumulate > 1)
+    assert capture.replays == 3 * accumulate * 4  # steps 2..4, every micro-batch, four modules
+    assert capture.stale_clears == (0 if accumulate > 1 else 3)
+    assert capture.released and all("forward" not in m.__dict__ for m in module.modules())
+
+
+def test_validation_runs_eagerly(captures):
+    callback = _OnCPU(scope="full", warmup_steps=1)
+    module = tiny_model()
+    data = DataLoader(Tokens(64), batch_size=2)
+    torch.manual_seed(0)
+    _trainer([callback], max_steps=4, val_check_interval=2, limit_val_batches=2).fit(module, data, data)
+    (capture,) = captures
+    assert capture.replays == 3 * 2  # training calls only: validation's forwards ran eagerly
+
+
+def test_other_shapes_run_eagerly_with_one_notice(captures, caplog):
+    callback = _OnCPU(scope="moe", warmup_steps=1)
+    with caplog.at_level(logging.INFO):
+        # 7 samples in batches of 2: every epoch ends with a batch of one
+        _losses(tiny_model(), [callback], steps=8, data=DataLoader(Tokens(7), batch_size=2))
+    (capture,) = captures
+    assert callback.eager_calls == 2 * 2  # two epochs' last batches, two MoE layers
+    notices = [r.getMessage() for r in caplog.records if "other than at its capture" in r.getMessage()]
+    assert len(notices) == 2 and "[1, 16, 32]" in notices[0] and "[2, 16, 32]" in notices[0]
+
+
+def test_resume_warms_up_and_captures_again(captures, tmp_path):
+    callback = _OnCPU(scope="moe", warmup_steps=2)
+    module = tiny_model()
+    _, trainer = _losses(module, [callback], steps=3)
+    path = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = _OnCPU(scope="moe", warmup_steps=2)
+    _losses(tiny_model(), [resumed], steps=6, ckpt_path=str(path))
+    first, second = captures
+    assert first.replays == 1 * 2 and second.replays == 1 * 2  # step 2 of the first fit; step 5 after the resume
+
+
+def test_module_called_twice_is_refused_at_capture(captures):
+    class Twice(MoELanguageModel):
+        def training_step(self, batch, batch_idx):
+            layer = self.model.layers["0"].mlp
+            h = self.model.embed_tokens(batch["input_ids"]).float()
+            return layer(layer(h)).square().mean()
+
+    callback = _OnCPU(scope="moe", warmup_steps=1)
+    overrides = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "moe": {"ffn_hidden_size": 32}}
+    with pytest.raises(RuntimeError, match="ran more than once in one training micro-batch"):
+        _trainer([callback], max_steps=3).fit(Twice("tiny", overrides=overrides), DataLoader(Tokens(8), batch_size=2))
