@@ -42,16 +42,18 @@ class CostModel:
     (causal attention sees ``L**2 / 2`` query-key pairs; everything else, MoE included, is linear
     in tokens; the ring passes each rank's keys/values ``c - 1`` times, once per group and layer
     stack). Constants are for the whole model (all layers). The defaults are a FLOP estimate for
-    a Qwen3-30B-A3B-shaped model (48 layers, hidden 2048, 32 heads of 128, 8 of 128 experts of
-    768) at 400 TFLOP/s, with 4-byte-per-element keys/values over 200 GB/s NVLink and 20 us per
-    exchange; replace them by a measurement: ``CostModel.from_json(path)`` reads what
-    ``benchmarks/dynamic_cp_sim.py --calibrate`` writes on the target GPU.
+    Qwen3-30B-A3B (`lightning_moe.models.flops`: 1.83e10 training FLOPs per token outside
+    attention, 2.36e6 per causal query-key pair over its 48 layers) at 400 TFLOP/s, and the ring's
+    traffic as ``benchmarks/dynamic_cp_sim.py`` assumes it (2 KiB of bf16 keys/values per token and
+    layer moved 3 times per ring step at 150 GB/s; 20 us per step and layer). Replace them by a
+    measurement: ``CostModel.from_json(path)`` reads what ``benchmarks/dynamic_cp_sim.py
+    --calibrate`` writes on the target GPU.
     """
 
-    attention_s_per_token_pair: float = 3.9e-11
-    linear_s_per_token: float = 3.4e-6
-    cp_s_per_token: float = 9.8e-8
-    cp_s_per_exchange: float = 9.6e-4
+    attention_s_per_token_pair: float = 5.9e-9
+    linear_s_per_token: float = 4.6e-5
+    cp_s_per_token: float = 2.0e-6
+    cp_s_per_exchange: float = 2.9e-3
     source: str = "default: FLOP estimate (not measured)"
 
     def __post_init__(self) -> None:
