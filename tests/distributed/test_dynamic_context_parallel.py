@@ -84,7 +84,13 @@ def _train(rank, world_size, strategy_kwargs, dynamic):
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[*callbacks, Record()], num_sanity_val_steps=0,
     )
-    trainer.fit(_module(_config(), 0.5), DataLoader(_batches(), batch_size=None))
+    batches = _batches()
+    dp = world_size // strategy_kwargs.get("context_parallel_size", 1)
+    if dp > 1:  # replica r reads its rows of every batch (rank = cp rank + CP x dp rank)
+        rows = len(batches[0]["input_ids"]) // dp
+        replica = rank // strategy_kwargs["context_parallel_size"]
+        batches = [{k: v[replica * rows:(replica + 1) * rows] for k, v in b.items()} for b in batches]
+    trainer.fit(_module(_config(), 0.5), DataLoader(batches, batch_size=None))
     state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank:
         return None
@@ -130,3 +136,13 @@ def test_dynamic_cp_matches_static_cp4_and_one_process(kwargs):
         assert {int(k.removeprefix("dynamic_cp/sequences_cp")): v for k, v in metrics.items()
                 if "sequences_cp" in k} == {c: float(plan.get(c, 0)) for c in (1, 2, 4)}
         assert metrics["dynamic_cp/modelled_speedup"] >= 1.0
+
+
+def test_dynamic_cp_over_dp2_x_cp2_gives_the_token_mean_of_both_replicas():
+    # each replica reads one row per step; the sequences of both are planned over the 4 ranks, and
+    # the loss is the token mean over both rows: one process reading the two rows as one batch
+    kwargs = (("context_parallel_size", 2),)
+    single = _run(1, (), False)
+    dynamic = _run(4, kwargs, True)
+    _assert_same(dynamic, single)
+    assert any(1 in plan or 4 in plan for plan in dynamic[1]), dynamic[1]
