@@ -128,6 +128,7 @@ class CUDAGraphs(Callback):
         self._last_calls: list[tuple[int, CallSignature]] = []  # the last finished micro-batch's
         self._start_step: Optional[int] = None
         self._noticed: set = set()
+        self._recomputed: set[str] = set()  # targets seen running inside a backward
 
     # ------------------------------------------------------------------ planning
     def plan(self, pl_module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -142,7 +143,10 @@ class CUDAGraphs(Callback):
         scope = self.scopes[0] if len(self.scopes) == 1 else "+".join(self.scopes)
         if not any(p.is_cuda for p in model.parameters()):
             return {"CUDA graphs": f"scope {scope!r}: off (no CUDA device)"}
-        targets = self.plan(model)
+        try:
+            targets = self.plan(model)
+        except ValueError as error:  # raised on every rank at fit start; the table prints on rank 0 only
+            return {"CUDA graphs": f"scope {scope!r}: refused ({str(error).split(': ', 1)[-1][:80]}...)"}
         return {"CUDA graphs": f"scope {scope!r}: {describe_targets(targets)}, captured after "
                                f"{self.warmup_steps} warm-up step{'s' if self.warmup_steps > 1 else ''}"}
 
@@ -161,7 +165,7 @@ class CUDAGraphs(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._drop_graphs()
         self._start_step = trainer.global_step
-        self._calls, self._last_calls = [], []
+        self._calls, self._last_calls, self._recomputed = [], [], set()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -240,6 +244,8 @@ class CUDAGraphs(Callback):
                 return target.forward(*args, **kwargs)  # evaluation, or no gradients: eager
             signature, tensors = call_signature(args, kwargs, target.name)
             if self._graphs is None:
+                if torch._C._current_graph_task_id() != -1:  # called from inside a backward: recomputation
+                    self._recomputed.add(target.name)
                 self._calls.append((index, signature))
                 return target.forward(*args, **kwargs)
             slot = self._slots.get(index)
@@ -273,6 +279,13 @@ class CUDAGraphs(Callback):
         return (scales, trainer.accumulate_grad_batches)
 
     def _capture(self, trainer: Trainer) -> None:
+        if self._recomputed:
+            raise RuntimeError(
+                f"CUDAGraphs: {', '.join(sorted(self._recomputed))} ran again inside the backward (activation "
+                "checkpointing around it), so its forward would replay between backward graphs, out of the order "
+                "of the capture: turn that recomputation off, or capture modules inside the recomputed region "
+                "(recomputation inside a captured module is part of its graphs)."
+            )
         calls = self._last_calls
         order = [index for index, _ in calls]
         repeated = sorted({self._targets[i].name for i in order if order.count(i) > 1})

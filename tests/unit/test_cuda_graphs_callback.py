@@ -379,3 +379,20 @@ def test_module_called_twice_is_refused_at_capture(captures):
     overrides = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "moe": {"ffn_hidden_size": 32}}
     with pytest.raises(RuntimeError, match="ran more than once in one training micro-batch"):
         _trainer([callback], max_steps=3).fit(Twice("tiny", overrides=overrides), DataLoader(Tokens(8), batch_size=2))
+
+
+def test_recomputed_module_is_refused_at_capture(captures):
+    """Activation checkpointing around a captured module runs its forward again inside the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Recomputed(MoELanguageModel):
+        def training_step(self, batch, batch_idx):
+            layer = self.model.layers["0"].mlp
+            h = self.model.embed_tokens(batch["input_ids"]).float()
+            return checkpoint(layer, h, use_reentrant=False).square().mean()
+
+    callback = _OnCPU(scope="moe", warmup_steps=1)
+    overrides = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "moe": {"ffn_hidden_size": 32}}
+    with pytest.raises(RuntimeError, match="ran again inside the backward"):
+        _trainer([callback], max_steps=3).fit(Recomputed("tiny", overrides=overrides),
+                                               DataLoader(Tokens(8), batch_size=2))
