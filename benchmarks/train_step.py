@@ -184,7 +184,7 @@ def bare_loop(args) -> list[float]:
     return times[args.warmup :], losses_list
 
 
-def lightning_run(args) -> Optional[tuple[list[float], list[float]]]:
+def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list[float], list[float]]]:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -243,6 +243,11 @@ def lightning_run(args) -> Optional[tuple[list[float], list[float]]]:
                 print_profile(summarize_profile(self.prof, top_kernels=40), rows=40)
 
     callbacks = [Timer()]
+    if cuda_graph is not None:  # --cuda-graph: the same run with CUDAGraphs, captured inside the warm-up
+        from lightning_moe.callbacks import CUDAGraphs
+
+        callbacks.append(CUDAGraphs(scope=cuda_graph.split("+") if "+" in cuda_graph else cuda_graph,
+                                    warmup_steps=min(3, args.warmup - 1)))
     if args.profile and args.skip_bare and trainer_rank_zero(args):
         callbacks.append(ProfileLastStep())
     # Every data-parallel rank takes its share (the strategy's distributed sampler) of DP times the
@@ -331,7 +336,14 @@ def main(argv=None) -> None:
     parser.add_argument("--marginal-layers", type=int, default=None,
                         help="also time the Lightning run with this many layers: the cost of a layer and the "
                              "TFLOP/s per GPU projected for the preset's full depth (`marginal_layer`)")
+    parser.add_argument("--cuda-graph", default=None,
+                        choices=["full", "attn", "moe", "attn+moe", "full_iteration"],
+                        help="also run the Lightning step with CUDAGraphs(scope=...) (captured inside the "
+                             "untimed warm-up, which must be at least 2 steps): its time against the eager "
+                             "Lightning step and both peak memories")
     args = parser.parse_args(argv)
+    if args.cuda_graph is not None and args.warmup < 2:
+        raise SystemExit("--cuda-graph needs --warmup >= 2: the capture and a first replay stay untimed")
     if args.fused_cross_entropy == "off":
         import lightning_moe.nn.cross_entropy as cross_entropy
 
@@ -359,6 +371,8 @@ def main(argv=None) -> None:
 
         hf_config(cfg)  # refuses a shape HF's Qwen3-MoE cannot express, before anything runs
         runs = (*runs, ("hf_transformers", lambda a: hf_loop(a, cfg, batches)))
+    if args.cuda_graph is not None:
+        runs = (*runs, ("lightning_cuda_graph", lambda a: lightning_run(a, a.cuda_graph)))
     if args.precision != "bf16" and not args.skip_bare:
         raise SystemExit("--precision applies to the Lightning run only: add --skip-bare")
     cuda = args.accelerator == "cuda"
@@ -413,6 +427,14 @@ def main(argv=None) -> None:
               f"{'n/a' if per_layer is None else f'{per_layer:.1f}'} TFLOP/s per GPU; "
               f"projected at {full.num_layers} layers: {marginal['projected_full_step_s']*1e3:.1f} ms/step, "
               f"{'n/a' if projected is None else f'{projected:.1f}'} TFLOP/s per GPU", flush=True)
+    cuda_graph = None
+    if "lightning_cuda_graph" in results:
+        graphed, eager = results["lightning_cuda_graph"], results["lightning"]
+        cuda_graph = {"scope": args.cuda_graph, "speedup": eager["median_step_s"] / graphed["median_step_s"],
+                      "peak_ratio": None if eager["peak_gib"] is None else graphed["peak_gib"] / eager["peak_gib"]}
+        peaks = "" if cuda_graph["peak_ratio"] is None else (
+            f"; peak {graphed['peak_gib']:.2f} against {eager['peak_gib']:.2f} GiB ({cuda_graph['peak_ratio']:.3f}x)")
+        print(f"CUDA graphs ({args.cuda_graph}): {cuda_graph['speedup']:.3f}x the eager Lightning step{peaks}")
     if "hf_transformers" in results:
         ratio = results["hf_transformers"]["median_step_s"] / results["lightning"]["median_step_s"]
         print(f"lightning_moe (Trainer) against HF transformers: {ratio:.2f}x the speed")
@@ -427,6 +449,7 @@ def main(argv=None) -> None:
         "results": results,
         "marginal_layer": marginal,
         "lightning_overhead": overhead,
+        "cuda_graph": cuda_graph,
     }, results_dir=args.results_dir)
 
 
