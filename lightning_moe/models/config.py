@@ -67,6 +67,11 @@ class ModelConfig:
         qk_nope_head_dim: MLA only: per-head query/key dims without rotary embedding.
         qk_rope_head_dim: MLA only: per-head query dims (and the one shared key) with rotary embedding.
         v_head_dim: MLA only: per-head value width.
+        recompute: selective recomputation, Megatron-Core's ``--recompute-modules`` names
+            ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"):
+            what they cover is in `lightning_moe.models.recompute`. None: nothing recomputed.
+        recompute_every_n_layers: recompute whole blocks ``0, N, 2N, ...`` in backward (N = 1: every
+            block; Megatron's full recompute); None: none. The selective names apply to the others.
     """
 
     vocab_size: int
@@ -94,6 +99,8 @@ class ModelConfig:
     qk_nope_head_dim: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
+    recompute: Optional[list[str]] = None
+    recompute_every_n_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_seq_length"):
@@ -126,6 +133,42 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}.")
         self._resolve_moe()
         self._validate_layer_pattern()
+        self._validate_recompute()
+
+    def _validate_recompute(self) -> None:
+        from lightning_moe.models.recompute import RECOMPUTE_MODULES
+
+        if self.recompute_every_n_layers is not None:
+            _check_positive_int("recompute_every_n_layers", self.recompute_every_n_layers)
+        if self.recompute is None:
+            return
+        if isinstance(self.recompute, str) or not all(isinstance(name, str) for name in self.recompute):
+            raise ValueError(f"ModelConfig.recompute must be a list of module names, got {self.recompute!r}.")
+        self.recompute = list(dict.fromkeys(self.recompute))
+        unknown = [name for name in self.recompute if name not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ValueError(f"ModelConfig.recompute: unknown {unknown}; choose from {list(RECOMPUTE_MODULES)}.")
+        pattern = self.moe_layer_pattern
+        absent = {
+            "mla_up_proj": self.attention_type != "mla" and "attention_type='gqa' has no up-projections: drop it",
+            "moe": not any(pattern) and "the model has no MoE block: drop it (dense blocks: 'mlp')",
+            "moe_act": not any(pattern) and "the model has no MoE block: drop it",
+            "shared_experts": (self.moe is None or self.moe.shared_expert_intermediate_size is None)
+            and "the model has no shared experts: drop it",
+            "mlp": all(pattern) and "every block is MoE: use 'moe' (or 'moe_act')",
+        }
+        for name in self.recompute:
+            if absent.get(name):
+                raise ValueError(
+                    f"ModelConfig.recompute={self.recompute}: {name!r} recomputes nothing, {absent[name]}."
+                )
+
+    def recomputed_modules(self, layer: int) -> tuple[bool, frozenset[str]]:
+        """(whether block ``layer`` is recomputed whole, the selective names that apply to it)."""
+        every = self.recompute_every_n_layers
+        if every is not None and layer % every == 0:
+            return True, frozenset()
+        return False, frozenset(self.recompute or ())
 
     def _resolve_attention_type(self) -> None:
         """Check the MLA fields against ``attention_type``; for MLA resolve ``num_query_groups`` (H)
@@ -245,6 +288,8 @@ class ModelConfig:
             out["moe_layer_freq"] = list(out["moe_layer_freq"])
         if out["rope_scaling"] is not None:
             out["rope_scaling"] = dict(out["rope_scaling"])
+        if out["recompute"] is not None:
+            out["recompute"] = list(out["recompute"])
         return out
 
 

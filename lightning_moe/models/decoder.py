@@ -28,13 +28,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.document_mask import DocumentMask, causal_attention, document_positions
-from lightning_moe.models.layers import Embedding, Linear, ProjectionRMSNorm, RMSNorm, apply_rotary, rotary_cos_sin
+from lightning_moe.models.document_mask import DocumentMask, document_positions
+from lightning_moe.models.layers import (
+    AttentionCore,
+    Embedding,
+    Linear,
+    ProjectionRMSNorm,
+    RMSNorm,
+    apply_rotary,
+    rotary_cos_sin,
+)
 from lightning_moe.models.mla import MultiHeadLatentAttention
+from lightning_moe.models.recompute import checkpointed
 from lightning_moe.nn.compute_weights import autocast_dtype, compute_weight
 from lightning_moe.nn.cross_entropy import cross_entropy_mean
 from lightning_moe.nn.moe_layer import MoELayer
-from lightning_moe.parallel.context_parallel import context_parallel_attention
+from lightning_moe.nn.saved_tensors import OutputRecompute
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -69,6 +78,7 @@ class Attention(nn.Module):
         q_norm_size, k_norm_size = (q_size, kv_size) if self.norms_projection else (hd, hd)
         self.q_norm: Optional[RMSNorm] = norm(q_norm_size, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm: Optional[RMSNorm] = norm(k_norm_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.core_attention = AttentionCore()
         self.cp_group: Optional[ProcessGroup] = None  # set_context_parallel
         self.cp_comm_type = "p2p"
 
@@ -96,11 +106,7 @@ class Attention(nn.Module):
         q_BSHd = apply_rotary(q_BSHd, cos, sin)
         k_BSGd = apply_rotary(k_BSGd, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q_BSHd, k_BSGd, v_BSGd))
-        if self.cp_group is not None:
-            docs_BS = None if documents is None else documents.document_ids_BS
-            out_BHSd = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, document_ids_BS=docs_BS)
-        else:
-            out_BHSd = causal_attention(q, k, v, documents)
+        out_BHSd = self.core_attention(q, k, v, documents, cp_group=self.cp_group, cp_comm_type=self.cp_comm_type)
         return self.o_proj(out_BHSd.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -126,10 +132,17 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``; ``mlp`` dense or MoE."""
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``; ``mlp`` dense or MoE.
 
-    def __init__(self, cfg: ModelConfig, is_moe: bool) -> None:
+    ``recompute_layer``: the whole block is recomputed in backward; ``recompute``: the selective
+    recompute names that apply to it (`lightning_moe.models.recompute`).
+    """
+
+    def __init__(self, cfg: ModelConfig, is_moe: bool, recompute_layer: bool = False,
+                 recompute: frozenset[str] = frozenset()) -> None:
         super().__init__()
+        self.recompute_layer = recompute_layer
+        self.recompute = frozenset(recompute)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attention: nn.Module
         if cfg.attention_type == "mla":
@@ -142,6 +155,13 @@ class DecoderLayer(nn.Module):
             self.mlp = MoELayer(cfg.moe, output_init_std=cfg.output_init_std)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, cfg.output_init_std)
+        self.attention.core_attention.recompute = "core_attn" in self.recompute
+        if isinstance(self.attention, MultiHeadLatentAttention):
+            self.attention.recompute_up_proj = "mla_up_proj" in self.recompute
+        if is_moe:
+            self.mlp.experts.recompute_activation = "moe_act" in self.recompute
+            self.mlp.recompute_shared_experts = "shared_experts" in self.recompute
+        self._recompute_mlp = "moe" in self.recompute if is_moe else "mlp" in self.recompute
 
     @property
     def is_moe(self) -> bool:
@@ -152,9 +172,20 @@ class DecoderLayer(nn.Module):
             module.reset_parameters()
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, documents: Optional[DocumentMask] = None) -> Tensor:
-        # documents goes by keyword: the TP plan's PrepareModuleInput lays out the positional inputs only
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, documents=documents)
-        return h_BSD + self.mlp(self.mlp_norm(h_BSD))
+        if self.recompute_layer and torch.is_grad_enabled():
+            return checkpointed(self._block, x_BSD, cos, sin, documents)
+        return self._block(x_BSD, cos, sin, documents)
+
+    def _block(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, documents: Optional[DocumentMask]) -> Tensor:
+        recompute_norms = "layernorm" in self.recompute
+        with OutputRecompute(recompute_norms) as outputs:
+            # documents goes by keyword: the TP plan's PrepareModuleInput lays out the positional inputs only
+            h_BSD = x_BSD + self.attention(outputs.run(self.attention_norm, x_BSD), cos, sin, documents=documents)
+        with OutputRecompute(recompute_norms) as outputs:
+            n_BSD = outputs.run(self.mlp_norm, h_BSD)
+            if self._recompute_mlp and torch.is_grad_enabled():
+                return h_BSD + checkpointed(self.mlp, n_BSD)
+            return h_BSD + self.mlp(n_BSD)
 
 
 class MoEDecoder(nn.Module):
@@ -179,7 +210,8 @@ class MoEDecoder(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_method_std)
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable if a pipeline stage drops layers.
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, is_moe) for i, is_moe in enumerate(cfg.moe_layer_pattern)}
+            {str(i): DecoderLayer(cfg, is_moe, *cfg.recomputed_modules(i))
+             for i, is_moe in enumerate(cfg.moe_layer_pattern)}
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head: Optional[Linear] = None

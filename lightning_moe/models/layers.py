@@ -1,4 +1,5 @@
-"""Building blocks of the reference decoder: initialised linear and embedding layers, RMSNorm, RoPE.
+"""Building blocks of the reference decoder: initialised linear and embedding layers, RMSNorm, RoPE,
+the attention product.
 
 Shared by grouped-query attention (``decoder.Attention``), multi-head latent attention
 (``mla.MultiHeadLatentAttention``) and the MLPs.
@@ -6,14 +7,20 @@ Shared by grouped-query attention (``decoder.Attention``), multi-head latent att
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_moe.models.document_mask import DocumentMask, causal_attention
+from lightning_moe.models.recompute import checkpointed
 from lightning_moe.models.rope_scaling import rope_attention_factor, rope_inv_freq
 from lightning_moe.nn.compute_weights import CachedCastLinear
+from lightning_moe.parallel.context_parallel import context_parallel_attention
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class Linear(CachedCastLinear):
@@ -104,3 +111,32 @@ def apply_rotary(x_BSHd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x_BSHd.dtype)
+
+
+class AttentionCore(nn.Module):
+    """The attention product ``softmax(q k^T * scale + mask) v`` of ``q, k, v`` ``[B, H, S, d]``.
+
+    Parameterless; a module of its own so that memory tools address it (Megatron's ``core_attn``:
+    `ActivationOffload` and ``ModelConfig.recompute``). With ``recompute`` it keeps only q, k, v
+    for backward and recomputes the product there. ``cp_group``: attend across that
+    context-parallel group (`context_parallel_attention`), else over the local sequence.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recompute = False
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: Optional[DocumentMask] = None,
+                scale: Optional[float] = None, cp_group: Optional[ProcessGroup] = None,
+                cp_comm_type: str = "p2p") -> Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpointed(self._attend, q, k, v, documents, scale, cp_group, cp_comm_type)
+        return self._attend(q, k, v, documents, scale, cp_group, cp_comm_type)
+
+    @staticmethod
+    def _attend(q: Tensor, k: Tensor, v: Tensor, documents: Optional[DocumentMask], scale: Optional[float],
+                cp_group: Optional[ProcessGroup], cp_comm_type: str) -> Tensor:
+        if cp_group is not None:
+            docs_BS = None if documents is None else documents.document_ids_BS
+            return context_parallel_attention(q, k, v, cp_group, cp_comm_type, document_ids_BS=docs_BS)
+        return causal_attention(q, k, v, documents, scale=scale)

@@ -32,8 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.document_mask import DocumentMask, causal_attention
-from lightning_moe.models.layers import Linear, RMSNorm, apply_rotary
+from lightning_moe.models.document_mask import DocumentMask
+from lightning_moe.models.layers import AttentionCore, Linear, RMSNorm, apply_rotary
+from lightning_moe.models.recompute import checkpointed
 from lightning_moe.models.rope_scaling import latent_softmax_mscale
 
 
@@ -51,6 +52,11 @@ class MultiHeadLatentAttention(nn.Module):
     local heads unchanged. SDPA takes values narrower than queries/keys (``v_head_dim`` 128 against
     192 in DeepSeek-V3): torch's math and memory-efficient kernels accept it, its flash kernel does
     not and is skipped by SDPA's dispatcher.
+
+    ``recompute_up_proj`` (``ModelConfig.recompute`` "mla_up_proj"): everything between the
+    low-rank latents and the q, k, v handed to the attention product (``q_b_proj`` or ``q_proj``,
+    ``kv_b_proj``, the latent norms, the rotary embedding) is recomputed in backward. The product
+    itself is ``core_attention`` (`AttentionCore`, "core_attn").
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -77,6 +83,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), std)
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size, cfg.output_init_std)
         self.shared_rope_key = SharedRopeKey()
+        self.core_attention = AttentionCore()
+        self.recompute_up_proj = False
         self.softmax_scale = qk_head_dim**-0.5 * latent_softmax_mscale(cfg.rope_scaling)
 
     def reset_parameters(self) -> None:
@@ -95,14 +103,23 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, documents: Optional[DocumentMask] = None) -> Tensor:
         batch, seq = x_BSD.shape[:2]
-        if self.q_proj is not None:
-            q_BSX = self.q_proj(x_BSD)
+        # the query's input to its up-projection: the normed low-rank latent, or x for a full-rank q_proj
+        q_in = x_BSD if self.q_proj is not None else self.q_a_layernorm(self.q_a_proj(x_BSD))
+        latent_BSC = self.kv_a_proj_with_mqa(x_BSD)
+        if self.recompute_up_proj and torch.is_grad_enabled():
+            q, k, v = checkpointed(self._up_project, q_in, latent_BSC, cos, sin)
         else:
-            q_BSX = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
+            q, k, v = self._up_project(q_in, latent_BSC, cos, sin)
+        out_BHSv = self.core_attention(q, k, v, documents, scale=self.softmax_scale)
+        return self.o_proj(out_BHSv.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _up_project(self, q_in: Tensor, latent_BSC: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q ``[B, H, S, n + r]``, k ``[B, H, S, n + r]``, v ``[B, H, S, v]`` from the latents."""
+        batch, seq = latent_BSC.shape[:2]
+        q_BSX = (self.q_proj if self.q_proj is not None else self.q_b_proj)(q_in)
         q_BSHq = q_BSX.view(batch, seq, -1, self.qk_head_dim)
         q_nope_BSHn, q_rope_BSHr = q_BSHq.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
-        latent_BSC = self.kv_a_proj_with_mqa(x_BSD)
         kv_latent_BSL, k_rope_BSr = latent_BSC.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_BSX = self.kv_b_proj(self.kv_a_layernorm(kv_latent_BSL))
         kv_BSHe = kv_BSX.view(batch, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
@@ -114,8 +131,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_BSHq = torch.cat([q_nope_BSHn, q_rope_BSHr], dim=-1)
         k_BSHq = torch.cat([k_nope_BSHn, k_rope_BS1r.expand(-1, -1, heads, -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q_BSHq, k_BSHq, v_BSHv))
-        out_BHSv = causal_attention(q, k, v, documents, scale=self.softmax_scale)
-        return self.o_proj(out_BHSv.transpose(1, 2).reshape(batch, seq, -1))
+        return q, k, v
 
 
 def deinterleave_rope_rows(weight_OI: Tensor, head_width: int, rope_offset: int, rope_dim: int) -> Tensor:

@@ -13,6 +13,7 @@ from lightning_moe.kernels import use_triton
 from lightning_moe.nn.compute_weights import CachedCastLinear, compute_weight
 from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
 from lightning_moe.nn.permutation import DeferredCombine, DeferredPermutation, PermutationPlan
+from lightning_moe.nn.saved_tensors import OutputRecompute, memory_region
 
 
 def activate(h: Tensor, activation: str) -> Tensor:
@@ -157,6 +158,11 @@ class GroupedExperts(nn.Module):
     ``combine=`` (a dispatcher's `DeferredCombine`) it returns the combined tokens [T, D]
     instead: fused into the second projection where `takes_deferred_combine`, else carried out
     after it.
+
+    Memory: the first GEMM runs in the `memory_region` "expert_fc1" and the activation in
+    "moe_act" (activation offload attaches there). ``recompute_activation``: the activation's
+    output, which fc2 saves, is recomputed in backward instead of kept (Megatron's ``moe_act``
+    recompute; unquantized experts only).
     """
 
     def __init__(
@@ -188,6 +194,7 @@ class GroupedExperts(nn.Module):
         # (dtype,): what FSDP2 casts this module's forward inputs to (None: nothing), as declared by
         # whoever sharded it (`declare_fsdp_input_cast`); None: undeclared
         self._fsdp_input_cast: tuple[torch.dtype | None] | None = None
+        self.recompute_activation = False
         self.reset_parameters()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -324,27 +331,39 @@ class GroupedExperts(nn.Module):
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0] if permuted is None else permuted.num_rows)
         if permuted is not None:
-            h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
+            with memory_region(self, "expert_fc1"):
+                h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
         elif self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
             return _combined(self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten),
                              combine)
         else:
-            h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
+            with memory_region(self, "expert_fc1"):
+                h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
         return self._second_projection(h_RF, fc2, group_sizes_E, offsets_E, combine)
 
     def _second_projection(self, h_RF: Tensor, fc2: Tensor, group_sizes_E: Tensor,
                            offsets_E: Tensor | None, combine: DeferredCombine | None = None) -> Tensor:
         """The activation and fc2 of the first projection's output ``h_RF``, then ``combine``."""
         quantization = self.quantization
+        recompute = self.recompute_activation and torch.is_grad_enabled()
+        if recompute and quantization is not None:
+            raise ValueError(
+                "GroupedExperts.recompute_activation (recompute 'moe_act') runs on unquantized experts; FP8 experts "
+                "keep FP8 copies of the activation instead: recompute 'moe' (the whole MoE block) or drop 'moe_act'."
+            )
         if quantization is not None and self.activation == "swiglu":
             # the SwiGLU computed inside the FP8 cast of fc2's input, where that runs (and the
             # combine after it, where the quantization offers that)
             fuses_combine = combine is not None and quantization.swiglu_takes_combine
-            y = quantization.grouped_mm_swiglu(h_RF, fc2, offsets_E, "fc2",
-                                               **({"combine": combine} if fuses_combine else {}))
+            with memory_region(self, "moe_act"):
+                y = quantization.grouped_mm_swiglu(h_RF, fc2, offsets_E, "fc2",
+                                                   **({"combine": combine} if fuses_combine else {}))
             if y is not None:
                 return y if fuses_combine else _combined(y, combine)
-        return _combined(self._mm(activate(h_RF, self.activation), fc2, group_sizes_E, "fc2", offsets_E), combine)
+        with OutputRecompute(recompute) as outputs:
+            with memory_region(self, "moe_act"):
+                a_RF = outputs.run(activate, h_RF, self.activation)
+            return _combined(self._mm(a_RF, fc2, group_sizes_E, "fc2", offsets_E), combine)
 
     def _gathered_first_projection(self, permuted: DeferredPermutation, fc1: Tensor, offsets_E: Tensor) -> Tensor:
         """fc1 of tokens not yet permuted, reading the permutation inside its quantized input cast
@@ -357,8 +376,7 @@ class GroupedExperts(nn.Module):
             )
         return h_RF
 
-    @staticmethod
-    def _swiglu_covered_rows(x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor,
+    def _swiglu_covered_rows(self, x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor,
                              zero_tails: bool) -> Tensor:
         """The bf16/fp32 grouped path on CUDA: the fused SwiGLU neither reads nor writes the
         padding rows after the last group, so the tensors on either side of it keep unwritten
@@ -367,9 +385,12 @@ class GroupedExperts(nn.Module):
         from lightning_moe.nn.grouped_gemm import covered_offsets, grouped_mm_covered
 
         offsets_E = covered_offsets(group_sizes_E, x_RD.shape[0])  # one set for both GEMMs and the SwiGLU
-        h_RF2 = grouped_mm_covered(x_RD, fc1, offsets_E, zero_output=False, zero_grad_input=zero_tails)
-        a_RF = swiglu(h_RF2, offsets_E[-1])
-        return grouped_mm_covered(a_RF, fc2, offsets_E, zero_output=zero_tails, zero_grad_input=False)
+        with memory_region(self, "expert_fc1"):
+            h_RF2 = grouped_mm_covered(x_RD, fc1, offsets_E, zero_output=False, zero_grad_input=zero_tails)
+        with OutputRecompute(self.recompute_activation and torch.is_grad_enabled()) as outputs:
+            with memory_region(self, "moe_act"):
+                a_RF = outputs.run(swiglu, h_RF2, offsets_E[-1])
+            return grouped_mm_covered(a_RF, fc2, offsets_E, zero_output=zero_tails, zero_grad_input=False)
 
     def extra_repr(self) -> str:
         return (

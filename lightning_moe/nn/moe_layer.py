@@ -6,12 +6,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.dispatcher import LocalDispatcher, TokenDispatcher
 from lightning_moe.nn.experts import GroupedExperts, SharedExperts
 from lightning_moe.nn.router import RoutingResult, TopKRouter
+from lightning_moe.nn.saved_tensors import checkpoint
 
 
 @dataclass
@@ -62,6 +64,9 @@ class MoELayer(nn.Module):
     the dispatcher pads each expert's group to it, and the experts get the group sizes from the
     dispatcher, so router, dispatcher and experts cannot disagree on it, whichever of
     expert-parallel setup and FP8 configuration runs first.
+
+    ``recompute_shared_experts``: the shared experts keep only their input for backward and are
+    recomputed there (Megatron's ``shared_experts`` recompute).
     """
 
     def __init__(self, cfg: MoEConfig, output_init_std: Optional[float] = None) -> None:
@@ -88,6 +93,7 @@ class MoELayer(nn.Module):
                 output_init_std=output_init_std,
             )
         self.dispatcher: TokenDispatcher = LocalDispatcher(cfg)
+        self.recompute_shared_experts = False
         self.last_stats: Optional[RoutingStats] = None
 
     @property
@@ -198,7 +204,10 @@ class MoELayer(nn.Module):
             else:
                 y_TD = dispatcher.combine(experts(expert_input_RD, group_sizes_E, **tail), state)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            if self.recompute_shared_experts and torch.is_grad_enabled():
+                y_TD = y_TD + checkpoint(self.shared_experts, x_TD)
+            else:
+                y_TD = y_TD + self.shared_experts(x_TD)
         self.last_stats = RoutingStats(
             tokens_per_expert_E=routing.tokens_per_expert_E.detach(),
             num_dropped=routing.num_dropped.detach(),

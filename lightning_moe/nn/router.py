@@ -30,6 +30,7 @@ from lightning_moe.nn.aux_losses import (
 )
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.router_logits import router_logits
+from lightning_moe.nn.saved_tensors import recomputing
 
 if TYPE_CHECKING:
     from lightning_moe.nn.router_replay import ReplayedRouting
@@ -297,8 +298,9 @@ class TopKRouter(nn.Module):
         result = route(logits_TE, self.cfg, self.expert_bias, self.replayed_routing)
         if track_losses and self.cfg.active_aux_losses:
             result.probs_TK = self._attach_aux_losses(result.probs_TK, logits_TE, num_seqs, losses)
-        if self.expert_bias is not None and torch.is_grad_enabled():
-            # Megatron counts whenever gradients are on (evaluation runs under no_grad).
+        if self.expert_bias is not None and torch.is_grad_enabled() and not recomputing():
+            # Megatron counts whenever gradients are on (evaluation runs under no_grad); a
+            # recomputation in backward routes the same tokens again and does not count them twice.
             with torch.no_grad():
                 self.local_tokens_per_expert += self._counts_for_bias(result)
         self.latest_losses = losses
@@ -376,9 +378,10 @@ class TopKRouter(nn.Module):
             return sequence_load_balancing_loss(scores_BSE, counts_BE, seq_len * group_size(group), k, coeff)
         group = self.global_aux_loss_group
         counts_E = all_reduce_counts(tokens_per_expert(experts_TK, num_experts), group)
-        with torch.no_grad():
-            self.global_tokens_per_expert += counts_E
-            self.global_aux_num_microbatches += 1
+        if not recomputing():  # the recomputation sees the counts its forward saw (already added)
+            with torch.no_grad():
+                self.global_tokens_per_expert += counts_E
+                self.global_aux_num_microbatches += 1
         return global_load_balancing_loss(
             scores_TE,
             self.global_tokens_per_expert,

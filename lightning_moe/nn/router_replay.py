@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from lightning_moe.nn.config import MoEConfig
 from lightning_moe.nn.router import RoutingResult, TopKRouter
+from lightning_moe.nn.saved_tensors import recomputing
 
 # Routers inside a `RouterReplay.replay` block: two replays of one router would both feed it.
 _REPLAYING: "weakref.WeakSet[TopKRouter]" = weakref.WeakSet()
@@ -172,6 +173,10 @@ class RouterReplay:
             entries, cursor = self.routings[name], [0]
 
             def take_next(module: TopKRouter, args, name: str = name, entries=entries, cursor=cursor) -> None:
+                if recomputing():
+                    raise RuntimeError(f"RouterReplay: {name} is being recomputed in backward, which would replay the "
+                                       "next entry: replay without recomputing the MoE blocks (drop 'moe' from "
+                                       "ModelConfig.recompute and set recompute_every_n_layers=None).")
                 if cursor[0] >= len(entries):
                     raise RuntimeError(f"RouterReplay: {name} recorded {len(entries)} forward(s); this is forward "
                                        f"{cursor[0] + 1} of the replay. Replay the forwards that were recorded.")

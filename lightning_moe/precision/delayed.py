@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_moe.kernels import use_triton
+from lightning_moe.nn.saved_tensors import recomputing
 from lightning_moe.precision.quantize import FLT_MAX
 from lightning_moe.precision.recipes import ROLES, FP8Recipe
 
@@ -117,8 +118,10 @@ def recording_amax() -> bool:
 
 def amax_record_row(state: DelayedState, role: str) -> Optional[torch.Tensor]:
     """The ``[G]`` row that ``role``'s amax of this step is max-folded into (by a kernel, in
-    place), or None while recording is paused."""
-    return state.amax_history[0, SLOTS[role]] if recording_amax() else None
+    place), or None while recording is paused or while the backward recomputes a checkpointed
+    forward (`lightning_moe.nn.saved_tensors.recomputing`): that forward recorded its amaxes once
+    already. Its casts still use this step's scales, as the original forward did."""
+    return state.amax_history[0, SLOTS[role]] if recording_amax() and not recomputing() else None
 
 
 def history_scales(state: DelayedState, role: str, history_fmt_max: float, fmt_max: float) -> torch.Tensor:

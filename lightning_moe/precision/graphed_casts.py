@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_moe._capture import collector_held_off
+from lightning_moe.nn.saved_tensors import recomputing
 from lightning_moe.precision.delayed import DelayedState, recording_amax
 from lightning_moe.precision.recipes import FP8Recipe
 
@@ -86,7 +87,7 @@ class GraphedWeightCasts:
         """Replay (capturing first where due) the casts of ``jobs``; returns ``{projection:
         PrefetchedWeight}`` as `weight_prefetch.prefetch_weight_layouts` would, or None where the
         caller must cast eagerly (see the module docstring for when)."""
-        if not jobs or torch.cuda.is_current_stream_capturing() or not recording_amax():
+        if not jobs or torch.cuda.is_current_stream_capturing() or not recording_amax() or recomputing():
             return None
         if any(state is not None and state.fresh for _, _, state in jobs):
             return None

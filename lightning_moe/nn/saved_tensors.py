@@ -1,0 +1,308 @@
+"""Where the tensors saved for backward live: recomputation and pluggable storage policies.
+
+Plain PyTorch, shared by the memory tools of this package:
+
+- `checkpoint(fn, *args)`: ``torch.utils.checkpoint`` without reentrance; inside it `recomputing()`
+  is True while the backward re-runs ``fn``, so code with side effects (routing counters, FP8 amax
+  histories) can leave its state as the original forward left it.
+- `OutputRecompute`: runs a cheap function (a norm, an activation) so that its *output*, which the
+  following GEMM saves for backward, is not kept: every saved tensor that is that output, a view of
+  it or a dtype cast of it (autocast's cast before a GEMM) is stored as a recipe and recomputed
+  when the backward first needs it (Megatron-Core's recompute of ``layernorm`` and ``moe_act``).
+- `SavedTensorPolicy` / `saved_tensor_policy`: a policy claims saved tensors and stores them as it
+  likes (activation offload to host memory does). torch uses one pair of saved-tensor hooks at a
+  time (the innermost), so every policy active at a point is consulted by one dispatcher:
+  recompute policies first (a recipe costs nothing), then the others, innermost first; an
+  unclaimed tensor is saved as usual.
+- `memory_region(module, name)`: names a part of a module's forward that is no submodule (the
+  experts' ``expert_fc1`` GEMM and ``moe_act`` activation), so that a tool can attach a context
+  to it through `set_region_context`.
+
+Inside a `checkpoint` region (its forward and its recomputation) and during any backward no policy
+is installed: checkpointing discards those tensors anyway, and its recomputation must save exactly
+what its forward saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any, ContextManager, Optional
+
+import torch
+from torch import Tensor, nn
+
+_IN_CHECKPOINT: contextvars.ContextVar[int] = contextvars.ContextVar("lightning_moe_in_checkpoint", default=0)
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_moe_recomputing", default=False)
+_POLICIES: contextvars.ContextVar[tuple["SavedTensorPolicy", ...]] = contextvars.ContextVar(
+    "lightning_moe_saved_tensor_policies", default=()
+)
+
+
+def recomputing() -> bool:
+    """Whether the code now running is a `checkpoint` region's recomputation during backward."""
+    return _RECOMPUTING.get()
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def _checkpoint_phase(recompute: bool) -> Iterator[None]:
+    depth = _IN_CHECKPOINT.set(_IN_CHECKPOINT.get() + 1)
+    flag = _RECOMPUTING.set(recompute or _RECOMPUTING.get())
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(flag)
+        _IN_CHECKPOINT.reset(depth)
+
+
+def _checkpoint_contexts() -> tuple[ContextManager, ContextManager]:
+    return _checkpoint_phase(False), _checkpoint_phase(True)
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` keeping only its inputs for backward, recomputed there
+    (``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: autocast state and RNG states
+    restored, so the recomputation saves the same values). `recomputing()` is True meanwhile."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=_checkpoint_contexts, **kwargs)
+
+
+def policies_allowed() -> bool:
+    """Whether a saved-tensor policy may be installed here: not inside a `checkpoint` region,
+    not during backward (a recomputation) and only while autograd records."""
+    return _IN_CHECKPOINT.get() == 0 and not in_backward() and torch.is_grad_enabled()
+
+
+class SavedTensorPolicy:
+    """Stores some of the tensors autograd saves for backward in its own way.
+
+    `pack` returns a payload for a tensor it claims (None: not claimed); `unpack` turns that payload
+    back into a tensor with the same values, shape, strides and dtype. ``recomputes``: consulted
+    before policies that are not (a recipe costs no copy)."""
+
+    recomputes: bool = False
+
+    def pack(self, tensor: Tensor) -> Optional[Any]:
+        raise NotImplementedError
+
+    def unpack(self, payload: Any) -> Tensor:
+        raise NotImplementedError
+
+
+class _Packed:
+    __slots__ = ("policy", "payload")
+
+    def __init__(self, policy: SavedTensorPolicy, payload: Any) -> None:
+        self.policy, self.payload = policy, payload
+
+
+def _dispatch_pack(policies: tuple[SavedTensorPolicy, ...]) -> Callable[[Tensor], Any]:
+    ordered = [p for p in reversed(policies) if p.recomputes] + [p for p in reversed(policies) if not p.recomputes]
+
+    def pack(tensor: Tensor) -> Any:
+        for policy in ordered:
+            payload = policy.pack(tensor)
+            if payload is not None:
+                return _Packed(policy, payload)
+        return tensor
+
+    return pack
+
+
+def _dispatch_unpack(packed: Any) -> Tensor:
+    if isinstance(packed, _Packed):
+        return packed.policy.unpack(packed.payload)
+    return packed
+
+
+@contextlib.contextmanager
+def saved_tensor_policy(policy: SavedTensorPolicy) -> Iterator[bool]:
+    """Consult ``policy`` (with the policies already active) for the tensors saved inside the
+    block. Yields whether it is installed (not where `policies_allowed` is False)."""
+    if not policies_allowed():
+        yield False
+        return
+    stack = _POLICIES.get() + (policy,)
+    token = _POLICIES.set(stack)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_dispatch_pack(stack), _dispatch_unpack):
+            yield True
+    finally:
+        _POLICIES.reset(token)
+
+
+def parameter_derived(tensor: Tensor, depth: int = 4) -> bool:
+    """Whether ``tensor`` is a parameter, or made from one by single-input ops (a view, a transpose,
+    a dtype cast such as autocast's or a compute-weight cache's): such tensors live with the
+    weights (or are re-gathered by FSDP), so storing them elsewhere frees nothing."""
+    if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    base = tensor._base
+    if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
+        return True
+    node = tensor.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
+_PASS_THROUGH = ("ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+
+
+class _Recipe:
+    """One `OutputRecompute.run` call: the function, its inputs and the recomputed output, kept
+    from the first unpack until every claimed copy has been unpacked."""
+
+    __slots__ = ("fn", "args", "autocast", "out_meta", "claims", "result")
+
+    def __init__(self, fn: Callable[..., Tensor], args: tuple, out: Tensor) -> None:
+        self.fn, self.args = fn, args
+        device = out.device.type
+        self.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        self.out_meta = (out.shape, out.stride(), out.dtype)
+        self.claims = 0
+        self.result: Optional[Tensor] = None
+
+    def output(self) -> Tensor:
+        if self.result is None:
+            device, enabled, dtype = self.autocast
+            with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                result = self.fn(*self.args)
+            if (result.shape, result.stride(), result.dtype) != self.out_meta:
+                raise RuntimeError(
+                    f"OutputRecompute: the recomputed output is {tuple(result.shape)} {result.stride()} "
+                    f"{result.dtype}, "
+                    f"the forward's was {tuple(self.out_meta[0])} {self.out_meta[1]} {self.out_meta[2]}: the "
+                    "recomputed function must return the same layout."
+                )
+            self.result = result
+        return self.result
+
+    def release(self) -> None:
+        self.claims -= 1
+        if self.claims <= 0:
+            self.result = None
+
+
+class OutputRecompute(SavedTensorPolicy):
+    """Recompute the outputs of `run` instead of keeping them for backward.
+
+    Use as a context around the output's consumers::
+
+        with OutputRecompute() as outputs:
+            n_BSD = outputs.run(norm, x_BSD)   # the norm's own saved tensors: its input only
+            y_BSD = attention(n_BSD)           # n_BSD (or its autocast copies) saved as a recipe
+
+    A saved tensor is claimed where it shares ``n_BSD``'s storage (a view of it), or is a dtype
+    cast of it or of a reshape of it (autocast's cast before a GEMM). Its unpack recomputes
+    ``fn(*args)`` once under the forward's autocast state and rebuilds the view or the cast,
+    which reproduces the saved values bit for bit for a deterministic ``fn``. ``enabled=False``, or
+    where `policies_allowed` is False (inside a checkpointed region, during a recomputation),
+    `run` just calls ``fn``.
+    """
+
+    recomputes = True
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._outputs: list[tuple[Tensor, _Recipe]] = []
+        self._installed = False
+        self._stack: Optional[contextlib.ExitStack] = None
+
+    def __enter__(self) -> "OutputRecompute":
+        self._stack = contextlib.ExitStack()
+        if self.enabled:
+            self._installed = self._stack.enter_context(saved_tensor_policy(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        self._outputs.clear()  # the recipes live on in the payloads that claimed them
+        self._installed = False
+
+    def run(self, fn: Callable[..., Tensor], *args: Any) -> Tensor:
+        if not self._installed:
+            return fn(*args)
+        out = checkpoint(fn, *args)
+        self._outputs.append((out, _Recipe(fn, args, out)))
+        return out
+
+    def pack(self, tensor: Tensor) -> Optional[Any]:
+        for out, recipe in self._outputs:
+            rebuild = _rebuild_from(tensor, out)
+            if rebuild is not None:
+                recipe.claims += 1
+                return recipe, rebuild
+        return None
+
+    def unpack(self, payload: Any) -> Tensor:
+        recipe, rebuild = payload
+        try:
+            return rebuild(recipe.output())
+        finally:
+            recipe.release()
+
+
+def _rebuild_from(tensor: Tensor, out: Tensor) -> Optional[Callable[[Tensor], Tensor]]:
+    """How to make ``tensor`` from a recomputed ``out``; None where it is not made from it."""
+    if tensor.device != out.device:
+        return None
+    if tensor.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        size, stride, offset = tensor.shape, tensor.stride(), tensor.storage_offset()
+        if (size, stride, offset) == (out.shape, out.stride(), out.storage_offset()) and tensor.dtype == out.dtype:
+            return lambda result: result
+        if tensor.dtype != out.dtype:
+            return None
+        base_offset = out.storage_offset()
+        return lambda result: result.as_strided(size, stride, result.storage_offset() + offset - base_offset)
+    node = tensor.grad_fn
+    if node is None or out.grad_fn is None or type(node).__name__ != "ToCopyBackward0":
+        return None
+    if tensor.numel() != out.numel() or not (tensor.is_contiguous() and out.is_contiguous()):
+        return None
+    target = out.grad_fn
+    for _ in range(3):
+        inputs = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+        if node is target:
+            shape, dtype = tensor.shape, tensor.dtype
+            return lambda result: result.reshape(shape).to(dtype)
+        if type(node).__name__ not in _PASS_THROUGH:
+            return None
+    return None
+
+
+_REGION_CONTEXTS = "_lightning_moe_region_contexts"
+
+
+def set_region_context(module: nn.Module, name: str, factory: Optional[Callable[[], ContextManager]]) -> None:
+    """Enter ``factory()`` around the `memory_region` ``name`` of ``module`` (None removes it)."""
+    contexts = module.__dict__.setdefault(_REGION_CONTEXTS, {})
+    if factory is None:
+        contexts.pop(name, None)
+    else:
+        contexts[name] = factory
+
+
+def memory_region(module: nn.Module, name: str) -> ContextManager:
+    """The context a tool attached to ``module``'s region ``name`` (`set_region_context`), or a
+    null context."""
+    factory = module.__dict__.get(_REGION_CONTEXTS, {}).get(name)
+    return contextlib.nullcontext() if factory is None else factory()
