@@ -92,7 +92,10 @@ class MoEThroughput(Callback):
     ``num_devices`` and ``data_parallel_size``.
 
     Batches: a dict with ``input_ids`` ``[B, S]`` (what ``LMDataModule`` yields), a tensor, or a
-    tuple/list whose first element is one; tokens are read from shapes (no sync).
+    tuple/list whose first element is one; tokens are read from shapes (no sync). Under
+    context parallelism, static or `DynamicContextParallel`, callbacks see each DP replica's
+    micro-batch before the strategy shards or re-lays it, so every token is counted once however
+    many ranks share it (and FLOPs per token use the batch's sequence length in both layouts).
     """
 
     def __init__(

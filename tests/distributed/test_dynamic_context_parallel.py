@@ -60,12 +60,14 @@ def _train(rank, world_size, strategy_kwargs, dynamic):
 
     from _parity import _module
     from lightning_moe import MegatronMoEStrategy
-    from lightning_moe.callbacks import DynamicContextParallel
+    from lightning_moe.callbacks import DynamicContextParallel, MoEThroughput
     from lightning_moe.parallel.dynamic_cp import CostModel
 
     torch.manual_seed(0)
     returned, plans, logged = [], [], []
-    callbacks = []
+    throughput = MoEThroughput(log_every_n_steps=1)
+    callbacks = [throughput]
+    tokens_per_step = []
     dynamic_cp = None
     if dynamic:
         dynamic_cp = DynamicContextParallel(memory_limit_tokens=MEMORY_LIMIT, cost_model=CostModel(**COST))
@@ -74,6 +76,7 @@ def _train(rank, world_size, strategy_kwargs, dynamic):
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             returned.append(float(outputs["loss"]))
+            tokens_per_step.append(throughput.tokens_per_sec * throughput.step_time_s)
             if dynamic_cp is not None:
                 plans.append(dynamic_cp.last_plan.sequences_per_cp_size())
                 logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("dynamic_cp/")})
@@ -94,7 +97,7 @@ def _train(rank, world_size, strategy_kwargs, dynamic):
     state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank:
         return None
-    return returned, plans, logged, {k: v.detach().float().numpy().copy() for k, v in state.items() if torch.is_tensor(v)}
+    return returned, (plans, tokens_per_step), logged, {k: v.detach().float().numpy().copy() for k, v in state.items() if torch.is_tensor(v)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,7 +130,8 @@ def test_dynamic_cp_matches_static_cp4_and_one_process(kwargs):
     _assert_same(static, single)
     _assert_same(dynamic, single)
     _assert_same(dynamic, static)
-    plans, logged = dynamic[1], dynamic[2]
+    (plans, tokens), logged = dynamic[1], dynamic[2]
+    assert tokens == pytest.approx([SEQ * len(rows) for rows in ROWS])  # MoEThroughput: each token once
     # the plans really mix CP sizes: some sequences alone on a rank, some over a sub-group
     used = {size for plan in plans for size in plan}
     assert 1 in used and used & {2, 4}, plans
@@ -145,4 +149,6 @@ def test_dynamic_cp_over_dp2_x_cp2_gives_the_token_mean_of_both_replicas():
     single = _run(1, (), False)
     dynamic = _run(4, kwargs, True)
     _assert_same(dynamic, single)
-    assert any(1 in plan or 4 in plan for plan in dynamic[1]), dynamic[1]
+    plans, tokens = dynamic[1]
+    assert any(1 in plan or 4 in plan for plan in plans), plans
+    assert tokens == pytest.approx([SEQ * len(rows) for rows in ROWS])  # both replicas' tokens, once
