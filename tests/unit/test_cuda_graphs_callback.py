@@ -396,3 +396,27 @@ def test_recomputed_module_is_refused_at_capture(captures):
     with pytest.raises(RuntimeError, match="ran again inside the backward"):
         _trainer([callback], max_steps=3).fit(Recomputed("tiny", overrides=overrides),
                                                DataLoader(Tokens(8), batch_size=2))
+
+
+def test_layout_table_names_the_capture():
+    """`MegatronMoEStrategy`'s layout table has the callback's row (on CPU: off)."""
+    from lightning_moe import MegatronMoEStrategy
+
+    strategy = MegatronMoEStrategy(print_layout=False)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                      callbacks=[CUDAGraphs(scope="moe")], enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(tiny_model(), DataLoader(Tokens(4), batch_size=2))
+    assert strategy.backend_summary()["CUDA graphs"] == "scope 'moe': off (no CUDA device)"
+
+
+def test_capture_modules_argument_checks():
+    from lightning_moe.cuda_graphs import capture_modules
+
+    layer = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="one tuple of sample args"):
+        capture_modules([layer], [])
+    with pytest.raises(ValueError, match="listed twice"):
+        capture_modules([layer, layer], [(torch.zeros(1, 4),), (torch.zeros(1, 4),)])
+    with pytest.raises(ValueError, match="CUDA device"):
+        capture_modules([layer], [(torch.zeros(1, 4),)])
