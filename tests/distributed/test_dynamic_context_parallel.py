@@ -52,7 +52,7 @@ def _batches() -> list[dict]:
     return batches
 
 
-def _train(rank, world_size, strategy_kwargs, dynamic):
+def _train(rank, world_size, strategy_kwargs, dynamic, accelerator="cpu"):
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -83,7 +83,7 @@ def _train(rank, world_size, strategy_kwargs, dynamic):
 
     strategy = MegatronMoEStrategy(print_layout=False, **strategy_kwargs)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, log_every_n_steps=1,
+        accelerator=accelerator, devices=world_size, strategy=strategy, max_steps=STEPS, log_every_n_steps=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[*callbacks, Record()], num_sanity_val_steps=0,
     )
