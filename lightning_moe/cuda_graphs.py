@@ -226,11 +226,13 @@ def _assigned(before: dict, after: dict) -> list[tuple[nn.Module, str, Any]]:
 
 class CapturedModules:
     """The graphs of `capture_modules`: ``replay(i, *tensors)`` runs module ``i``'s forward graph
-    (its backward graph runs in autograd's backward), in training mode; in evaluation mode the
-    module's forward runs eagerly, under the autocast state of the capture. `release` removes the
-    gradient hooks; the graphs go with the last reference to this object."""
+    (its backward graph runs in autograd's backward), in training mode, and sets the attributes
+    its capture assigned in module ``i``'s submodules; in evaluation mode the module's forward
+    runs eagerly, under the autocast state of the capture. `release` removes the gradient hooks;
+    the graphs go with the last reference to this object."""
 
-    def __init__(self, modules: list[nn.Module], proxies: list[nn.Module], assigned: list, guard: _GradientGuard) -> None:
+    def __init__(self, modules: list[nn.Module], proxies: list[nn.Module], assigned: list[list],
+                 guard: _GradientGuard) -> None:
         self.modules = modules
         self._proxies = proxies
         self._assigned = assigned
@@ -239,7 +241,7 @@ class CapturedModules:
     def replay(self, index: int, *tensors: Tensor) -> Any:
         out = self._proxies[index].forward(*tensors)
         if self.modules[index].training:
-            for module, name, value in self._assigned:
+            for module, name, value in self._assigned[index]:
                 setattr(module, name, value)
         return out
 
@@ -319,7 +321,7 @@ def capture_modules(modules: Sequence[nn.Module], sample_args: Sequence[tuple], 
     with torch.no_grad():
         before = [b.clone() for b in buffers]
     rng = torch.cuda.get_rng_state()  # host-side generator state (seed and offset): no device sync
-    attributes = _attributes(modules)
+    attributes = [_attributes([m]) for m in modules]
     try:
         # The graphs cast the weights themselves at every replay: a weight cast kept outside them
         # (an active ComputeWeightCache) would freeze the weights of the capture.
@@ -330,7 +332,7 @@ def capture_modules(modules: Sequence[nn.Module], sample_args: Sequence[tuple], 
         with torch.no_grad():
             for buffer, value in zip(buffers, before):
                 buffer.copy_(value)
-    assigned = _assigned(attributes, _attributes(modules))
+    assigned = [_assigned(before, _attributes([m])) for m, before in zip(modules, attributes)]
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     return CapturedModules(modules, proxies, assigned, _GradientGuard(params, accumulate_grads))
 

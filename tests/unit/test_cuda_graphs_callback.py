@@ -420,3 +420,45 @@ def test_capture_modules_argument_checks():
         capture_modules([layer, layer], [(torch.zeros(1, 4),), (torch.zeros(1, 4),)])
     with pytest.raises(ValueError, match="CUDA device"):
         capture_modules([layer], [(torch.zeros(1, 4),)])
+
+
+class _FixedBuffer(torch.autograd.Function):
+    """A backward that hands out views of one buffer, as a replayed backward graph does."""
+
+    @staticmethod
+    def forward(ctx, w, buffer):
+        ctx.buffer = buffer
+        return w.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.buffer.fill_(float(grad))
+        return ctx.buffer.detach(), None
+
+
+def test_gradient_guard_steals_clears_or_copies():
+    """`.grad` takes the graph's buffer (steal mode), which a second backward would overwrite: it
+    raises unless the stale `.grad` is cleared first (what the callback does for an in-place
+    zero_grad); in accumulation mode the first backward copies, later ones add."""
+    from lightning_moe.cuda_graphs import _GradientGuard
+
+    w = nn.Parameter(torch.zeros(3))
+    buffer = torch.zeros(3)
+    guard = _GradientGuard([w], accumulate_grads=False)
+    _FixedBuffer.apply(w, buffer).backward()
+    if w.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():  # autograd took it as is
+        with pytest.raises(RuntimeError, match="accumulate_grads=True"):
+            _FixedBuffer.apply(w, buffer).backward()
+    w.grad.zero_()  # zero_grad(set_to_none=False)
+    guard.clear_stale_grads()
+    _FixedBuffer.apply(w, buffer).backward(torch.tensor(2.0))
+    assert w.grad.tolist() == [2.0, 2.0, 2.0]
+    guard.remove()
+
+    v = nn.Parameter(torch.zeros(3))
+    guard = _GradientGuard([v], accumulate_grads=True)
+    for scale in (1.0, 2.0, 3.0):
+        _FixedBuffer.apply(v, buffer).backward(torch.tensor(scale))
+    assert v.grad.tolist() == [6.0, 6.0, 6.0]
+    assert v.grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    guard.remove()
