@@ -462,3 +462,39 @@ def test_gradient_guard_steals_clears_or_copies():
     assert v.grad.tolist() == [6.0, 6.0, 6.0]
     assert v.grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     guard.remove()
+
+
+def test_capture_leaves_buffers_and_grads_as_they_were(monkeypatch):
+    """torch's warm-up passes (forward, then backward on uninitialized output gradients) count
+    tokens and move router state: `capture_modules` puts every buffer back in place, leaves `.grad`
+    alone, and finds per module the attributes its forward assigned (stood in for on CPU: the
+    capture is the warm-up alone)."""
+    import lightning_moe.cuda_graphs as cg
+
+    def warm_up_only(proxies, sample_args, num_warmup_iters):
+        for proxy, args in zip(proxies, sample_args):
+            for _ in range(num_warmup_iters):
+                out = proxy(*args)
+                params = [p for p in proxy.parameters() if p.requires_grad]
+                torch.autograd.grad(out, [a for a in args if a.requires_grad] + params, torch.empty_like(out))
+
+    monkeypatch.setattr(cg, "_check_capturable", lambda module, args: None)
+    monkeypatch.setattr(cg, "_capture", warm_up_only)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: None)
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, router_topk=2, aux_loss_coeff=1e-2,
+                    router_score_function="sigmoid", router_enable_expert_bias=True)
+    layers = [MoELayer(cfg), MoELayer(cfg)]
+    for layer in layers:
+        layer.router.local_tokens_per_expert.fill_(3.0)
+    before = [[b.clone() for b in layer.buffers()] for layer in layers]
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    captured = cg.capture_modules(layers, [(x,), (x.detach().clone().requires_grad_(),)], num_warmup_iters=2)
+    for layer, values in zip(layers, before):
+        assert all(torch.equal(b, v) for b, v in zip(layer.buffers(), values))
+        assert all(p.grad is None for p in layer.parameters())
+    assert [sorted(n for _, n, _ in assigned) for assigned in captured._assigned] == [
+        ["last_stats", "latest_losses"], ["last_stats", "latest_losses"]]
+    assert captured._assigned[1][0][0] in set(layers[1].modules())
+    captured.release()
