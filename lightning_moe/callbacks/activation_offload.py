@@ -108,7 +108,8 @@ class _LayerGroup(SavedTensorPolicy):
         owner = self.owner
         if not owner._eligible(tensor):
             return None
-        key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, type(tensor))
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's own data_ptr is not its memory's
+        key = (local.data_ptr(), local.shape, local.stride(), tensor.dtype, getattr(tensor, "placements", None))
         seen = self._recent.get(key)
         if seen is not None:
             seen[1].uses += 1

@@ -258,17 +258,30 @@ class OutputRecompute(SavedTensorPolicy):
             recipe.release()
 
 
+def _storage_ptr(t: Tensor) -> Optional[int]:
+    """The address of ``t``'s memory (a DTensor's: its local shard's); None where it has none."""
+    local = getattr(t, "_local_tensor", t)
+    try:
+        return local.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor subclass without storage of its own
+        return None
+
+
 def _rebuild_from(tensor: Tensor, out: Tensor) -> Optional[Callable[[Tensor], Tensor]]:
     """How to make ``tensor`` from a recomputed ``out``; None where it is not made from it."""
     if tensor.device != out.device:
         return None
-    if tensor.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-        size, stride, offset = tensor.shape, tensor.stride(), tensor.storage_offset()
-        if (size, stride, offset) == (out.shape, out.stride(), out.storage_offset()) and tensor.dtype == out.dtype:
+    ptr = _storage_ptr(tensor)
+    if ptr is not None and ptr == _storage_ptr(out):
+        same_layout = (tensor.shape, tensor.stride(), tensor.dtype) == (out.shape, out.stride(), out.dtype)
+        if type(tensor) is not type(out) or (type(out) is not Tensor and not same_layout):
+            return None  # a subclass (DTensor) is rebuilt only as the output itself
+        local, local_out = getattr(tensor, "_local_tensor", tensor), getattr(out, "_local_tensor", out)
+        if same_layout and local.storage_offset() == local_out.storage_offset():
             return lambda result: result
         if tensor.dtype != out.dtype:
             return None
-        base_offset = out.storage_offset()
+        size, stride, offset, base_offset = tensor.shape, tensor.stride(), tensor.storage_offset(), out.storage_offset()
         return lambda result: result.as_strided(size, stride, result.storage_offset() + offset - base_offset)
     node = tensor.grad_fn
     if node is None or out.grad_fn is None or type(node).__name__ != "ToCopyBackward0":
