@@ -2,6 +2,7 @@
 
     python benchmarks/dynamic_cp_sim.py --calibrate                 # one CUDA GPU: writes the calibration
     python benchmarks/dynamic_cp_sim.py --calibration benchmarks/results/dynamic_cp_calibration.json
+    python benchmarks/dynamic_cp_sim.py --uncalibrated              # the CostModel() FLOP-estimate defaults
 
 ``--calibrate`` (one CUDA GPU) times the forward and backward of ``--layers`` blocks of the
 ``--preset`` model (bf16 autocast, fp32 weights, the reference decoder: FlashAttention through
@@ -165,6 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibrate", action="store_true", help="time the model on one CUDA GPU, write --out")
     parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, help="calibration JSON to simulate with")
+    parser.add_argument("--uncalibrated", action="store_true",
+                        help="simulate with CostModel()'s FLOP-estimate defaults instead of a calibration")
     parser.add_argument("--out", type=Path, default=None, help="output JSON (default: benchmarks/results/...)")
     cal = parser.add_argument_group("calibration")
     cal.add_argument("--preset", default="qwen3_30b_a3b")
@@ -199,10 +202,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.cp * args.tokens_per_gpu < args.max_len:
         raise SystemExit(f"--cp {args.cp} x --tokens-per-gpu {args.tokens_per_gpu} must hold a --max-len "
                          f"{args.max_len} document (static CP is sized for the longest)")
-    cost = CostModel.from_json(args.calibration)
+    cost = CostModel() if args.uncalibrated else CostModel.from_json(args.calibration)
+    source = "CostModel() defaults (FLOP estimate, not measured)" if args.uncalibrated else str(args.calibration)
     rows = simulate(cost, args.gpus, args.cp, args.tokens_per_gpu, args.memory_slack, args.steps, args.seed,
                     args.median, args.sigma, args.min_len, args.max_len)
-    print(f"cost model: {args.calibration}")
+    print(f"cost model: {source}")
     print(f"{'GPUs':>5} {'DP':>3} {'CP':>3} {'docs/step':>9} {'static s':>9} {'dynamic s':>9} {'dyn/static':>10}  docs per CP size")
     for r in rows:
         print(f"{r['gpus']:5d} {r['dp']:3d} {r['cp']:3d} {r['documents_per_step']:9.1f} {r['static_step_s']:9.4f} "
@@ -210,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     out = args.out or RESULTS_DIR / "dynamic_cp_sim.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "simulation": True, "calibration": str(args.calibration), "cost_model": cost.to_dict(),
+        "simulation": True, "calibration": source, "cost_model": cost.to_dict(),
         "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": rows,
     }, indent=2))
     print(f"wrote {out}")

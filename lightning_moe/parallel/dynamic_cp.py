@@ -13,8 +13,8 @@ minimizing the largest per-rank cost of :class:`CostModel` while no rank holds m
 ``memory_limit_tokens`` tokens. The search is deterministic (same lengths, same plan on every
 rank, no communication): the static layout (each DP replica's sequences over its CP group) is the
 first candidate; hill climbs over partitions (split a group in two halves, merge two equal groups)
-from it, from all groups at the largest size and from all ranks alone place the sequences of each
-candidate by longest-cost-first greedy and keep the best. The result is never worse than the
+from it, from all groups at the largest size, from all ranks alone and from a partition sized to
+the lengths place the sequences of each candidate by longest-cost-first greedy and keep the best. The result is never worse than the
 static layout on the cost model.
 """
 
@@ -192,13 +192,13 @@ class _Evaluator:
             self._tokens[key] = rank_token_counts(self.lengths[seq], cp)
         return self._tokens[key]
 
-    def score(self, sizes: Sequence[int], assignment: Sequence[int]) -> Optional[tuple[float, tuple[int, ...]]]:
-        """(largest per-rank cost, tokens per rank) of an assignment; None when a rank would hold
-        no token (nothing to run) or more than the memory limit."""
+    def score(self, sizes: Sequence[int], assignment: Sequence[int]) -> Optional[tuple[tuple[float, float], tuple[int, ...]]]:
+        """((largest per-rank cost, rank-seconds of all ranks), tokens per rank) of an assignment;
+        None when a rank would hold no token (nothing to run) or more than the memory limit."""
         members: list[list[int]] = [[] for _ in sizes]
         for seq, g in enumerate(assignment):
             members[g].append(seq)
-        worst, rank_tokens = 0.0, []
+        worst, total, rank_tokens = 0.0, 0.0, []
         for g, size in enumerate(sizes):
             counts = [0] * size
             for seq in members[g]:
@@ -207,8 +207,9 @@ class _Evaluator:
             if min(counts) == 0 or (self.memory_limit is not None and max(counts) > self.memory_limit):
                 return None
             rank_tokens += counts
-            worst = max(worst, self.cost.group_cost([self.lengths[s] for s in members[g]], size))
-        return worst, tuple(rank_tokens)
+            cost = self.cost.group_cost([self.lengths[s] for s in members[g]], size)
+            worst, total = max(worst, cost), total + size * cost
+        return (worst, total), tuple(rank_tokens)
 
     def place(self, sizes: Sequence[int]) -> Optional[list[int]]:
         """Longest-cost-first greedy: each sequence to the group where the group's cost after adding
@@ -237,6 +238,48 @@ class _Evaluator:
             tokens[best] += n
             peak[best] = [p + c for p, c in zip(peak[best], self.tokens(seq, sizes[best]))]
         return assignment
+
+
+def _neighbours(sizes: tuple[int, ...], max_cp: int) -> list[tuple[int, ...]]:
+    """Partitions one step away: one group split in two halves, or two equal groups merged."""
+    moves = []
+    for size in sorted(set(sizes), reverse=True):
+        rest = list(sizes)
+        rest.remove(size)
+        if size > 1:
+            moves.append(tuple(sorted(rest + [size // 2, size // 2], reverse=True)))
+        if size < max_cp and sizes.count(size) >= 2:
+            rest.remove(size)
+            moves.append(tuple(sorted(rest + [2 * size], reverse=True)))
+    return moves
+
+
+def _proportional_partition(
+    lengths: Sequence[int], pool_size: int, max_cp: int, cost: CostModel, memory_limit: Optional[int]
+) -> tuple[int, ...]:
+    """A starting partition from the lengths: each sequence wants the smallest group on which it
+    fits in memory and takes no longer than a balanced share of the work; each size gets ranks in
+    proportion to the rank-seconds its sequences need (in whole groups, the rest at size 1)."""
+    balanced = sum(cost.compute(n, 1) for n in lengths) / pool_size
+    work: dict[int, float] = {}
+    for n in lengths:
+        size = 1
+        while size < max_cp and (
+            (memory_limit is not None and max(rank_token_counts(n, size)) > memory_limit)
+            or cost.compute(n, size) + cost.communication(n, size) > balanced
+        ):
+            size *= 2
+        work[size] = work.get(size, 0.0) + size * (cost.compute(n, size) + cost.communication(n, size))
+    total = sum(work.values())
+    sizes: list[int] = []
+    for size in sorted(work, reverse=True):
+        if size == 1:
+            continue
+        groups = max(1, round(pool_size * work[size] / total / size))
+        groups = min(groups, (pool_size - sum(sizes)) // size)
+        sizes += [size] * groups
+    sizes += [1] * (pool_size - sum(sizes))
+    return tuple(sorted(sizes, reverse=True))
 
 
 def static_assignment(replicas: Sequence[int], pool_size: int, cp: int) -> tuple[list[int], list[int]]:
@@ -297,11 +340,13 @@ def plan_micro_batch(
         cost_model.group_cost([lengths[s] for s, g in enumerate(static_groups) if g == group], static_cp)
         for group in range(len(static_sizes))
     )
-    best: Optional[tuple[float, tuple[int, ...], list[int], tuple[int, ...]]] = None
+    # Candidates compare by their largest per-rank cost, then by the rank-seconds of all ranks (the
+    # second lets the climb cross plateaus where one of several slowest groups improves).
+    best: Optional[tuple[tuple[float, float], tuple[int, ...], list[int], tuple[int, ...]]] = None
     if static_scored is not None:
         best = (static_scored[0], tuple(static_sizes), static_groups, static_scored[1])
 
-    def consider(sizes: tuple[int, ...]) -> Optional[float]:
+    def consider(sizes: tuple[int, ...]) -> Optional[tuple[float, float]]:
         nonlocal best
         assignment = evaluator.place(sizes)
         if assignment is None:
@@ -313,35 +358,32 @@ def plan_micro_batch(
             best = (scored[0], sizes, assignment, scored[1])
         return scored[0]
 
-    # Hill climb over partitions (sizes in descending order: aligned offsets), from the static one,
-    # all groups at max_cp and all ranks alone; each step moves to the best neighbour while it improves.
+    # Hill climbs over partitions (sizes in descending order: aligned offsets); each step moves to
+    # the best neighbour while it improves.
     seen: set[tuple[int, ...]] = set()
-    for start in (tuple([min(static_cp, max_cp)] * (pool_size // min(static_cp, max_cp))),
-                  tuple([max_cp] * (pool_size // max_cp)), tuple([1] * pool_size)):
-        current, current_cost = start, consider(start) if start not in seen else None
+    starts = (
+        tuple([min(static_cp, max_cp)] * (pool_size // min(static_cp, max_cp))),
+        tuple([max_cp] * (pool_size // max_cp)),
+        tuple([1] * pool_size),
+        _proportional_partition(lengths, pool_size, max_cp, cost_model, memory_limit_tokens),
+    )
+    for start in starts:
+        if start in seen:
+            continue
         seen.add(start)
-        current_cost = math.inf if current_cost is None else current_cost
+        current, current_key = start, consider(start) or (math.inf, math.inf)
         while True:
-            moves = []
-            for size in sorted(set(current), reverse=True):
-                rest = list(current)
-                rest.remove(size)
-                if size > 1:  # split one group of `size` into two halves
-                    moves.append(tuple(sorted(rest + [size // 2, size // 2], reverse=True)))
-                if size < max_cp and current.count(size) >= 2:  # merge two groups of `size`
-                    rest.remove(size)
-                    moves.append(tuple(sorted(rest + [2 * size], reverse=True)))
             step = None
-            for move in moves:
+            for move in _neighbours(current, max_cp):
                 if move in seen:
                     continue
                 seen.add(move)
-                cost = consider(move)
-                if cost is not None and cost < current_cost and (step is None or cost < step[1]):
-                    step = (move, cost)
+                key = consider(move)
+                if key is not None and key < current_key and (step is None or key < step[1]):
+                    step = (move, key)
             if step is None:
                 break
-            current, current_cost = step
+            current, current_key = step
     if best is None:
         longest = max(lengths)
         raise ValueError(
@@ -350,7 +392,7 @@ def plan_micro_batch(
             "stays within memory: raise memory_limit_tokens or max_context_parallel_size, or give the micro-batch "
             "at least one token per rank."
         )
-    cost, sizes, assignment, rank_tokens = best
+    (cost, _), sizes, assignment, rank_tokens = best
     return Plan(
         group_sizes=tuple(sizes),
         group_offsets=_offsets(sizes),
