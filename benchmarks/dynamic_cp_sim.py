@@ -213,7 +213,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"{r['dynamic_step_s']:9.4f} {r['dynamic_over_static']:10.3f}  {r['documents_per_cp_size']}")
     out = args.out or RESULTS_DIR / "dynamic_cp_sim.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    from benchmarks._common import metadata
+
     out.write_text(json.dumps({
+        "meta": metadata(),
         "simulation": True, "calibration": source, "cost_model": cost.to_dict(),
         "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": rows,
     }, indent=2))
