@@ -98,12 +98,49 @@ def data_parallel_size(args) -> int:
     return args.devices // args.tensor_parallel
 
 
+# --offload / --recompute / --recompute-layers: activation memory options of the Lightning run.
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    from lightning_moe.callbacks.activation_offload import OFFLOAD_MODULES
+    from lightning_moe.models.recompute import RECOMPUTE_MODULES
+
+    parser.add_argument("--offload", nargs="+", default=None, choices=OFFLOAD_MODULES, metavar="MODULE",
+                        help=f"ActivationOffload(modules=...) in the Lightning run: {', '.join(OFFLOAD_MODULES)}")
+    parser.add_argument("--offload-keep-last-layers", type=int, default=1,
+                        help="ActivationOffload(keep_last_layers=...): last layers that keep their tensors")
+    parser.add_argument("--recompute", nargs="+", default=None, choices=RECOMPUTE_MODULES, metavar="MODULE",
+                        help=f"ModelConfig.recompute (selective recompute): {', '.join(RECOMPUTE_MODULES)}")
+    parser.add_argument("--recompute-layers", type=int, default=None, metavar="N",
+                        help="ModelConfig.recompute_every_n_layers: whole blocks 0, N, 2N, ... recomputed")
+
+
+def check_memory_arguments(args) -> None:
+    if (args.offload or args.recompute or args.recompute_layers) and not args.skip_bare:
+        raise SystemExit("--offload / --recompute / --recompute-layers configure the Lightning run: add --skip-bare")
+    if args.offload and args.cuda_graph is not None:
+        raise SystemExit("--offload cannot run with --cuda-graph (ActivationOffload refuses CUDAGraphs): drop one")
+
+
+def memory_overrides(args) -> dict:
+    """ModelConfig overrides of --recompute / --recompute-layers."""
+    return {"recompute": args.recompute, "recompute_every_n_layers": args.recompute_layers}
+
+
+def memory_callbacks(args) -> list:
+    """The ActivationOffload callback of --offload (none without it)."""
+    if not args.offload:
+        return []
+    from lightning_moe.callbacks import ActivationOffload
+
+    return [ActivationOffload(args.offload, keep_last_layers=args.offload_keep_last_layers)]
+
+
 def build_module(args):
     from lightning_moe.models.lightning_module import MoELanguageModel
 
     overrides = {"num_layers": args.layers, "max_seq_length": args.seq, "moe": {"expert_backend": args.expert_backend}}
     # FP8 grouped GEMMs (torch and TE kernels) need every expert's token group padded.
     overrides["moe"]["expert_alignment"] = expert_alignment(args.precision)
+    overrides.update(memory_overrides(args))
     return MoELanguageModel(args.preset, overrides=overrides, learning_rate=1e-4, warmup_steps=10, max_steps=10_000)
 
 
@@ -248,6 +285,7 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
 
         callbacks.append(CUDAGraphs(scope=cuda_graph.split("+") if "+" in cuda_graph else cuda_graph,
                                     warmup_steps=min(3, args.warmup - 1)))
+    callbacks += memory_callbacks(args)
     if args.profile and args.skip_bare and trainer_rank_zero(args):
         callbacks.append(ProfileLastStep())
     # Every data-parallel rank takes its share (the strategy's distributed sampler) of DP times the
@@ -341,7 +379,9 @@ def main(argv=None) -> None:
                         help="also run the Lightning step with CUDAGraphs(scope=...) (captured inside the "
                              "untimed warm-up, which must be at least 2 steps): its time against the eager "
                              "Lightning step and both peak memories")
+    add_memory_arguments(parser)
     args = parser.parse_args(argv)
+    check_memory_arguments(args)
     if args.cuda_graph is not None and args.warmup < 2:
         raise SystemExit("--cuda-graph needs --warmup >= 2: the capture and a first replay stay untimed")
     if args.fused_cross_entropy == "off":

@@ -1,0 +1,48 @@
+"""`benchmarks/train_step.py --offload ... --recompute ... --recompute-layers N` configure the
+Lightning run (ActivationOffload and ModelConfig.recompute) and are refused where they cannot apply.
+On CPU (gloo, one process) this is a plumbing check; the GPU figures come from the same flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "benchmarks" / "train_step.py")
+
+
+@pytest.mark.timeout(240)
+def test_memory_flags_configure_the_lightning_run(tmp_path):
+    flags = ["--offload", "expert_fc1", "moe_act", "attn_norm", "--offload-keep-last-layers", "0",
+             "--recompute", "moe_act", "layernorm", "--recompute-layers", "2"]
+    cmd = [sys.executable, SCRIPT, "--accelerator", "cpu", "--preset", "tiny", "--layers", "3", "--seq", "32",
+           "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--skip-bare", "--tag", "memory",
+           "--results-dir", str(tmp_path), *flags]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(str(ROOT)), capture_output=True, text=True,
+                          timeout=200, check=False)
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
+    result = json.loads((tmp_path / "train_step_memory.json").read_text())
+    config = result["config"]
+    assert config["offload"] == ["expert_fc1", "moe_act", "attn_norm"] and config["offload_keep_last_layers"] == 0
+    assert config["recompute"] == ["moe_act", "layernorm"] and config["recompute_layers"] == 2
+    assert list(result["results"]) == ["lightning"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--recompute", "moe_act"), "add --skip-bare"),
+        (("--offload", "moe_act", "--skip-bare", "--cuda-graph", "moe"), "--offload cannot run with --cuda-graph"),
+        (("--recompute", "attention", "--skip-bare"), "invalid choice"),
+    ],
+)
+def test_memory_flags_are_refused_before_any_run(tmp_path, flags, message):
+    cmd = [sys.executable, SCRIPT, "--accelerator", "cpu", *flags]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(str(ROOT)), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
