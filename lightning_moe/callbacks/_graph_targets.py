@@ -7,8 +7,10 @@ Scopes, named as Megatron-Core's ``--cuda-graph-scope`` names them where they ex
 - ``"full"``: whole decoder layers (the reference decoder's ``DecoderLayer``), Megatron's default;
 - ``"attn"``: attention only (``Attention``, ``MultiHeadLatentAttention``);
 - ``"moe"``: the MoE layer (``MoELayer``: router, dispatch, experts, combine);
-- ``"full_iteration"``: the network's whole forward and backward (the reference ``MoEDecoder``,
-  embedding to logits); the loss and the optimizer step stay eager.
+- ``"full_iteration"``: the network's whole forward and backward: the reference ``MoEDecoder``'s
+  ``loss`` (embedding to logits to the cross-entropy, which the reference LightningModule's
+  training step calls), or the ``forward`` of a user's network given by ``modules``; the optimizer
+  step stays eager.
 
 ``"attn"`` and ``"moe"`` combine (``scope=("attn", "moe")``); the others stand alone. Reference
 types are matched by their qualified class names (this package's ``models`` sits above the
@@ -118,6 +120,15 @@ def find_targets(root: nn.Module, scopes: Sequence[str],
     return targets
 
 
+def routed_method(module: nn.Module, scopes: Sequence[str]) -> str:
+    """The method of a target that the callback routes: ``loss`` for the reference network under
+    ``"full_iteration"`` (its training step's whole forward, the loss included), else ``forward``."""
+    if "full_iteration" in scopes and _is_scope_type(module, ("full_iteration",)) and callable(
+            getattr(module, "loss", None)):
+        return "loss"
+    return "forward"
+
+
 def _hooks(module: nn.Module) -> list[str]:
     kinds = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
              "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
@@ -211,12 +222,14 @@ def _fsdp_message(target: str, sharded: str) -> str:
     )
 
 
-def describe_targets(targets: Sequence[tuple[str, nn.Module]]) -> str:
-    """``"4 x DecoderLayer (model.layers.0 .. model.layers.3)"``-style summary for logs and tables."""
+def describe_targets(targets: Sequence[tuple[str, nn.Module]], scopes: Sequence[str] = ()) -> str:
+    """``"4 x DecoderLayer (model.layers.0 .. model.layers.3)"``-style summary for logs and tables
+    (``", the loss included"`` where the reference network's loss is captured with it)."""
     counts: dict[str, int] = {}
     for _, module in targets:
         counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
     kinds = ", ".join(f"{n} x {kind}" for kind, n in counts.items())
     names = [n for n, _ in targets]
     span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-    return f"{kinds} ({span})"
+    loss = any(routed_method(m, scopes) == "loss" for _, m in targets)
+    return f"{kinds} ({span})" + (", the loss included" if loss else "")

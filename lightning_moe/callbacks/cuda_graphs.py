@@ -72,6 +72,7 @@ from lightning_moe.callbacks._graph_targets import (
     describe_targets,
     find_targets,
     normalize_scope,
+    routed_method,
 )
 from lightning_moe.cuda_graphs import CapturedModules, capture_modules
 
@@ -80,8 +81,9 @@ from lightning_moe.cuda_graphs import CapturedModules, capture_modules
 class _Target:
     name: str
     module: nn.Module
-    forward: Callable[..., Any]  # the module's forward before the callback routed it
-    own_forward: bool  # ``forward`` was an instance attribute (put back as such afterwards)
+    method: str  # what the callback routes: "forward", or "loss" (the reference network's whole step)
+    forward: Callable[..., Any]  # that method before the callback routed it
+    own_forward: bool  # it was an instance attribute (put back as such afterwards)
 
 
 class CUDAGraphs(Callback):
@@ -91,8 +93,9 @@ class CUDAGraphs(Callback):
         scope: what to capture, as Megatron-Core's ``--cuda-graph-scope`` names it: ``"full"``
             (default: whole decoder layers), ``"attn"`` (attention), ``"moe"`` (MoE layers:
             router, dispatch, experts, combine), ``("attn", "moe")`` (both, norms and residuals
-            eager) or ``"full_iteration"`` (the whole network's forward and backward, embedding to
-            logits; the loss and optimizer step stay eager). The reference decoder's types are
+            eager) or ``"full_iteration"`` (the whole step's forward and backward: the reference
+            network's ``loss``, embedding to cross-entropy; a user network's ``forward`` given by
+            ``modules``; the optimizer step stays eager). The reference decoder's types are
             found by class (`lightning_moe.callbacks._graph_targets`).
         warmup_steps: eager optimizer steps at the start of every fit before the capture
             (default 3, as Megatron-Core's ``--cuda-graph-warmup-steps``; at least 1, which gives
@@ -147,7 +150,7 @@ class CUDAGraphs(Callback):
             targets = self.plan(model)
         except ValueError as error:  # raised on every rank at fit start; the table prints on rank 0 only
             return {"CUDA graphs": f"scope {scope!r}: refused ({str(error).split(': ', 1)[-1][:80]}...)"}
-        return {"CUDA graphs": f"scope {scope!r}: {describe_targets(targets)}, captured after "
+        return {"CUDA graphs": f"scope {scope!r}: {describe_targets(targets, self.scopes)}, captured after "
                                f"{self.warmup_steps} warm-up step{'s' if self.warmup_steps > 1 else ''}"}
 
     # ------------------------------------------------------------------ hooks
@@ -224,17 +227,18 @@ class CUDAGraphs(Callback):
     def _install(self, targets: list[tuple[str, nn.Module]]) -> None:
         self._uninstall()
         for index, (name, module) in enumerate(targets):
-            own = "forward" in module.__dict__
-            self._targets.append(_Target(name, module, module.forward, own))
-            module.forward = self._routed_forward(index)
+            method = routed_method(module, self.scopes)
+            own = method in module.__dict__
+            self._targets.append(_Target(name, module, method, getattr(module, method), own))
+            setattr(module, method, self._routed_forward(index))
 
     def _uninstall(self) -> None:
         self._drop_graphs()
         for target in self._targets:
             if target.own_forward:
-                target.module.forward = target.forward
+                setattr(target.module, target.method, target.forward)
             else:
-                target.module.__dict__.pop("forward", None)
+                target.module.__dict__.pop(target.method, None)
         self._targets = []
 
     def _routed_forward(self, index: int) -> Callable[..., Any]:
@@ -317,7 +321,7 @@ class CUDAGraphs(Callback):
         self._signatures = [sig for _, sig in calls]
         self._capture_key = self._key(trainer)
         self.captured = [self._targets[i].name for i in order]
-        rank_zero_info(f"CUDAGraphs: captured {describe_targets([(t.name, t.module) for t in self._captured()])} "
+        rank_zero_info(f"CUDAGraphs: captured {describe_targets([(t.name, t.module) for t in self._captured()], self.scopes)} "
                        f"at step {trainer.global_step}.")
 
     def _captured(self) -> list[_Target]:

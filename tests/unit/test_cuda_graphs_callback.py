@@ -498,3 +498,22 @@ def test_capture_leaves_buffers_and_grads_as_they_were(monkeypatch):
         ["last_stats", "latest_losses"], ["last_stats", "latest_losses"]]
     assert captured._assigned[1][0][0] in set(layers[1].modules())
     captured.release()
+
+
+def test_full_iteration_captures_the_reference_loss(captures):
+    """``"full_iteration"`` routes the reference network's ``loss`` (its training step's whole
+    forward, cross-entropy included): one graph per step, the same losses."""
+    from lightning_moe.callbacks._graph_targets import routed_method
+
+    module = built(tiny_model())
+    assert routed_method(module.model, ("full_iteration",)) == "loss"
+    assert routed_method(module.model, ("full",)) == "forward"
+    assert describe_targets([("model", module.model)], ("full_iteration",)) == "1 x MoEDecoder (model), the loss included"
+    reference, _ = _losses(tiny_model(), [], steps=4)
+    callback = _OnCPU(scope="full_iteration", warmup_steps=2)
+    module = tiny_model()
+    losses, _ = _losses(module, [callback], steps=4)
+    assert losses == reference and callback.captured == ["model"]
+    (capture,) = captures
+    assert capture.replays == 2
+    assert "loss" not in module.model.__dict__ and "forward" not in module.model.__dict__
