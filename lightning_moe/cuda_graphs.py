@@ -272,7 +272,9 @@ def _capture(proxies: list[nn.Module], sample_args: list[tuple], num_warmup_iter
     try:
         # An earlier captured module may be garbage (a reference cycle): no collection mid-capture.
         with torch.autocast("cuda", enabled=False) if autocast else contextlib.nullcontext(), collector_held_off():
-            torch.cuda.make_graphed_callables(tuple(proxies), tuple(sample_args), num_warmup_iters=num_warmup_iters)
+            # allow_unused_input: a parameter no output depends on gets no gradient (None), as eagerly.
+            torch.cuda.make_graphed_callables(tuple(proxies), tuple(sample_args), num_warmup_iters=num_warmup_iters,
+                                              allow_unused_input=True)
     except RuntimeError as error:  # torch.AcceleratorError is a RuntimeError
         torch.cuda.set_stream(stream)
         if "captur" not in str(error):
