@@ -181,7 +181,9 @@ class CUDAGraphs(Callback):
             self._drop_graphs()  # a number the backward graphs baked in changed: capture again now
             self._capture(trainer)
             return
-        warmed_up = self._start_step is not None and trainer.global_step - self._start_step >= self.warmup_steps
+        if self._start_step is None:  # a checkpoint was loaded: warm up again from here
+            self._start_step = trainer.global_step
+        warmed_up = trainer.global_step - self._start_step >= self.warmup_steps
         window_start = batch_idx % max(1, trainer.accumulate_grad_batches) == 0
         if self._graphs is None and warmed_up and window_start and self._last_calls:
             self._capture(trainer)
@@ -194,7 +196,7 @@ class CUDAGraphs(Callback):
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._drop_graphs()
-        self._start_step = None  # set again by on_train_start: warm up after the load
+        self._start_step = None  # set again at the next step (or by on_train_start): warm up after the load
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -517,3 +517,18 @@ def test_full_iteration_captures_the_reference_loss(captures):
     (capture,) = captures
     assert capture.replays == 2
     assert "loss" not in module.model.__dict__ and "forward" not in module.model.__dict__
+
+
+def test_checkpoint_loaded_mid_fit_drops_the_graphs(captures):
+    """A checkpoint loaded into a running fit: the graphs go, and come back after the warm-up."""
+
+    class LoadAtStep(callback_module.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 4:
+                graphs.on_load_checkpoint(trainer, pl_module, {})
+
+    graphs = _OnCPU(scope="moe", warmup_steps=2)
+    _losses(tiny_model(), [LoadAtStep(), graphs], steps=8)
+    first, second = captures
+    assert first.released and first.replays == 2 * 2  # steps 2, 3
+    assert second.replays == 2 * 2  # steps 6, 7: warmed up again over steps 4, 5
