@@ -279,6 +279,12 @@ def _capture(proxies: list[nn.Module], sample_args: list[tuple], num_warmup_iter
         torch.cuda.set_stream(stream)
         if "captur" not in str(error):
             raise
+        if "seed" in str(error) or "rng" in str(error).lower():
+            raise RuntimeError(
+                "capturing a module failed reading the CUDA random generator's state, which a capture cannot "
+                "do: activation recomputation (torch.utils.checkpoint) inside a captured module saves that state. "
+                f"Turn recomputation off for the captured modules, or capture others. CUDA said: {error}"
+            ) from error
         raise RuntimeError(
             "capturing a module's backward failed. The usual cause: an autograd graph of an earlier "
             "eager step is still alive (a loss or an output kept in a variable), so the leaves' AccumulateGrad "
