@@ -289,8 +289,7 @@ class CUDAGraphs(Callback):
             raise RuntimeError(
                 f"CUDAGraphs: {', '.join(sorted(self._recomputed))} ran again inside the backward (activation "
                 "checkpointing around it), so its forward would replay between backward graphs, out of the order "
-                "of the capture: turn that recomputation off, or capture modules inside the recomputed region "
-                "(recomputation inside a captured module is part of its graphs)."
+                "of the capture: turn that recomputation off for the captured modules, or capture other modules."
             )
         calls = self._last_calls
         order = [index for index, _ in calls]
