@@ -364,8 +364,9 @@ class MoELanguageModel(LightningModule):
 
     def _replica_loss(self, loss: Tensor, labels: Tensor) -> Tensor:
         """The token mean over this data-parallel replica's batch: under context parallelism each
-        rank holds a shard of it (the mean over the CP group's labelled tokens, one all-reduce)."""
-        group = getattr(self.trainer.strategy, "context_parallel_group", None)
+        rank holds a shard of it (the mean over the CP group's labelled tokens, one all-reduce; under
+        dynamic CP over the DP x CP ranks sharing the replicas' batches: the strategy's loss_group)."""
+        group = getattr(self.trainer.strategy, "loss_group", None)
         if group is None:
             return loss
         from lightning_moe.parallel.context_parallel import token_mean_over_group

@@ -354,6 +354,12 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         """The CP group this rank's sequences are split over (None without context parallelism)."""
         return self._group("cp")
 
+    @property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose labelled tokens one training loss is the mean over: the CP group, or the
+        DP x CP ranks sharing the micro-batches under DynamicContextParallel."""
+        return self._group("dp_cp") if self.sequence_sharder is not None else self.context_parallel_group
+
     def _no_context_parallel_attention(self, found: str) -> str:
         return (
             f"context_parallel_size={self.sizes['context_parallel_size']} needs attention that attends across the "

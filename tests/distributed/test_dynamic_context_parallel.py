@@ -67,7 +67,7 @@ def _train(rank, world_size, strategy_kwargs, dynamic, accelerator="cpu"):
     returned, plans, logged = [], [], []
     throughput = MoEThroughput(log_every_n_steps=1)
     callbacks = [throughput]
-    tokens_per_step = []
+    tokens_per_step, logged_loss = [], []
     dynamic_cp = None
     if dynamic:
         dynamic_cp = DynamicContextParallel(memory_limit_tokens=MEMORY_LIMIT, cost_model=CostModel(**COST))
@@ -76,6 +76,7 @@ def _train(rank, world_size, strategy_kwargs, dynamic, accelerator="cpu"):
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             returned.append(float(outputs["loss"]))
+            logged_loss.append(float(trainer.callback_metrics["train/loss"]))
             tokens_per_step.append(throughput.tokens_per_sec * throughput.step_time_s)
             if dynamic_cp is not None:
                 plans.append(dynamic_cp.last_plan.sequences_per_cp_size())
@@ -97,7 +98,7 @@ def _train(rank, world_size, strategy_kwargs, dynamic, accelerator="cpu"):
     state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank:
         return None
-    return returned, (plans, tokens_per_step), logged, {k: v.detach().float().numpy().copy() for k, v in state.items() if torch.is_tensor(v)}
+    return returned, (plans, tokens_per_step, logged_loss), logged, {k: v.detach().float().numpy().copy() for k, v in state.items() if torch.is_tensor(v)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,7 +131,8 @@ def test_dynamic_cp_matches_static_cp4_and_one_process(kwargs):
     _assert_same(static, single)
     _assert_same(dynamic, single)
     _assert_same(dynamic, static)
-    (plans, tokens), logged = dynamic[1], dynamic[2]
+    (plans, tokens, logged_loss), logged = dynamic[1], dynamic[2]
+    torch.testing.assert_close(torch.tensor(logged_loss), torch.tensor(dynamic[0]), rtol=0, atol=1e-5)
     assert tokens == pytest.approx([SEQ * len(rows) for rows in ROWS])  # MoEThroughput: each token once
     # the plans really mix CP sizes: some sequences alone on a rank, some over a sub-group
     used = {size for plan in plans for size in plan}
@@ -149,6 +151,8 @@ def test_dynamic_cp_over_dp2_x_cp2_gives_the_token_mean_of_both_replicas():
     single = _run(1, (), False)
     dynamic = _run(4, kwargs, True)
     _assert_same(dynamic, single)
-    plans, tokens = dynamic[1]
+    plans, tokens, logged_loss = dynamic[1]
+    # train/loss as MoELanguageModel logs it: the same token mean of both replicas
+    torch.testing.assert_close(torch.tensor(logged_loss), torch.tensor(dynamic[0]), rtol=0, atol=1e-5)
     assert any(1 in plan or 4 in plan for plan in plans), plans
     assert tokens == pytest.approx([SEQ * len(rows) for rows in ROWS])  # both replicas' tokens, once
