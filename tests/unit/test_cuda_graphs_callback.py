@@ -532,3 +532,24 @@ def test_checkpoint_loaded_mid_fit_drops_the_graphs(captures):
     first, second = captures
     assert first.released and first.replays == 2 * 2  # steps 2, 3
     assert second.replays == 2 * 2  # steps 6, 7: warmed up again over steps 4, 5
+
+
+def test_train_step_cuda_graph_flag(tmp_path, monkeypatch):
+    """`benchmarks/train_step.py --cuda-graph SCOPE`: the Lightning run again with the callback, its
+    speedup and both peaks in the JSON (on CPU the callback does nothing: a plumbing check)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.delenv("OUT", raising=False)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.train_step import main
+
+    main(["--preset", "tiny", "--layers", "1", "--seq", "32", "--micro-batch", "1", "--steps", "1", "--warmup", "2",
+          "--accelerator", "cpu", "--skip-bare", "--cuda-graph", "attn+moe", "--results-dir", str(tmp_path),
+          "--tag", "graphs"])
+    out = json.loads((tmp_path / "train_step_graphs.json").read_text())
+    assert set(out["results"]) == {"lightning", "lightning_cuda_graph"}
+    assert out["cuda_graph"]["scope"] == "attn+moe" and out["cuda_graph"]["speedup"] > 0
+    with pytest.raises(SystemExit, match="--warmup >= 2"):
+        main(["--accelerator", "cpu", "--skip-bare", "--cuda-graph", "moe", "--warmup", "1"])
