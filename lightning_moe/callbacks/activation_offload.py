@@ -34,9 +34,10 @@ not cover a dense block of memory, and anything saved inside an activation-check
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -314,17 +315,29 @@ class ActivationOffload(Callback):
 
     def _enter(self, index: int):
         def hook(module: nn.Module, args: Any) -> None:
-            context = saved_tensor_policy(self._group(index))
+            # a part outside every layer gets a group of its own per call (fetched when first used)
+            group = self._group(index) if index >= 0 else _LayerGroup(self, index)
+            context = saved_tensor_policy(group)
             context.__enter__()
-            self._active.append(context)
+            self._active.append((context, group))
         return hook
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._active:
-            self._active.pop().__exit__(None, None, None)
+            context, group = self._active.pop()
+            context.__exit__(None, None, None)
+            if group.index < 0:
+                group.end_forward()
 
     def _region_context(self, index: int):
-        return lambda: saved_tensor_policy(self._group(index))
+        @contextlib.contextmanager
+        def region() -> Iterator[None]:
+            group = self._group(index) if index >= 0 else _LayerGroup(self, index)
+            with saved_tensor_policy(group):
+                yield
+            if index < 0:
+                group.end_forward()
+        return region
 
     # ------------------------------------------------------------------ copies
     def _eligible(self, t: Tensor) -> bool:
@@ -376,16 +389,19 @@ class ActivationOffload(Callback):
 
     def _to_device(self, copy: _Copy) -> None:
         host = copy.host
-        dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=copy.device)
         ready = None
-        if dev.is_cuda:
+        if copy.device.type == "cuda":
             _, h2d = self._cuda_streams()
             with torch.cuda.stream(h2d):
+                # allocated on the copy stream: a block freed by the compute stream is reused only once
+                # that stream's earlier work on it is done (`_take` hands it to the compute stream)
+                dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=copy.device)
                 h2d.wait_event(copy.d2h_done)
                 dev.copy_(host, non_blocking=host.is_pinned())
                 ready = torch.cuda.Event()
                 ready.record(h2d)
         else:
+            dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=copy.device)
             dev.copy_(host)
         copy.ready = (dev, ready)
 

@@ -270,3 +270,21 @@ def test_earlier_layers_come_back_before_the_backward_needs_them(monkeypatch, pr
     assert sorted(first_unpacks) == [0, 1, 2, 3]
     assert all(all(fetched) for fetched in first_unpacks.values())
     assert [len(v) for _, v in sorted(first_unpacks.items())] == [min(i, prefetch_layers) for i in range(4)]
+
+
+def test_parts_outside_the_layers_are_offloaded_per_call():
+    """A part outside every layer (the final norm) has a group of its own per forward: nothing of
+    one micro-batch stays referenced into the next."""
+    plain = _run(_config())
+    offload_kwargs = {"keep_last_layers": 0, "min_offload_bytes": 0}
+    torch.manual_seed(0)
+    model = MoEDecoder(_config())
+    offload = ActivationOffload(["norm", "attn_norm"], **offload_kwargs).attach(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        loss = causal_lm_loss(model(ids), torch.roll(ids, -1, dims=1))
+        assert offload.live_host_bytes > 0
+        loss.backward()
+        assert offload.live_host_bytes == 0 and -1 not in offload._groups
+    _assert_same_grads(plain, (loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
