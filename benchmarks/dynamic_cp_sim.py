@@ -81,7 +81,7 @@ def calibrate(args: argparse.Namespace) -> dict:
     for length in args.lengths:
         ids = torch.randint(0, cfg.vocab_size, (1, length), device="cuda")
 
-        def step() -> None:
+        def step(ids: torch.Tensor = ids) -> None:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 hidden = model.hidden_states(ids)
             hidden.float().square().mean().backward()

@@ -290,7 +290,7 @@ def static_assignment(replicas: Sequence[int], pool_size: int, cp: int) -> tuple
 
 def static_memory_tokens(lengths: Sequence[int], replicas: Sequence[int], pool_size: int, cp: int) -> int:
     """The largest per-rank token count of the static layout (sequences chunked one by one)."""
-    sizes, assignment = static_assignment(replicas, pool_size, cp)
+    _, assignment = static_assignment(replicas, pool_size, cp)
     evaluator = _Evaluator(lengths, CostModel(), None)
     per_rank = [0] * pool_size
     for seq, g in enumerate(assignment):
