@@ -225,13 +225,16 @@ def test_refusals_on_a_gpu():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_expert_parallel_dropless_capture_on_two_gpus():
     """EP=2: the dropless MoE layers captured with the all-gather dispatcher train as eager (losses of
-    both ranks and the final state bit for bit) within 1.25x of the eager step's peak memory; the
-    dropless all-to-all (host split sizes) is refused at setup, naming token_dispatcher='allgather'."""
+    both ranks and the final state bit for bit) within 1.25x of the eager step's peak memory, also
+    inside dense FSDP blocks; the dropless all-to-all (host split sizes) is refused at setup, naming
+    token_dispatcher='allgather'."""
     from _runner_result import runner_result
 
     out = runner_result("_cuda_graphs_ep2_runner.py", timeout=900)
     assert out["captured"] == ["model.layers.1.mlp"]  # the tiny parity config's one MoE block
     assert out["graphed_losses"] == out["eager_losses"] and out["same_state"]
+    assert out["fsdp_captured"] == ["model.layers.1.mlp"]
+    assert out["fsdp_graphed_losses"] == out["fsdp_eager_losses"] and out["fsdp_same_state"]
     for graphed, eager in zip(out["graphed_peak"], out["eager_peak"]):
         assert graphed <= 1.25 * eager, (graphed, eager)
     assert all("token_dispatcher='allgather'" in message for message in out["alltoall"]), out["alltoall"]
