@@ -4,9 +4,10 @@
     python benchmarks/dynamic_cp_sim.py --calibration benchmarks/results/dynamic_cp_calibration.json
     python benchmarks/dynamic_cp_sim.py --uncalibrated              # the CostModel() FLOP-estimate defaults
 
-``--calibrate`` (one CUDA GPU) times the forward and backward of ``--layers`` blocks of the
-``--preset`` model (bf16 autocast, fp32 weights, the reference decoder: FlashAttention through
-SDPA, grouped experts) on one sequence of each of ``--lengths`` tokens, fits
+``--calibrate`` (one CUDA GPU; ``--device cpu`` checks the pipeline on the host) times the forward
+and backward of ``--layers`` blocks of the ``--preset`` model (bf16 autocast, fp32 weights, the
+reference decoder: FlashAttention through SDPA, grouped experts) on one sequence of each of
+``--lengths`` tokens, fits
 ``t(L) = a L^2 / 2 + b L + c`` by least squares and scales ``a`` and ``b`` from the timed blocks to
 the preset's ``--target-layers`` blocks: the `CostModel`'s attention and linear constants (the
 output head is outside both). The CP exchange constants are not timed on one GPU: they follow from
@@ -62,34 +63,57 @@ def exchange_constants(kv_bytes_per_token_layer: int, layers: int, link_bytes_pe
     return 3 * kv_bytes_per_token_layer * layers / link_bytes_per_s, 3 * latency_s * layers
 
 
-def calibrate(args: argparse.Namespace) -> dict:
-    """Time the blocks on one CUDA GPU and return the calibration document."""
+def time_blocks(cfg, lengths: Sequence[int], device: str, warmup: int, iters: int) -> list[float]:
+    """Seconds of one forward and backward of ``cfg``'s blocks (bf16 autocast, fp32 weights) on one
+    sequence of each length: CUDA events on a GPU, the host clock on CPU (a plumbing check only)."""
+    import statistics
+    import time
+
     import torch
 
-    from benchmarks._common import cuda_time_ms, metadata
-    from lightning_moe.models import get_preset
+    from benchmarks._common import cuda_time_ms
     from lightning_moe.models.decoder import MoEDecoder
 
-    if not torch.cuda.is_available():
-        raise SystemExit("--calibrate times the model on a CUDA GPU; simulate on CPU with --calibration FILE")
     torch.manual_seed(0)
-    cfg = get_preset(args.preset, num_layers=args.layers, max_seq_length=max(args.lengths))
-    target_layers = args.target_layers or get_preset(args.preset).num_layers
-    model = MoEDecoder(cfg).cuda()
+    model = MoEDecoder(cfg).to(device)
     model.init_weights()
     seconds = []
-    for length in args.lengths:
-        ids = torch.randint(0, cfg.vocab_size, (1, length), device="cuda")
+    for length in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (1, length), device=device)
 
         def step(ids: torch.Tensor = ids) -> None:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                 hidden = model.hidden_states(ids)
             hidden.float().square().mean().backward()
             model.zero_grad(set_to_none=True)
 
-        ms, _ = cuda_time_ms(step, warmup=args.warmup, iters=args.iters)
-        seconds.append(ms / 1e3)
-        print(f"L={length:6d}: {ms:9.3f} ms for {args.layers} blocks", flush=True)
+        if torch.device(device).type == "cuda":
+            seconds.append(cuda_time_ms(step, warmup=warmup, iters=iters)[0] / 1e3)
+        else:
+            for _ in range(warmup):
+                step()
+            runs = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                step()
+                runs.append(time.perf_counter() - start)
+            seconds.append(statistics.median(runs))
+        print(f"L={length:6d}: {seconds[-1] * 1e3:9.3f} ms for {cfg.num_layers} blocks", flush=True)
+    return seconds
+
+
+def calibrate(args: argparse.Namespace) -> dict:
+    """Time the blocks (on one CUDA GPU unless ``--device cpu``) and return the calibration document."""
+    import torch
+
+    from benchmarks._common import metadata
+    from lightning_moe.models import get_preset
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--calibrate times the model on a CUDA GPU; simulate on CPU with --calibration FILE")
+    cfg = get_preset(args.preset, num_layers=args.layers, max_seq_length=max(args.lengths))
+    target_layers = args.target_layers or get_preset(args.preset).num_layers
+    seconds = time_blocks(cfg, args.lengths, args.device, args.warmup, args.iters)
     a, b, c = fit_compute_constants(args.lengths, seconds)
     scale = target_layers / args.layers
     kv_bytes = 2 * cfg.num_query_groups * cfg.head_dim * 2  # keys and values, bf16
@@ -171,6 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="output JSON (default: benchmarks/results/...)")
     cal = parser.add_argument_group("calibration")
     cal.add_argument("--preset", default="qwen3_30b_a3b")
+    cal.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="cpu: time on the host (checks the pipeline; not a calibration to plan with)")
     cal.add_argument("--layers", type=int, default=2, help="blocks timed")
     cal.add_argument("--target-layers", type=int, default=None, help="blocks of the modelled model (preset's)")
     cal.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])

@@ -1,5 +1,5 @@
 """benchmarks/dynamic_cp_sim.py on CPU: the simulation from a given calibration file, the fit the
-GPU calibration uses, and its refusal without a GPU."""
+GPU calibration uses, the calibration pipeline timed on the host, and its refusal without a GPU."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.dynamic_cp_sim import draw_micro_batch, exchange_constants, fit_compute_constants, main
-from lightning_moe.parallel.dynamic_cp import CALIBRATION_FORMAT
+from lightning_moe.parallel.dynamic_cp import CALIBRATION_FORMAT, CostModel
 
 
 def _calibration(path, **values):
@@ -68,3 +68,18 @@ def test_drawn_micro_batches_fill_the_budget_within_the_length_range():
 def test_calibrate_needs_a_gpu(tmp_path):
     with pytest.raises(SystemExit, match="CUDA GPU"):
         main(["--calibrate", "--out", str(tmp_path / "c.json")])
+
+
+def test_calibration_pipeline_on_the_host_writes_a_file_the_simulation_reads(tmp_path):
+    calibration, sim = tmp_path / "calibration.json", tmp_path / "sim.json"
+    main(["--calibrate", "--device", "cpu", "--preset", "tiny", "--layers", "1", "--target-layers", "4",
+          "--lengths", "32", "64", "128", "--warmup", "0", "--iters", "1", "--out", str(calibration)])
+    document = json.loads(calibration.read_text())
+    assert document["measured"]["lengths"] == [32, 64, 128] and len(document["measured"]["seconds"]) == 3
+    assert document["measured"]["target_layers"] == 4 and document["meta"]["device"] == "cpu"
+    cost = CostModel.from_json(calibration)
+    kv_bytes = document["assumed"]["kv_bytes_per_token_layer"]
+    assert cost.cp_s_per_token == pytest.approx(3 * kv_bytes * 4 / 150e9)
+    main(["--calibration", str(calibration), "--out", str(sim), "--gpus", "8", "--cp", "4", "--tokens-per-gpu", "1024",
+          "--max-len", "4096", "--median", "256", "--steps", "2"])
+    assert json.loads(sim.read_text())["rows"][0]["dynamic_over_static"] <= 1.0
