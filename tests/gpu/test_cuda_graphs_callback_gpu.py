@@ -238,3 +238,28 @@ def test_expert_parallel_dropless_capture_on_two_gpus():
     for graphed, eager in zip(out["graphed_peak"], out["eager_peak"]):
         assert graphed <= 1.25 * eager, (graphed, eager)
     assert all("token_dispatcher='allgather'" in message for message in out["alltoall"]), out["alltoall"]
+
+
+@pytest.mark.parametrize("scope", ["full", "moe"])
+def test_under_megatron_strategy(scope, capsys):
+    """Under `MegatronMoEStrategy` (one GPU: weight casts cached per optimizer step for the eager
+    parts, router updates by the strategy) the captured step trains as the eager one, and the
+    layout table names what is captured."""
+    from lightning_moe import MegatronMoEStrategy
+
+    def fit(graphs):
+        torch.manual_seed(0)
+        record = Record()
+        trainer = Trainer(accelerator="cuda", devices=1, strategy=MegatronMoEStrategy(print_layout=graphs is not None),
+                          max_steps=6, accumulate_grad_batches=2, precision="bf16-mixed", logger=False,
+                          callbacks=[record] + ([graphs] if graphs else []), enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        module = _module("bf16")
+        trainer.fit(module, DataLoader(Tokens(6 * 2 * MICRO), batch_size=MICRO))
+        return record.train, _state(module)
+
+    graphs = CUDAGraphs(scope=scope, warmup_steps=2)
+    (graphed, graphed_state), (eager, eager_state) = fit(graphs), fit(None)
+    assert graphs.captured and "CUDA graphs" in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a, b in zip(graphed, eager)) and len(graphed) == len(eager)
+    assert all(torch.equal(graphed_state[k], v) for k, v in eager_state.items())
