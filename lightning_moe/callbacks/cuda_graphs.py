@@ -128,7 +128,8 @@ class CUDAGraphs(Callback):
         self._signatures: list[CallSignature] = []  # per position
         self._capture_key: tuple = ()
         self._calls: list[tuple[int, CallSignature]] = []  # this micro-batch's training calls
-        self._last_calls: list[tuple[int, CallSignature]] = []  # the last finished micro-batch's
+        # the training calls of every finished micro-batch so far -> how many micro-batches made them
+        self._seen_calls: dict[tuple, int] = {}
         self._start_step: Optional[int] = None
         self._noticed: set = set()
         self._recomputed: set[str] = set()  # targets seen running inside a backward
@@ -168,14 +169,15 @@ class CUDAGraphs(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._drop_graphs()
         self._start_step = trainer.global_step
-        self._calls, self._last_calls, self._recomputed = [], [], set()
+        self._calls, self._seen_calls, self._recomputed = [], {}, set()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._targets:
             return
         if self._calls:
-            self._last_calls = self._calls
+            key = tuple(self._calls)
+            self._seen_calls[key] = self._seen_calls.pop(key, 0) + 1  # re-inserted: the latest last
         self._calls = []
         if self._graphs is not None and self._capture_key != self._key(trainer):
             self._drop_graphs()  # a number the backward graphs baked in changed: capture again now
@@ -185,7 +187,7 @@ class CUDAGraphs(Callback):
             self._start_step = trainer.global_step
         warmed_up = trainer.global_step - self._start_step >= self.warmup_steps
         window_start = batch_idx % max(1, trainer.accumulate_grad_batches) == 0
-        if self._graphs is None and warmed_up and window_start and self._last_calls:
+        if self._graphs is None and warmed_up and window_start and self._seen_calls:
             self._capture(trainer)
 
     @override
@@ -291,7 +293,8 @@ class CUDAGraphs(Callback):
                 "checkpointing around it), so its forward would replay between backward graphs, out of the order "
                 "of the capture: turn that recomputation off for the captured modules, or capture other modules."
             )
-        calls = self._last_calls
+        # The calls most micro-batches made (the latest among equals): not an epoch's last, smaller batch.
+        calls = list(max(reversed(self._seen_calls), key=self._seen_calls.get))
         order = [index for index, _ in calls]
         repeated = sorted({self._targets[i].name for i in order if order.count(i) > 1})
         if repeated:
@@ -322,8 +325,8 @@ class CUDAGraphs(Callback):
         self._signatures = [sig for _, sig in calls]
         self._capture_key = self._key(trainer)
         self.captured = [self._targets[i].name for i in order]
-        rank_zero_info(f"CUDAGraphs: captured {describe_targets([(t.name, t.module) for t in self._captured()], self.scopes)} "
-                       f"at step {trainer.global_step}.")
+        captured = describe_targets([(t.name, t.module) for t in self._captured()], self.scopes)
+        rank_zero_info(f"CUDAGraphs: captured {captured} at step {trainer.global_step}.")
 
     def _captured(self) -> list[_Target]:
         return [self._targets[i] for i in sorted(self._slots, key=self._slots.get)]

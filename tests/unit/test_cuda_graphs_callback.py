@@ -553,3 +553,13 @@ def test_train_step_cuda_graph_flag(tmp_path, monkeypatch):
     assert out["cuda_graph"]["scope"] == "attn+moe" and out["cuda_graph"]["speedup"] > 0
     with pytest.raises(SystemExit, match="--warmup >= 2"):
         main(["--accelerator", "cpu", "--skip-bare", "--cuda-graph", "moe", "--warmup", "1"])
+
+
+def test_capture_takes_the_usual_shapes_not_the_last_batch(captures):
+    """Capture right after an epoch's last, smaller batch: the graphs take the shapes most
+    micro-batches had, and only the smaller batches run eagerly."""
+    callback = _OnCPU(scope="moe", warmup_steps=3)
+    # 5 samples in batches of 2: (2, 2, 1) per epoch; the capture comes at the first step of epoch 2
+    _losses(tiny_model(), [callback], steps=6, data=DataLoader(Tokens(5), batch_size=2))
+    (capture,) = captures
+    assert capture.replays == 2 * 2 and callback.eager_calls == 2
