@@ -12,10 +12,10 @@ How a fit runs with it:
    through the callback. On a machine without CUDA the callback does nothing but say so once.
 2. The first ``warmup_steps`` optimizer steps of the fit run eagerly; the callback records the
    signature (shapes, dtypes, autocast state) of every training call of the modules.
-3. At the start of the next accumulation window the modules are captured together
-   (`lightning_moe.cuda_graphs.capture_modules`: one memory pool, in the order the step calls
-   them) under the precision plugin's training context; from then on every training call with
-   the recorded signature replays.
+3. At the start of the next accumulation window the modules are captured together, at the
+   signatures most warm-up micro-batches had (`lightning_moe.cuda_graphs.capture_modules`: one
+   memory pool, in the order the step calls them), under the precision plugin's training context;
+   from then on every training call with the recorded signature replays.
 
 Training semantics stay those of the eager step (the GPU tests check 20 steps bit for bit):
 
