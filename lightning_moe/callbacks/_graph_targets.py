@@ -190,8 +190,8 @@ def check_targets(targets: Sequence[tuple[str, nn.Module]]) -> None:
                 if "tp" in dims:
                     raise ValueError(
                         f"CUDAGraphs: {pname} is tensor-parallel (a DTensor over {sorted(dims)}), which CUDAGraphs "
-                        "does not capture: use tensor_parallel_size=1, or scope='moe' (MoE layers take local "
-                        "tensors)."
+                        "does not capture (nor the MoE layers' token split over TP ranks, which runs from hooks): "
+                        "use tensor_parallel_size=1."
                     )
                 raise ValueError(_fsdp_message(shown, f"{pname} (a DTensor over {sorted(dims)})"))
 
