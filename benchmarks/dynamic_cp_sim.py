@@ -189,7 +189,8 @@ def simulate(cost: CostModel, gpus: Sequence[int], cp: int, tokens_per_gpu: int,
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibrate", action="store_true", help="time the model on one CUDA GPU, write --out")
-    parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, help="calibration JSON to simulate with")
+    parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION,
+                        help="calibration JSON to simulate with")
     parser.add_argument("--uncalibrated", action="store_true",
                         help="simulate with CostModel()'s FLOP-estimate defaults instead of a calibration")
     parser.add_argument("--out", type=Path, default=None, help="output JSON (default: benchmarks/results/...)")
@@ -233,7 +234,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     rows = simulate(cost, args.gpus, args.cp, args.tokens_per_gpu, args.memory_slack, args.steps, args.seed,
                     args.median, args.sigma, args.min_len, args.max_len)
     print(f"cost model: {source}")
-    print(f"{'GPUs':>5} {'DP':>3} {'CP':>3} {'docs/step':>9} {'static s':>9} {'dynamic s':>9} {'dyn/static':>10}  docs per CP size")
+    print(f"{'GPUs':>5} {'DP':>3} {'CP':>3} {'docs/step':>9} {'static s':>9} {'dynamic s':>9} {'dyn/static':>10}"
+          "  docs per CP size")
     for r in rows:
         print(f"{r['gpus']:5d} {r['dp']:3d} {r['cp']:3d} {r['documents_per_step']:9.1f} {r['static_step_s']:9.4f} "
               f"{r['dynamic_step_s']:9.4f} {r['dynamic_over_static']:10.3f}  {r['documents_per_cp_size']}")

@@ -103,8 +103,8 @@ class DynamicContextParallel(Callback):
         layout = strategy.layout
         if layout.context_parallel_size == 1:
             raise ValueError(
-                "DynamicContextParallel needs MegatronMoEStrategy(context_parallel_size > 1): that is the static layout "
-                "it replaces per micro-batch (and makes the attention context-parallel)."
+                "DynamicContextParallel needs MegatronMoEStrategy(context_parallel_size > 1): that is the static "
+                "layout it replaces per micro-batch (and makes the attention context-parallel)."
             )
         if layout.tensor_parallel_size > 1 or layout.pipeline_parallel_size > 1:
             raise ValueError(
@@ -134,9 +134,9 @@ class DynamicContextParallel(Callback):
             if cfg.active_aux_losses or cfg.z_loss_coeff:
                 raise ValueError(
                     f"DynamicContextParallel: the router's {sorted(cfg.active_aux_losses) or ['z_loss']} normalise by "
-                    "equal token counts per rank, which dynamic CP does not keep: set router_load_balancing_type='none' "
-                    "and z_loss_coeff=0 (balance with router_enable_expert_bias=True), or use static context "
-                    "parallelism."
+                    "equal token counts per rank, which dynamic CP does not keep: set "
+                    "router_load_balancing_type='none' and z_loss_coeff=0 (balance with "
+                    "router_enable_expert_bias=True), or use static context parallelism."
                 )
             if cfg.expert_capacity_factor is not None:
                 raise ValueError(
@@ -211,8 +211,9 @@ class DynamicContextParallel(Callback):
         dist.all_gather(shapes, shape, group=dp_group)
         if any(not torch.equal(s, shape) for s in shapes):  # host sync: two ints per replica
             raise ValueError(
-                f"DynamicContextParallel: the DP replicas' micro-batches differ in shape ({[s.tolist() for s in shapes]}): "
-                "give every replica micro-batches of the same [B, S] (drop_last=True, a fixed sequence length)."
+                "DynamicContextParallel: the DP replicas' micro-batches differ in shape "
+                f"({[s.tolist() for s in shapes]}): give every replica micro-batches of the same [B, S] "
+                "(drop_last=True, a fixed sequence length)."
             )
         out = dict(batch)
         for key, value in batch.items():

@@ -14,8 +14,8 @@ minimizing the largest per-rank cost of :class:`CostModel` while no rank holds m
 rank, no communication): the static layout (each DP replica's sequences over its CP group) is the
 first candidate; hill climbs over partitions (split a group in two halves, merge two equal groups)
 from it, from all groups at the largest size, from all ranks alone and from a partition sized to
-the lengths place the sequences of each candidate by longest-cost-first greedy and keep the best. The result is never worse than the
-static layout on the cost model.
+the lengths place the sequences of each candidate by longest-first greedy and keep the best. The
+result is never worse than the static layout on the cost model.
 """
 
 from __future__ import annotations
@@ -192,7 +192,9 @@ class _Evaluator:
             self._tokens[key] = rank_token_counts(self.lengths[seq], cp)
         return self._tokens[key]
 
-    def score(self, sizes: Sequence[int], assignment: Sequence[int]) -> Optional[tuple[tuple[float, float], tuple[int, ...]]]:
+    def score(
+        self, sizes: Sequence[int], assignment: Sequence[int]
+    ) -> Optional[tuple[tuple[float, float], tuple[int, ...]]]:
         """((largest per-rank cost, rank-seconds of all ranks), tokens per rank) of an assignment;
         None when a rank would hold no token (nothing to run) or more than the memory limit."""
         members: list[list[int]] = [[] for _ in sizes]
@@ -212,8 +214,8 @@ class _Evaluator:
         return (worst, total), tuple(rank_tokens)
 
     def place(self, sizes: Sequence[int]) -> Optional[list[int]]:
-        """Longest-cost-first greedy: each sequence to the group where the group's cost after adding
-        it is lowest (ties: the lower group index) among those where it fits in memory."""
+        """Longest-first greedy: each sequence to the group where the group's cost after adding it is
+        lowest (ties: the lower group index) among those where it fits in memory."""
         loads = [0.0] * len(sizes)
         tokens = [0] * len(sizes)  # total tokens per group
         peak = [[0] * size for size in sizes]

@@ -95,7 +95,9 @@ def rank_share(sequences: PoolSequences, plan: Plan, pool_rank: int) -> RankShar
         end_to_end += length
     flat_index_T = torch.cat(flat)
     if plan.rank_tokens and flat_index_T.numel() != plan.rank_tokens[pool_rank]:
-        raise AssertionError(f"rank {pool_rank}: {flat_index_T.numel()} tokens, the plan says {plan.rank_tokens[pool_rank]}")
+        raise AssertionError(
+            f"rank {pool_rank}: {flat_index_T.numel()} tokens, the plan says {plan.rank_tokens[pool_rank]}"
+        )
     max_tokens = max(plan.rank_tokens[offset : offset + size]) if plan.rank_tokens else flat_index_T.numel()
     return RankShare(flat_index_T, torch.cat(docs), torch.cat(index), group, max_tokens)
 

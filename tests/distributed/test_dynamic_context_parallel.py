@@ -98,7 +98,8 @@ def _train(rank, world_size, strategy_kwargs, dynamic, accelerator="cpu"):
     state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank:
         return None
-    return returned, (plans, tokens_per_step, logged_loss), logged, {k: v.detach().float().numpy().copy() for k, v in state.items() if torch.is_tensor(v)}
+    params = {k: v.detach().float().numpy().copy() for k, v in state.items() if torch.is_tensor(v)}
+    return returned, (plans, tokens_per_step, logged_loss), logged, params
 
 
 @functools.lru_cache(maxsize=None)

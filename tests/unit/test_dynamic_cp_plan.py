@@ -69,7 +69,8 @@ def test_plans_place_every_sequence_once_within_memory_and_never_worse_than_stat
         # a partition of the pool into aligned power-of-two groups of at most max_cp ranks
         assert sum(plan.group_sizes) == pool, case
         for offset, size in zip(plan.group_offsets, plan.group_sizes):
-            assert size <= max_cp and offset % size == 0 and (size == 1 or (offset, size) in aligned_blocks(pool, max_cp))
+            assert size <= max_cp and offset % size == 0
+            assert size == 1 or (offset, size) in aligned_blocks(pool, max_cp)
         # every sequence in exactly one existing group
         assert len(plan.sequence_group) == len(lengths)
         assert all(0 <= g < len(plan.group_sizes) for g in plan.sequence_group)
@@ -162,7 +163,8 @@ def test_unpacked_rows_are_one_sequence_each():
 
 def test_cost_model_reads_a_calibration_file(tmp_path):
     path = tmp_path / "calibration.json"
-    values = dict(attention_s_per_token_pair=2e-11, linear_s_per_token=1e-6, cp_s_per_token=3e-8, cp_s_per_exchange=4e-5)
+    values = dict(attention_s_per_token_pair=2e-11, linear_s_per_token=1e-6, cp_s_per_token=3e-8,
+                  cp_s_per_exchange=4e-5)
     path.write_text(json.dumps({"format": CALIBRATION_FORMAT, "cost_model": values}))
     cost = CostModel.from_json(path)
     assert cost.linear_s_per_token == 1e-6 and cost.source == str(path)
