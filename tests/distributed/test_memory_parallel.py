@@ -84,9 +84,10 @@ def test_offload_and_recompute_keep_the_gradients_under_parallelism(layout):
     assert run_distributed(_check, 2, layout, timeout=300) == [[], []]
 
 
-def _fit(rank: int, world_size: int, variant: dict) -> dict:
+def _fit(rank: int, world_size: int, variant: dict, context_parallel: bool = False) -> dict:
     """Three optimizer steps of 2 micro-batches through Trainer + MegatronMoEStrategy with FSDP over
-    DP=2 (dense blocks and experts), with ``variant``'s offload and recompute; rank 0's full state."""
+    DP=2 (dense blocks and experts), or context parallelism over 2 ranks (the same micro-batches on
+    both), with ``variant``'s offload and recompute; rank 0's full state."""
     import lightning as L
     from _parity import MicroBatches, tiny_config
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -104,14 +105,16 @@ def _fit(rank: int, world_size: int, variant: dict) -> dict:
     callbacks = []
     if "offload" in variant:
         callbacks.append(ActivationOffload(variant["offload"], keep_last_layers=0, min_offload_bytes=0))
-    strategy = MegatronMoEStrategy(print_layout=False, sharding="fsdp", expert_sharding="fsdp")
+    layout = {"context_parallel_size": 2} if context_parallel else {"sharding": "fsdp", "expert_sharding": "fsdp"}
+    strategy = MegatronMoEStrategy(print_layout=False, **layout)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=3, accumulate_grad_batches=2,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=callbacks, num_sanity_val_steps=0,
     )
     model = SGDModel(config)
-    loader = DataLoader(MicroBatches(12), batch_size=None, sampler=[i for i in range(12) if i % 2 == rank])
+    indices = list(range(6)) if context_parallel else [i for i in range(12) if i % 2 == rank]
+    loader = DataLoader(MicroBatches(12), batch_size=None, sampler=indices)
     trainer.fit(model, loader)
     if callbacks:
         assert callbacks[0].live_host_bytes == 0
@@ -127,6 +130,19 @@ def _fit(rank: int, world_size: int, variant: dict) -> dict:
 def test_fsdp_with_accumulation_trains_to_the_plain_parameters(variant):
     plain = run_distributed(_fit, 2, {}, timeout=300)[0]
     other = run_distributed(_fit, 2, variant, timeout=300)[0]
+    assert plain.keys() == other.keys()
+    for name, value in plain.items():
+        assert (value == other[name]).all(), name
+
+
+@pytest.mark.parametrize("variant", [
+    {"offload": list(OFFLOAD_MODULES), "recompute": ["core_attn", "layernorm"]},
+    {"recompute_every_n_layers": 1},
+], ids=["offload_selective", "whole_layers"])
+def test_context_parallel_trains_to_the_plain_parameters(variant):
+    """CP=2 (the p2p ring): the ring's exchanges are recomputed in backward with the attention."""
+    plain = run_distributed(_fit, 2, {}, True, timeout=300)[0]
+    other = run_distributed(_fit, 2, variant, True, timeout=300)[0]
     assert plain.keys() == other.keys()
     for name, value in plain.items():
         assert (value == other[name]).all(), name
