@@ -138,10 +138,20 @@ def saved_tensor_policy(policy: SavedTensorPolicy) -> Iterator[bool]:
         _POLICIES.reset(token)
 
 
+# autograd nodes of views, layout changes and dtype casts (autocast's, a compute-weight cache's, a
+# DTensor's local view): a tensor made from a parameter by a chain of them is a copy of a weight
+_WEIGHT_PASS_THROUGH = frozenset({
+    "ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0",
+    "TransposeBackward0", "PermuteBackward0", "AliasBackward0", "SliceBackward0", "SelectBackward0",
+    "ExpandBackward0", "CloneBackward0", "_ToTorchTensorBackward", "_MasterWeightCastBackward",
+})
+
+
 def parameter_derived(tensor: Tensor, depth: int = 4) -> bool:
-    """Whether ``tensor`` is a parameter, or made from one by single-input ops (a view, a transpose,
-    a dtype cast such as autocast's or a compute-weight cache's): such tensors live with the
-    weights (or are re-gathered by FSDP), so storing them elsewhere frees nothing."""
+    """Whether ``tensor`` is a parameter, or made from one by views, transposes and dtype casts
+    (autocast's, a compute-weight cache's): such tensors live with the weights (or are re-gathered
+    by FSDP), so storing them elsewhere frees nothing. An op computing from a parameter (an
+    embedding lookup) makes an activation, not a weight copy."""
     if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
         return True
     base = tensor._base
@@ -149,7 +159,7 @@ def parameter_derived(tensor: Tensor, depth: int = 4) -> bool:
         return True
     node = tensor.grad_fn
     for _ in range(depth):
-        if node is None:
+        if node is None or type(node).__name__ not in _WEIGHT_PASS_THROUGH:
             return False
         inputs = [fn for fn, _ in node.next_functions if fn is not None]
         if len(inputs) != 1:

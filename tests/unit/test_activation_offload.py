@@ -288,3 +288,14 @@ def test_parts_outside_the_layers_are_offloaded_per_call():
         loss.backward()
         assert offload.live_host_bytes == 0 and -1 not in offload._groups
     _assert_same_grads(plain, (loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+
+
+def test_weight_copies_are_told_from_activations_made_from_weights():
+    from lightning_moe.nn.saved_tensors import parameter_derived
+
+    w = nn.Parameter(torch.randn(8, 8))
+    assert parameter_derived(w) and parameter_derived(w.t()) and parameter_derived(w.to(torch.bfloat16))
+    assert parameter_derived(w[:, :4].t().to(torch.bfloat16))
+    assert not parameter_derived(nn.functional.embedding(torch.tensor([1, 2]), w))  # the residual stream
+    assert not parameter_derived(torch.nn.functional.silu(w))
+    assert not parameter_derived(torch.randn(8, 8))
