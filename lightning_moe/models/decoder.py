@@ -161,7 +161,6 @@ class DecoderLayer(nn.Module):
         if is_moe:
             self.mlp.experts.recompute_activation = "moe_act" in self.recompute
             self.mlp.recompute_shared_experts = "shared_experts" in self.recompute
-        self._recompute_mlp = "moe" in self.recompute if is_moe else "mlp" in self.recompute
 
     @property
     def is_moe(self) -> bool:
@@ -183,7 +182,7 @@ class DecoderLayer(nn.Module):
             h_BSD = x_BSD + self.attention(outputs.run(self.attention_norm, x_BSD), cos, sin, documents=documents)
         with OutputRecompute(recompute_norms) as outputs:
             n_BSD = outputs.run(self.mlp_norm, h_BSD)
-            if self._recompute_mlp and torch.is_grad_enabled():
+            if ("moe" if self.is_moe else "mlp") in self.recompute and torch.is_grad_enabled():
                 return h_BSD + checkpointed(self.mlp, n_BSD)
             return h_BSD + self.mlp(n_BSD)
 
