@@ -1,4 +1,5 @@
-"""Activation offload and recomputation under expert and tensor parallelism (2 gloo ranks).
+"""Activation offload and recomputation under expert, expert-tensor and tensor parallelism, FSDP and
+context parallelism (2 gloo ranks).
 
 On each rank the parallelized model's gradients with every `ActivationOffload` part and every
 `ModelConfig.recompute` module, alone and combined, and with whole-layer recompute, equal those of
@@ -37,11 +38,16 @@ def _grads(rank: int, layout: str, variant: dict) -> tuple[dict, int]:
     cfg = get_preset("tiny", num_layers=3, first_k_dense_layers=1, qk_norm=True, moe=MOE, **overrides)
     torch.manual_seed(0)
     model = MoEDecoder(cfg)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(layout,))
-    if layout == "ep":
+    if layout == "etp":  # each expert's FFN dimension split over the 2 ranks
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "etp"))
+        for layer in model.moe_layers():
+            expert_parallel_layer(layer, mesh, "alltoall")
+    elif layout == "ep":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(layout,))
         for layer in model.moe_layers():
             expert_parallel_layer(layer, mesh, "alltoall")
     else:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(layout,))
         parallelize_module(model, mesh, model.tensor_parallel_plan(sequence_parallel=True))
         for layer in model.moe_layers():
             apply_moe_token_split(layer, mesh, True)
@@ -79,7 +85,7 @@ def _check(rank: int, world_size: int, layout: str) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("layout", ["ep", "tp"])
+@pytest.mark.parametrize("layout", ["ep", "etp", "tp"])
 def test_offload_and_recompute_keep_the_gradients_under_parallelism(layout):
     assert run_distributed(_check, 2, layout, timeout=300) == [[], []]
 
