@@ -354,6 +354,9 @@ class ParallelLayout:
         for label, grid in (("dense grid", DENSE_AXES), ("expert grid", EXPERT_AXES)):
             table.add_row(f"{label} ({'-'.join(grid)})", " x ".join(str(s[a]) for a in grid))
         table.add_row("rank order", "tp-cp-ep-dp-pp, left-most fastest")
+        if self.pipeline_parallel_size > 1:
+            for stage, ranks in enumerate(self.groups("tp-cp-dp")):
+                table.add_row(f"PP stage {stage}", "ranks " + ", ".join(map(str, ranks)))
         if backends:
             table.add_section()
             for piece, backend in backends.items():

@@ -21,7 +21,7 @@ give the intended initialisation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +216,10 @@ class MoEDecoder(nn.Module):
         self.lm_head: Optional[Linear] = None
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_method_std)
+        # Pipeline parallelism (`lightning_moe.parallel.pipeline`): the strategy prunes the model to
+        # this rank's stages and sets the runner through which `loss` then goes.
+        self.pipeline_runner: Optional[Callable[..., Tensor]] = None
+        self.pipeline_pruned = False
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter and router buffer in a fixed order from the global RNG.
@@ -223,12 +227,9 @@ class MoEDecoder(nn.Module):
         Use after ``to_empty(device=...)`` of a meta-device model; under a fixed seed the result
         is the same whatever device or construction path the model came from.
         """
-        self.embed_tokens.reset_parameters()
-        for layer in self.layers.values():
-            layer.reset_parameters()
-        self.norm.reset_parameters()
-        if self.lm_head is not None:
-            self.lm_head.reset_parameters()
+        for module in (self.embed_tokens, *self.layers.values(), self.norm, self.lm_head):
+            if module is not None:  # a pipeline stage holds some of them
+                module.reset_parameters()
 
     def moe_layers(self) -> Iterator[MoELayer]:
         """The MoE feed-forward blocks, in layer order."""
@@ -246,22 +247,9 @@ class MoEDecoder(nn.Module):
         """Final normed hidden states ``[B, S, D]`` (before the output projection)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
-        documents: Optional[DocumentMask] = None
-        if document_ids is not None:
-            if document_ids.shape != input_ids.shape:
-                raise ValueError(f"document_ids {tuple(document_ids.shape)} must match input_ids "
-                                 f"{tuple(input_ids.shape)}: one document index per token.")
-            documents = DocumentMask(document_ids)  # built once, shared by every layer
-            if position_ids is None:
-                position_ids = document_positions(document_ids)
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cfg = self.config
-        cos, sin = rotary_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        h_BSD = self.embed_tokens(input_ids)
-        for layer in self.layers.values():
-            h_BSD = layer(h_BSD, cos, sin) if documents is None else layer(h_BSD, cos, sin, documents=documents)
-        return self.norm(h_BSD)
+        self._check_whole()
+        cos, sin, documents = _rotary_and_documents(self.config, input_ids, position_ids, document_ids)
+        return self.norm(_run_layers(self.layers.values(), self.embed_tokens(input_ids), cos, sin, documents))
 
     def forward(
         self, input_ids: Tensor, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None
@@ -282,8 +270,55 @@ class MoEDecoder(nn.Module):
     ) -> Tensor:
         """Mean cross-entropy over the tokens whose label is not -100 (router losses excluded:
         their gradients reach the routers by themselves). In a packed batch the data module sets
-        the label of each document's last token to -100: it does not predict the next document."""
+        the label of each document's last token to -100: it does not predict the next document.
+
+        Under pipeline parallelism (``pipeline_runner`` set by the strategy) the batch runs through
+        the pipeline schedule instead (forward and backward in training), and the returned loss is
+        the batch's token mean, detached, on every rank."""
+        if self.pipeline_runner is not None:
+            return self.pipeline_runner(input_ids, labels=labels, position_ids=position_ids, document_ids=document_ids)
         return causal_lm_loss(self(input_ids, position_ids, document_ids), labels)
+
+    def _check_whole(self) -> None:
+        if self.pipeline_pruned:
+            raise RuntimeError(
+                "this MoEDecoder holds one pipeline stage only (pipeline_parallel_size > 1): call "
+                "model.loss(input_ids, labels, ...), which runs the pipeline schedule, not forward()."
+            )
+
+    # ------------------------------------------------------------ pipeline split hook
+    def pipeline_layers(self) -> list[str]:
+        """Block names in execution order (`lightning_moe.parallel.pipeline` split hook)."""
+        return [f"layers.{name}" for name in self.layers]
+
+    def pipeline_edge_modules(self) -> tuple[list[str], list[str]]:
+        """Modules of the first chunk (the embedding) and of the last (final norm, output projection)."""
+        return ["embed_tokens"], ["norm"] + ([] if self.lm_head is None else ["lm_head"])
+
+    def pipeline_prune(self, keep: set[str], first: bool, last: bool) -> None:
+        """Keep the blocks named in ``keep`` and, on the first / last stage, the embedding / final
+        norm and output projection. Block keys stay ``"0".."L-1"``, so parameter names do not change."""
+        if self.config.tie_word_embeddings:
+            raise ValueError(
+                "pipeline parallelism is not supported with tie_word_embeddings=True (the embedding and the "
+                "output projection live on different stages): set tie_word_embeddings=False."
+            )
+        for name in list(self.layers):
+            if f"layers.{name}" not in keep:
+                del self.layers[name]
+        if not first:
+            self.embed_tokens = None
+        if not last:
+            self.norm = None
+            self.lm_head = None
+        self.pipeline_pruned = True
+
+    def pipeline_chunk(self, layer_names: list[str], first: bool, last: bool) -> "DecoderChunk":
+        """The module one pipeline chunk runs: the named blocks, with the embedding when ``first``
+        and the final norm, output projection and loss when ``last``."""
+        blocks = [self.get_submodule(name) for name in layer_names]
+        return DecoderChunk(self.config, blocks, self.embed_tokens if first else None,
+                            self.norm if last else None, self.lm_head if last else None)
 
     def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
         """Tensor-parallel styles for ``parallelize_module(model, tp_mesh, plan)`` (dense parts).
@@ -321,11 +356,13 @@ class MoEDecoder(nn.Module):
                 "tensor parallelism is not supported with tie_word_embeddings=True: set tie_word_embeddings=False."
             )
         residual = Shard(1) if sequence_parallel else Replicate()
-        plan: dict[str, ParallelStyle] = {
-            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-            "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
-        }
-        if sequence_parallel:
+        plan: dict[str, ParallelStyle] = {}
+        # A pipeline stage holds the embedding, the final norm and the output projection or not.
+        if self.embed_tokens is not None:
+            plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        if self.lm_head is not None:
+            plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+        if sequence_parallel and self.norm is not None:
             plan["norm"] = SequenceParallel()
         for name, layer in self.layers.items():
             prefix = f"layers.{name}"
@@ -364,6 +401,65 @@ class MoEDecoder(nn.Module):
             plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
             plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel(output_layouts=residual)
         return plan
+
+
+def _rotary_and_documents(
+    cfg: ModelConfig, tokens_BS: Tensor, position_ids: Optional[Tensor], document_ids: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Optional[DocumentMask]]:
+    """Rotary cos/sin of the positions (default ``0..S-1``, or restarting at each document of
+    ``document_ids [B, S]``) and the packed batch's document mask (None without documents)."""
+    documents: Optional[DocumentMask] = None
+    if document_ids is not None:
+        if document_ids.shape != tokens_BS.shape:
+            raise ValueError(f"document_ids {tuple(document_ids.shape)} must match input_ids "
+                             f"{tuple(tokens_BS.shape)}: one document index per token.")
+        documents = DocumentMask(document_ids)  # built once, shared by every layer
+        if position_ids is None:
+            position_ids = document_positions(document_ids)
+    if position_ids is None:
+        position_ids = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+    cos, sin = rotary_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+    return cos, sin, documents
+
+
+def _run_layers(layers: Iterable[nn.Module], h_BSD: Tensor, cos: Tensor, sin: Tensor,
+                documents: Optional[DocumentMask]) -> Tensor:
+    for layer in layers:
+        h_BSD = layer(h_BSD, cos, sin) if documents is None else layer(h_BSD, cos, sin, documents=documents)
+    return h_BSD
+
+
+class DecoderChunk(nn.Module):
+    """A run of `MoEDecoder` blocks that one pipeline stage executes (`MoEDecoder.pipeline_chunk`).
+
+    ``forward(x, labels, position_ids=None, document_ids=None)``: ``x`` is ``input_ids [B, S]``
+    on the first chunk (which holds the embedding) and the previous chunk's hidden states
+    ``[B, S_local, D]`` otherwise (``S_local = S / TP`` under sequence parallelism); ``labels
+    [B, S]`` give every chunk the sequence length (rotary positions) and the last chunk its loss.
+    Returns the hidden states, or on the last chunk the fp32 SUM of the token cross-entropies
+    (0-dim): the pipeline divides by the batch's labelled tokens. The modules are the decoder's
+    own (not copies), so the decoder's state dict and parameter names are unchanged.
+    """
+
+    def __init__(self, cfg: ModelConfig, blocks: list[nn.Module], embed_tokens: Optional[nn.Module],
+                 norm: Optional[nn.Module], lm_head: Optional[nn.Module]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(blocks)
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, x: Tensor, labels: Tensor, position_ids: Optional[Tensor] = None,
+                document_ids: Optional[Tensor] = None) -> Tensor:
+        cos, sin, documents = _rotary_and_documents(self.config, labels, position_ids, document_ids)
+        h_BSD = self.embed_tokens(x) if self.embed_tokens is not None else x
+        h_BSD = _run_layers(self.layers, h_BSD, cos, sin, documents)
+        if self.norm is None:
+            return h_BSD
+        logits_BSV = self.lm_head(self.norm(h_BSD))
+        tokens = (labels != IGNORE_INDEX).sum()
+        return causal_lm_loss(logits_BSV, labels).float() * tokens
 
 
 def causal_lm_loss(logits_BSV: Tensor, labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:

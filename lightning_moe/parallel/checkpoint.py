@@ -123,6 +123,16 @@ def saved_prefixes(path: Path) -> set[str]:
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
+def nested_optimizer_groups(path: Path, prefix: str) -> bool:
+    """Whether the optimizer state under ``prefix`` ("optimizer_0") was saved with torch's nested
+    param groups (a list of groups naming their parameters, written by one rank), rather than
+    flattened (`StateDictOptions(flatten_optimizer_state_dict=True)`: every hyperparameter keyed by
+    its parameter's name). Only the flattened form loads into another pipeline split: a nested
+    group lists the parameters of the saving rank's stage only."""
+    metadata = _read_metadata(resolve_checkpoint(Path(path)))
+    return any(key.startswith(f"{prefix}.param_groups.") and key.endswith(".params") for key in metadata.state_dict_metadata)
+
+
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move ``src`` to ``dst``; an existing ``dst`` is moved aside first and removed after."""
     old = None

@@ -11,6 +11,9 @@ is in README.md, "How gradients are reduced"):
 - expert parameters (DTensors ``Shard(0)`` over EP): the all-to-all backward already brings
   every EP peer's contribution, so the correct gradient is the SUM over EDP divided by DP x CP
   (FSDP's EDP average times EDP / (DP x CP), Megatron's expert-gradient factor).
+
+Under pipeline parallelism each stage holds distinct parameters: the global norm adds the
+stages' sums of squares (max for the inf-norm) over the pipeline group.
 """
 
 from __future__ import annotations
@@ -105,17 +108,25 @@ def _shard_groups(t: Tensor) -> list[dist.ProcessGroup]:
 
 
 @torch.no_grad()
-def global_grad_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> Tensor:
+def global_grad_norm(
+    params: Iterable[torch.nn.Parameter],
+    norm_type: float = 2.0,
+    pipeline_group: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
+) -> Tensor:
     """The norm of ALL gradients as one vector, whatever mesh each lives on.
 
     Local shards are reduced per (set of shard groups): sum of squares (or max for inf)
     over the groups across which a DTensor is sharded; replicated tensors are counted once.
-    One all-reduce per distinct group set, not per parameter.
+    One all-reduce per distinct group set, not per parameter. ``pipeline_group``: the ranks
+    holding the other pipeline stages (disjoint parameters), whose parts are added in one more
+    all-reduce, which every rank of it joins even without gradients; ``device``: where the norm
+    lives when this rank has none.
     """
     grads = grads_of(params)
-    if not grads:
+    if not grads and pipeline_group is None:
         return torch.zeros(())
-    device = _local(grads[0]).device
+    device = _local(grads[0]).device if grads else (device or torch.device("cpu"))
     by_groups: dict[tuple, list[Tensor]] = defaultdict(list)
     group_objs: dict[tuple, list[dist.ProcessGroup]] = {}
     for g in grads:
@@ -132,19 +143,26 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.
         for group in group_objs[key]:
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
         total = torch.maximum(total, part) if inf else total + part
+    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pipeline_group)
     return total if inf else total.pow(1.0 / norm_type)
 
 
 @torch.no_grad()
 def clip_grads_by_global_norm(
-    params: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pipeline_group: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
 ) -> Tensor:
-    """Scale all gradients so their global norm is at most ``max_norm``; returns the norm.
+    """Scale all gradients so their global norm (over every pipeline stage with
+    ``pipeline_group``) is at most ``max_norm``; returns the norm.
 
     The clip coefficient is applied on the device (``clamp``), so clipping needs no host sync.
     """
     params = list(params)
-    total = global_grad_norm(params, norm_type)
+    total = global_grad_norm(params, norm_type, pipeline_group, device)
     coeff = (max_norm / (total + 1e-6)).clamp(max=1.0)
     grads = [_local(g) for g in grads_of(params)]
     if grads:

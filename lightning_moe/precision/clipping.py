@@ -17,6 +17,7 @@ from __future__ import annotations
 from lightning.pytorch.plugins import precision as lightning_precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -34,6 +35,8 @@ class GlobalNormClipping(lightning_precision.Precision):
     """
 
     last_grad_norm: Tensor | None = None
+    # Set by `MegatronMoEStrategy` under pipeline parallelism: the norm adds every stage's share.
+    pipeline_group: ProcessGroup | None = None
 
     @override
     def clip_gradients(
@@ -50,7 +53,9 @@ class GlobalNormClipping(lightning_precision.Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val))
+        device = params[0].device if params else None
+        self.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val), pipeline_group=self.pipeline_group,
+                                                        device=device)
 
 
 class Precision(GlobalNormClipping):

@@ -23,6 +23,7 @@ from lightning_moe.layout import ParallelLayout
 from lightning_moe.nn.compute_weights import ComputeWeightCache
 from lightning_moe.parallel import checkpoint as ckpt
 from lightning_moe.parallel import context_parallel as cp_attention
+from lightning_moe.parallel import pipeline as pp_split
 from lightning_moe.parallel.fsdp import (
     expert_params,
     mixed_precision_policy,
@@ -66,7 +67,16 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             ``i`` and ``2CP-1-i``; `lightning_moe.parallel.context_parallel`). The strategy shards the
             batch's sequence tensors and makes every attention with ``set_context_parallel`` attend
             across the CP group.
-        pipeline_parallel_size: PP (accepted by the layout; execution not implemented yet: raises).
+        pipeline_parallel_size: PP, the model split into this many stages by its blocks (balanced by
+            parameter and FLOP count; embeddings on the first stage, final norm and output projection on
+            the last), run by a torch pipeline schedule (`lightning_moe.parallel.pipeline`). Each stage
+            is folded into its own TP x DP and ETP x EP x EDP grids. The model needs the split hook
+            (`lightning_moe.parallel.pipeline`; the reference `MoEDecoder` has it), and its training
+            and validation steps compute the loss with ``model.loss(...)``: under PP that call runs
+            the schedule (forward and backward in training) on the batch cut into
+            ``pipeline_microbatches`` micro-batches and returns the batch's token-mean loss
+            (detached; computed on the last stage, broadcast to every rank); Lightning's backward
+            then only runs the hooks. ``accumulate_grad_batches`` still accumulates over batches.
         expert_parallel_size: EP, experts split over this many ranks (folded over TP x CP x DP).
         expert_tensor_parallel_size: ETP, each expert's weights split over this many ranks.
         data_parallel_size: "auto" (derived) or an explicit DP that must match the world size.
@@ -93,6 +103,13 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             same gradients; but for those micro-batches autograd hands those parameters no
             gradient: ``register_hook`` hooks on them receive None (post-accumulate-grad hooks
             still run and see the updated ``.grad``). Off by default for that reason.
+        pipeline_schedule: "1f1b" (default; one stage per rank), "interleaved_1f1b" (with
+            ``virtual_pipeline_size`` chunks per rank, Megatron's virtual stages) or "gpipe".
+        virtual_pipeline_size: chunks per pipeline rank (default 1); > 1 needs "interleaved_1f1b".
+            Rank ``r`` runs chunks ``r, r + PP, ...`` of the ``PP x V`` chunks.
+        pipeline_microbatches: micro-batches each batch is cut into for the schedule (the
+            micro-batches of one optimizer step, with ``accumulate_grad_batches=1``); None: PP.
+            The batch size must be a multiple of it.
         print_layout: print the layout/backends table once on rank 0.
         process_group_backend / timeout: passed to ``init_process_group``.
 
@@ -122,6 +139,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cache_weight_casts: bool = True,
         accumulate_grads_in_place: bool = False,
+        pipeline_schedule: pp_split.PipelineSchedule = "1f1b",
+        virtual_pipeline_size: int = 1,
+        pipeline_microbatches: int | None = None,
         print_layout: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
@@ -161,6 +181,15 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             raise ValueError("accumulate_grads_in_place=True adds gradients inside the cached weight casts: "
                              "set cache_weight_casts=True, or leave accumulate_grads_in_place off.")
         self.cache_weight_casts = cache_weight_casts
+        self._check_pipeline_options(pipeline_parallel_size, pipeline_schedule, virtual_pipeline_size,
+                                     pipeline_microbatches)
+        self.pipeline_schedule = pipeline_schedule
+        self.virtual_pipeline_size = virtual_pipeline_size
+        self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
+        self._pipeline: pp_split.PipelineRunner | None = None
+        self._pipeline_plan: pp_split.PipelinePlan | None = None
+        self._pipeline_blocks: list[str] = []
+        self._pipeline_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self.accumulate_grads_in_place = accumulate_grads_in_place
         self._weight_casts = ComputeWeightCache(accumulate_grads_in_place=accumulate_grads_in_place)
         self.print_layout = print_layout
@@ -215,6 +244,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             constraints = dict(declare())
         num_moe_layers = constraints.pop("num_moe_layers", None)
         context_parallel_attention = constraints.pop("context_parallel_attention", None)
+        num_layers = constraints.pop("num_layers", None)
+        tied_embeddings = constraints.pop("tie_word_embeddings", None)
         layout = ParallelLayout(world_size=world_size, **self.sizes, **constraints)
         if layout.context_parallel_size > 1 and context_parallel_attention is False:
             raise ValueError(self._no_context_parallel_attention("the module declares attention without it"))
@@ -225,11 +256,44 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 "(tensor parallelism and FSDP apply), or upcycle it first (lightning_moe.models.upcycle)."
             )
         if layout.pipeline_parallel_size > 1:
-            raise ValueError(
-                "pipeline_parallel_size > 1 is accepted by ParallelLayout but pipeline execution is not "
-                "implemented in MegatronMoEStrategy yet: set pipeline_parallel_size=1 (use EP/TP/FSDP)."
-            )
+            self._check_pipeline_layout(layout, num_layers, tied_embeddings)
         return layout
+
+    @staticmethod
+    def _check_pipeline_options(pp: int, schedule: str, virtual: int, microbatches: int | None) -> None:
+        if schedule not in pp_split.PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule={schedule!r}: choose one of {pp_split.PIPELINE_SCHEDULES}.")
+        if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+            raise ValueError(f"virtual_pipeline_size={virtual!r} must be an int >= 1.")
+        if virtual > 1 and schedule != "interleaved_1f1b":
+            raise ValueError(f"virtual_pipeline_size={virtual} needs pipeline_schedule='interleaved_1f1b' "
+                             f"(got {schedule!r}), or set virtual_pipeline_size=1.")
+        if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                         or microbatches < 1):
+            raise ValueError(f"pipeline_microbatches={microbatches!r} must be an int >= 1 or None (= PP).")
+        if schedule == "1f1b" and microbatches is not None and isinstance(pp, int) and microbatches < pp:
+            raise ValueError(f"pipeline_schedule='1f1b' needs pipeline_microbatches >= pipeline_parallel_size "
+                             f"({microbatches} < {pp}): raise pipeline_microbatches to at least {pp}.")
+
+    def _check_pipeline_layout(self, layout: ParallelLayout, num_layers: int | None, tied: bool | None) -> None:
+        """Pipeline combinations refused before any collective, each naming the fix."""
+        pp, virtual = layout.pipeline_parallel_size, self.virtual_pipeline_size
+        if num_layers is not None and pp * virtual > num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual} = {pp * virtual} pipeline chunks but "
+                f"the model has {num_layers} blocks: every chunk needs at least one block. Lower them so that "
+                f"their product is at most {num_layers}."
+            )
+        if tied:
+            raise ValueError(
+                "pipeline_parallel_size > 1 with tie_word_embeddings=True (the embedding and the output projection "
+                "live on different stages) is not supported: set tie_word_embeddings=False or pipeline_parallel_size=1."
+            )
+        if layout.context_parallel_size > 1:
+            raise ValueError(
+                "pipeline_parallel_size > 1 with context_parallel_size > 1 is not supported yet: set "
+                "context_parallel_size=1 (or pipeline_parallel_size=1)."
+            )
 
     @override
     def setup_environment(self) -> None:
@@ -285,11 +349,16 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self._pipeline is not None:
+            self._check_pipeline_setup(trainer)
+            # the global gradient norm sums every stage's share
+            self.precision_plugin.pipeline_group = self.layout.mesh("pp").get_group()
         if self.print_layout and self.global_rank == 0:
             self.layout.print_summary(self.backend_summary())
 
     def _parallelize(self, model: torch.nn.Module, trainer: Any) -> None:
         layout = self.layout
+        splittable, chunks = self._split_pipeline(model) if layout.pipeline_parallel_size > 1 else (None, [])
         layers = moe_layers(model)
         self._validate_model(model, layers)
         accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1)))
@@ -332,11 +401,67 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             ignored = moe_replicated_params(model)
             if not self._experts_fsdp:
                 ignored += expert_params(model)
-            wrapped = shard_dense(model, layout.mesh(self._dense_mesh_name), mp_policy, self.reshard_after_forward, ignored)
+            mesh = layout.mesh(self._dense_mesh_name)
+            if chunks:  # the pipeline calls its chunks: they are the FSDP roots, around their blocks
+                blocks = [splittable.get_submodule(name) for name in self._pipeline_blocks]
+                wrapped = pp_split.shard_chunks(chunks, blocks, mesh, mp_policy, self.reshard_after_forward, ignored)
+            else:
+                wrapped = shard_dense(model, mesh, mp_policy, self.reshard_after_forward, ignored)
             self._dense_fsdp = True
             # The LightningModule itself is never wrapped: its own parameters (and any module
             # FSDP skipped) are all-reduced by finalize_gradients like in "ddp" mode.
             self._fsdp_managed = {p for module in wrapped for p in module.parameters()} | set(ignored)
+        if chunks:
+            self._pipeline = pp_split.PipelineRunner(
+                chunks, self._pipeline_plan, layout.rank_in_group("pp", dist.get_rank()), layout.mesh("pp").get_group(),
+                self.root_device, self.pipeline_schedule, self.pipeline_microbatches,
+                hidden_size=int(splittable.config.hidden_size),
+                seq_divisor=tp if tp > 1 and self.sequence_parallel else 1,
+                boundary_dtype=self._pipeline_boundary_dtype(precision, mp_policy),
+            )
+            splittable.pipeline_runner = self._pipeline
+
+    def _check_pipeline_setup(self, trainer: Any) -> None:
+        from lightning_moe.callbacks.moe_monitor import MoEMonitor
+
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("pipeline_parallel_size > 1 with a GradScaler (precision='16-mixed') is not supported: "
+                             "use precision='bf16-mixed' or '32-true', or pipeline_parallel_size=1.")
+        if any(isinstance(cb, MoEMonitor) for cb in getattr(trainer, "callbacks", None) or []):
+            raise ValueError("MoEMonitor with pipeline_parallel_size > 1 is not supported yet (its statistics are "
+                             "gathered over all ranks, whose stages hold different MoE layers): remove the "
+                             "MoEMonitor callback, or set pipeline_parallel_size=1.")
+
+    def _split_pipeline(self, model: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+        """Prune the model to this rank's pipeline chunks (before any other parallelization) and
+        return (the module with the split hook, this rank's chunks in stage order)."""
+        layout = self.layout
+        splittable = pp_split.find_splittable(model)
+        if splittable is None:
+            raise ValueError(
+                "pipeline_parallel_size > 1 needs a model with the pipeline split hook (pipeline_layers, "
+                "pipeline_edge_modules, pipeline_prune, pipeline_chunk; see lightning_moe.parallel.pipeline), which "
+                "the reference MoEDecoder has: implement it in your model, or set pipeline_parallel_size=1."
+            )
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("pipeline_parallel_size > 1 runs the backward inside model.loss(...), which manual "
+                             "optimization cannot drive: use automatic optimization, or pipeline_parallel_size=1.")
+        plan = pp_split.plan_split(splittable, layout.pipeline_parallel_size, self.virtual_pipeline_size)
+        pp_rank = layout.rank_in_group("pp", dist.get_rank())
+        self._pipeline_plan = plan
+        self._pipeline_blocks = sorted(plan.layers_of(pp_rank), key=splittable.pipeline_layers().index)
+        return splittable, pp_split.split_model(splittable, plan, pp_rank)
+
+    def _pipeline_boundary_dtype(self, precision: str, mp_policy: Any) -> torch.dtype:
+        """The dtype of the hidden states between stages: FSDP's compute dtype where it casts the
+        dense parameters, else the parameters' dtype under this precision (fp32 masters under
+        "32-true" and mixed precision)."""
+        layout = self.layout
+        if self.sharding == "fsdp" and layout.data_parallel_size > 1 and mp_policy.param_dtype is not None:
+            return mp_policy.param_dtype
+        return {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}.get(
+            precision, torch.float32
+        )
 
     @property
     def _dense_mesh_name(self) -> str:
@@ -418,6 +543,11 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         out["expert params"] = (
             f"{self.expert_sharding} over EDP" if self.layout.expert_data_parallel_size > 1 else "local (EDP=1)"
         )
+        if self._pipeline is not None:
+            plan = self._pipeline_plan
+            out["pipeline"] = (f"{self.pipeline_schedule}, {plan.num_stages} stages x {plan.virtual_stages} virtual, "
+                               f"{self.pipeline_microbatches} micro-batches per batch")
+            out["pipeline split"] = plan.describe()
         out["process group"] = str(self._process_group_backend)
         out["precision"] = precision_description(self.precision_plugin)
         # Callbacks that change how the step runs name it here (CUDAGraphs: what it captures).
@@ -431,6 +561,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_training_step(*args, **kwargs)
         if self.layout.context_parallel_size > 1:
             return self._context_parallel_training_step(*args, **kwargs)
         return self._training_step(*args, **kwargs)
@@ -471,6 +603,62 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if isinstance(out, dict):
             return {**out, "loss": loss}
         return loss
+
+    def _pipeline_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's step, whose ``model.loss(...)`` runs the pipeline schedule (forward and backward).
+
+        Every pipeline micro-batch is a micro-batch of the optimizer step: its aux losses get
+        ``1 / (accumulate x micro-batches)`` (x CP) as their gradient scale, like its share of the task loss.
+        """
+        runner = self._pipeline
+        assert runner is not None
+        accumulate = max(1, int(getattr(self.lightning_module.trainer, "accumulate_grad_batches", 1)))
+        runner.accumulate = accumulate
+        for layer in moe_layers(self.model):
+            layer.router.aux_loss_scale = self._aux_loss_scale(accumulate) / runner.microbatches
+        runs = runner.runs
+        trainer = self.lightning_module.trainer
+        params = list(self.model.parameters())
+        if trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0:
+            # Lightning zeroes the gradients of a window's first batch after training_step, before its
+            # backward; here the backward runs inside training_step, so they are zeroed before it.
+            for p in params:
+                p.grad = None
+        out = self._training_step(*args, **kwargs)
+        # Kept aside until `backward` (after Lightning's zero_grad), which puts them back.
+        self._pipeline_grads = [(p, p.grad) for p in params]
+        for p in params:
+            p.grad = None
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if runner.runs != runs + 1 or not runner.last_run_trained:
+            raise RuntimeError(
+                "under pipeline_parallel_size > 1 a training_step computes its loss with exactly one "
+                "model.loss(...) call with gradients enabled (it runs the pipeline schedule, forward and backward); "
+                f"this one ran {runner.runs - runs}: compute the loss through model.loss, or set pipeline_parallel_size=1."
+            )
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            raise RuntimeError(
+                "under pipeline_parallel_size > 1 the backward runs inside model.loss(...); the training_step returned "
+                "a loss with a gradient graph of its own, whose backward would not run: return the loss model.loss "
+                "returned (add extra loss terms inside the model), or set pipeline_parallel_size=1."
+            )
+        return out
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The pipeline schedule ran forward and backward inside training_step: only the hooks run here,
+        # and the gradients it made come back.
+        for p, grad in self._pipeline_grads:
+            p.grad = grad
+        self._pipeline_grads = []
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def _shard_batch(self, batch: Any) -> Any:
         """This CP rank's load-balanced shard of the batch's sequence tensors (``[B, S, ...]``:
@@ -696,11 +884,16 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 # the state dict's template needs the optimizer's state: made by a step (of zero
                 # gradients), which for mixed groups must run kind by kind
                 init_state_by_tensor_kind(optimizer)
-            sharded[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer)
+            # checkpoints written before optimizer states were saved flattened load as they were
+            nested = ckpt.nested_optimizer_groups(path, f"optimizer_{idx}")
+            flat = StateDictOptions(flatten_optimizer_state_dict=not nested)
+            sharded[f"optimizer_{idx}"] = get_optimizer_state_dict(self.model, optimizer, options=flat)
         meta = ckpt.load_distributed(sharded, path, weights_only=True if weights_only is None else weights_only)
         set_model_state_dict(self.model, sharded["state_dict"], options=options)
         for idx, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(self.model, optimizer, sharded[f"optimizer_{idx}"], options=options)
+            nested = ckpt.nested_optimizer_groups(path, f"optimizer_{idx}")
+            set_optimizer_state_dict(self.model, optimizer, sharded[f"optimizer_{idx}"],
+                                     options=dataclasses.replace(options, flatten_optimizer_state_dict=not nested))
         return meta
 
     def export_consolidated(self, path: str | Path) -> None:
@@ -721,14 +914,17 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         from lightning.pytorch.core.optimizer import LightningOptimizer
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
         if self._steps_by_kind(optimizer):
             init_state_by_tensor_kind(optimizer)  # as in `load_checkpoint` (a save before the first step)
-        return get_optimizer_state_dict(self.model, optimizer)
+        # Flattened: every hyperparameter keyed by its parameter's name, so the state loads into any
+        # pipeline split (nested param groups would list the saving rank's stage only).
+        return get_optimizer_state_dict(self.model, optimizer,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

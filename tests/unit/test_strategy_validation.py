@@ -22,7 +22,11 @@ def _setup(strategy, devices=4, config="tiny"):
         (dict(expert_parallel_size=3), "divide|divisible"),
         (dict(expert_parallel_size=4, expert_tensor_parallel_size=2), "divide|divisible"),
         (dict(data_parallel_size=3), "data_parallel_size"),
-        (dict(pipeline_parallel_size=2), "pipeline"),
+        (dict(pipeline_parallel_size=3), "divide|divisible"),
+        # tiny has 4 blocks: 4 stages x 2 virtual = 8 chunks cannot each hold one
+        (dict(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2),
+         "8 pipeline chunks but the model has 4 blocks"),
+        (dict(pipeline_parallel_size=2, context_parallel_size=2), "context_parallel_size=1"),
         (dict(context_parallel_size=3), "context_parallel_size .* does not divide"),
     ],
 )
