@@ -79,6 +79,7 @@ def train(
     resume: Optional[str] = None,
     whole_batches: bool = False,
     validate: bool = False,
+    accumulate_batches: int = 1,
 ) -> Optional[dict]:
     """One run (``world_size`` ranks; ``strategy_kwargs`` without pipeline sizes is the reference:
     call it with ``world_size=1, dp=1`` and ``microbatches = M x dp`` accumulated micro-batches).
@@ -86,7 +87,9 @@ def train(
     run ``steps`` more steps. ``whole_batches``: a run without pipeline reads each step's
     micro-batches as one batch (no accumulation, whose batch counters Lightning does not realign
     on a resume mid-epoch). ``validate``: after training, ``trainer.validate`` on 2 batches of
-    ``microbatches`` micro-batches each (whole batches in every run), its ``val/loss`` returned."""
+    ``microbatches`` micro-batches each (whole batches in every run), its ``val/loss`` returned.
+    ``accumulate_batches``: a pipeline run accumulates gradients over this many batches per step
+    (Lightning's ``accumulate_grad_batches``; the reference then takes ``A x M x dp`` micro-batches)."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -97,12 +100,12 @@ def train(
     config = config or tiny_config()
     pipelined = strategy_kwargs.get("pipeline_parallel_size", 1) > 1
     batched = pipelined or whole_batches
-    accumulate = 1 if batched else microbatches
+    accumulate = accumulate_batches if pipelined else 1 if batched else microbatches
     start = 0
     if resume is not None:
         start = int(torch.load(f"{resume}/meta.pt", weights_only=True)["global_step"])
     # one fixed data set, whatever the run's length: a resumed run reads the items after the saved run's
-    micro = MicroBatches(max(64, (start + steps) * microbatches * dp))
+    micro = MicroBatches(max(64, (start + steps) * accumulate_batches * microbatches * dp))
     strategy = MegatronMoEStrategy(print_layout=False, **strategy_kwargs)
     losses: list[float] = []
 
@@ -120,7 +123,9 @@ def train(
     dp_rank = dp_rank_of(strategy_kwargs, rank, world_size)
     if batched:
         data = PipelineBatches(micro, microbatches, dp, dp_rank)
-        loader = DataLoader(data, batch_size=None, sampler=list(range(start, start + steps)))
+        batches_per_step = accumulate_batches if pipelined else 1
+        first, last = start * batches_per_step, (start + steps) * batches_per_step
+        loader = DataLoader(data, batch_size=None, sampler=list(range(first, last)))
     else:
         first = start * microbatches
         loader = DataLoader(micro, batch_size=None, sampler=list(range(first, first + steps * microbatches)))

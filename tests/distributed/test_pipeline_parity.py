@@ -72,6 +72,17 @@ def test_pipeline_matches_one_process(layout):
     _assert_matches(result, ref, _dp_ranks(world, kwargs))
 
 
+def test_pipeline_under_gradient_accumulation():
+    """accumulate_grad_batches=2 over batches of 2 pipeline micro-batches equals 4 accumulated
+    micro-batches in one process: the gradients of both batches add up, clipped by one norm."""
+    clip = 0.05
+    result = run_distributed(train, 2, dict(pipeline_parallel_size=2), 1, STEPS, 2, CONFIG, clip, 0.5, None, None,
+                             False, False, 2, timeout=180)[0]
+    ref = reference(4, clip)
+    assert ref["grad_norm"] > clip and result["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5)
+    _assert_matches(result, ref, [0])
+
+
 def test_checkpoint_resumes_across_pipeline_sizes(tmp_path):
     """PP2 trains 2 steps and saves; PP1 (one process) and PP4 resume it for a third step, which
     equals the third step of an uninterrupted one-process run (losses, gradients, parameters).

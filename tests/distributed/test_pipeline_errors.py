@@ -1,0 +1,63 @@
+"""Pipeline combinations not supported fail on every rank alike with a message naming the fix
+(2 gloo processes, pipeline_parallel_size=2)."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from _launch import run_distributed
+from _parity import MicroBatches, tiny_config
+
+
+def _fit(rank, world_size, scenario):
+    import lightning as L
+
+    from lightning_moe import MegatronMoEStrategy
+    from lightning_moe.callbacks import MoEMonitor
+    from lightning_moe.models.lightning_module import MoELanguageModel
+
+    class NoHook(L.LightningModule):
+        def configure_model(self):
+            self.model = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch["input_ids"]).float().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class ExtraTerm(MoELanguageModel):
+        def training_step(self, batch, batch_idx):
+            loss = self.model.loss(batch["input_ids"], batch["labels"])
+            return loss + 1e-3 * sum(p.square().sum() for p in self.model.parameters())
+
+    callbacks = []
+    if scenario == "no_hook":
+        module = NoHook()
+    elif scenario == "extra_term":
+        module = ExtraTerm(tiny_config())
+    else:
+        module, callbacks = MoELanguageModel(tiny_config()), [MoEMonitor()]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=MegatronMoEStrategy(pipeline_parallel_size=2, print_layout=False),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=callbacks, num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(module, DataLoader(MicroBatches(2), batch_size=None))
+    except (ValueError, RuntimeError) as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize(
+    "scenario,needle",
+    [
+        ("no_hook", "needs a model with the pipeline split hook"),
+        ("extra_term", "a loss with a gradient graph of its own"),
+        ("moe_monitor", "remove the MoEMonitor callback, or set pipeline_parallel_size=1"),
+    ],
+)
+def test_refused_on_every_rank(scenario, needle):
+    messages = run_distributed(_fit, 2, scenario, timeout=120)
+    assert all(message is not None and needle in message for message in messages), messages
