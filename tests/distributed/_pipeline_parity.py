@@ -80,6 +80,8 @@ def train(
     whole_batches: bool = False,
     validate: bool = False,
     accumulate_batches: int = 1,
+    accelerator: str = "cpu",
+    precision: str = "32-true",
 ) -> Optional[dict]:
     """One run (``world_size`` ranks; ``strategy_kwargs`` without pipeline sizes is the reference:
     call it with ``world_size=1, dp=1`` and ``microbatches = M x dp`` accumulated micro-batches).
@@ -89,7 +91,8 @@ def train(
     on a resume mid-epoch). ``validate``: after training, ``trainer.validate`` on 2 batches of
     ``microbatches`` micro-batches each (whole batches in every run), its ``val/loss`` returned.
     ``accumulate_batches``: a pipeline run accumulates gradients over this many batches per step
-    (Lightning's ``accumulate_grad_batches``; the reference then takes ``A x M x dp`` micro-batches)."""
+    (Lightning's ``accumulate_grad_batches``; the reference then takes ``A x M x dp`` micro-batches).
+    ``accelerator`` / ``precision``: the Trainer's (the GPU test runs "cuda", "bf16-mixed")."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -114,8 +117,8 @@ def train(
             losses.append(float(outputs["loss"].detach()) * trainer.accumulate_grad_batches)
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=start + steps,
-        accumulate_grad_batches=accumulate, gradient_clip_val=clip, precision="32-true",
+        accelerator=accelerator, devices=world_size, strategy=strategy, max_steps=start + steps,
+        accumulate_grad_batches=accumulate, gradient_clip_val=clip, precision=precision,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[Record()], num_sanity_val_steps=0,
     )
