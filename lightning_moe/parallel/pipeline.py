@@ -220,7 +220,8 @@ class PipelineRunner:
 
     ``runner(x, labels=labels, **kwargs)`` splits the batch into ``microbatches`` micro-batches
     (dim 0), runs the schedule (forward and backward when gradients are enabled, forward only
-    otherwise) and returns the batch's token-mean loss on every rank (computed on the last
+    otherwise: validation batches, whose last may be smaller, are cut into the most micro-batches
+    up to ``microbatches`` that divide them, run by GPipe or the interleaved schedule) and returns the batch's token-mean loss on every rank (computed on the last
     stage, broadcast over the pipeline group). The stages' boundary tensors are declared
     statically: ``[B / microbatches, S / seq_divisor, hidden]`` of ``boundary_dtype``, so no
     metadata forward runs (it would count router tokens and accumulate gradients).
@@ -270,7 +271,8 @@ class PipelineRunner:
         )
 
         batch, seq = labels.shape[:2]
-        micro = batch // self.microbatches
+        microbatches = self.microbatches if training else self._eval_microbatches(batch)
+        micro = batch // microbatches
         key = (training, tuple(x.shape), x.dtype, tuple(labels.shape))
         if key in self._compiled:
             return self._compiled[key]
@@ -286,10 +288,10 @@ class PipelineRunner:
                 input_args=(first_input if first else hidden,), output_args=(loss if last else hidden,),
                 group=self.pp_group,
             ))
-        kwargs = dict(n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+        kwargs = dict(n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
         if self.schedule_name == "interleaved_1f1b":
             schedule = ScheduleInterleaved1F1B(stages, **kwargs)
-        elif self.schedule_name == "1f1b":
+        elif self.schedule_name == "1f1b" and training:
             schedule = Schedule1F1B(stages[0], **kwargs)
         else:
             schedule = ScheduleGPipe(stages[0], **kwargs)
@@ -297,14 +299,23 @@ class PipelineRunner:
         self._compiled[key] = _Compiled(schedule, last_chunk)
         return self._compiled[key]
 
+    def _eval_microbatches(self, batch: int) -> int:
+        """The most micro-batches, up to ``microbatches``, that divide ``batch`` (and, for the
+        interleaved schedule, split evenly into its rounds of ``P`` micro-batches)."""
+        for m in range(min(self.microbatches, batch), 0, -1):
+            rounds = max(1, m // self.plan.num_stages)
+            if batch % m == 0 and (self.schedule_name != "interleaved_1f1b" or m % rounds == 0):
+                return m
+        return 1
+
     def __call__(self, x: Tensor, *, labels: Tensor, **kwargs: Any) -> Tensor:
         batch = labels.shape[0]
-        if batch % self.microbatches:
+        training = torch.is_grad_enabled()
+        if training and batch % self.microbatches:
             raise ValueError(
                 f"a batch of {batch} sequences does not split into pipeline_microbatches={self.microbatches} "
                 f"equal micro-batches: make the batch size a multiple of {self.microbatches}."
             )
-        training = torch.is_grad_enabled()
         self.last_run_trained = training
         compiled = self._compile(x, labels, training)
         tensor_kwargs = {k: v for k, v in kwargs.items() if v is not None}

@@ -102,3 +102,30 @@ def test_checkpoint_resumes_across_pipeline_sizes(tmp_path):
     pp4 = run_distributed(train, 4, dict(pipeline_parallel_size=4), 1, 1, micro, config, None, 0.5, None, saved,
                           timeout=180)[0]
     _assert_matches(pp4, ref_last, [0])
+
+
+def _validate(rank, world_size, strategy_kwargs):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from _parity import MicroBatches, _module
+    from lightning_moe import MegatronMoEStrategy
+
+    torch.manual_seed(0)
+    items = MicroBatches(4, seed=11)
+    cat = [{k: torch.cat([items[i][k] for i in idx]) for k in ("input_ids", "labels")} for idx in ([0, 1], [2, 3])]
+    batches = [cat[0], {k: v[:3] for k, v in cat[1].items()}]  # 4 sequences, then 3
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False,
+                        strategy=MegatronMoEStrategy(print_layout=False, **strategy_kwargs))
+    return trainer.validate(_module(CONFIG, 0.5), DataLoader(batches, batch_size=None), verbose=False)[0]["val/loss"]
+
+
+def test_validation_batches_the_micro_batches_do_not_divide():
+    """A last validation batch of 3 sequences under pipeline_microbatches=2 runs as the most
+    micro-batches that divide it; the loss equals one process's."""
+    ref = run_distributed(_validate, 1, {}, timeout=120)[0]
+    for kwargs in (dict(pipeline_parallel_size=2, pipeline_microbatches=2),
+                   dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2,
+                        pipeline_microbatches=2)):
+        assert run_distributed(_validate, 2, kwargs, timeout=120) == [pytest.approx(ref, abs=1e-5)] * 2
