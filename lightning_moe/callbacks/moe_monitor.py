@@ -15,12 +15,20 @@ holds for DDP / FSDP. It does NOT hold for a strategy whose tensor-parallel rank
 tokens (e.g. Lightning's own ``ModelParallelStrategy`` with TP > 1 and a replicated MoE input):
 there the counts come out ``TP`` times too large, while ratios (load_max, load_cv, dropped_frac)
 stay right.
+
+Pipeline parallelism (a strategy with a ``pipeline_group``): each stage holds its own MoE layers.
+Every micro-batch the pipeline schedule runs inside one training step is added (a forward hook on
+each layer; forwards recomputed during a backward are not counted), the window's sums are reduced
+over the ranks of the stage (the strategy's ``stage_group``), and at a logging step the stages'
+reduced sums are gathered over the pipeline group, so every rank holds the statistics of every
+layer, as without stages.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -79,6 +87,17 @@ class RoutingWindow(Metric):
         if self.loss_names:
             self.loss_sums_LN += torch.stack([torch.stack(values) for values in losses]).float()
         self.num_updates += 1
+
+    def update_layer(self, layer: int, counts_E: Tensor, dropped: Tensor, losses: list[Tensor],
+                     new_micro_batch: bool) -> None:
+        """Add one micro-batch of one layer (the pipeline's per-layer forward hooks); the first
+        layer of the rank counts the micro-batch (``new_micro_batch``)."""
+        self.tokens_per_expert_LE[layer, : counts_E.numel()] += counts_E.to(torch.int64)
+        self.dropped_L[layer] += dropped.to(torch.int64)
+        if self.loss_names:
+            self.loss_sums_LN[layer] += torch.stack(losses).float()
+        if new_micro_batch:
+            self.num_updates += 1
 
     def compute(self) -> dict[str, Tensor]:
         return {
@@ -158,6 +177,10 @@ class MoEMonitor(Callback):
         self._layer_losses: list[set[str]] = []
         self._share_sizes: list[list[int]] = []
         self._every = 1
+        self._hooks: list[Any] = []
+        self._pending: list[tuple[int, Any, dict[str, Tensor]]] = []
+        self._pipeline_group: Any = None
+        self._stage_group: Any = None
         self._heatmap_every: Optional[int] = None
         self._last_step = 0
 
@@ -176,14 +199,52 @@ class MoEMonitor(Callback):
         self._layers = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoELayer)]
         self._window = None
         self._last_step = trainer.global_step
+        # Pipeline parallelism: the schedule runs several micro-batches per training step.
+        self._pipeline_group = getattr(trainer.strategy, "pipeline_group", None)
+        self._stage_group = getattr(trainer.strategy, "stage_group", None)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._pipeline_group is not None:
+            self._hooks = [layer.register_forward_hook(partial(self._on_layer_forward, i))
+                           for i, (_, layer) in enumerate(self._layers)]
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _on_layer_forward(self, index: int, layer: MoELayer, args: Any, output: Any) -> None:
+        # Training forwards only: not validation (no grad), nor a forward recomputed in backward.
+        if not (layer.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
+            return
+        # Kept (device tensors) until the step's micro-batches have run: the window's loss names
+        # are those every layer computed.
+        self._pending.append((index, layer.last_stats, dict(layer.router.latest_losses)))
+
+    def _accumulate_pending(self, device: torch.device) -> None:
+        if not self._pending:
+            return
+        if self._window is None:
+            self._window = self._new_window(device)
+        for index, stats, latest in self._pending:
+            names = self._layer_losses[index]
+            losses = [latest[n] if n in names else _zero_like(stats.num_dropped) for n in self._window.loss_names]
+            self._window.update_layer(index, stats.tokens_per_expert_E, stats.num_dropped, losses, index == 0)
+        self._pending = []
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._layers:
+        pipelined = self._pipeline_group is not None
+        if not self._layers and not pipelined:
             return
-        self._accumulate(pl_module.device)
+        if pipelined:
+            self._accumulate_pending(pl_module.device)
+        else:
+            self._accumulate(pl_module.device)
         if trainer.global_step == self._last_step:
             return  # still accumulating gradients: the optimizer step has not happened
         self._last_step = trainer.global_step
@@ -215,10 +276,16 @@ class MoEMonitor(Callback):
         # Set by the strategy at setup (before training), so fixed from here on.
         self._share_sizes = [[_share_group_size(layer, n) for n in loss_names] for _, layer in self._layers]
         num_experts = [layer.config.num_experts for _, layer in self._layers]
+        if self._pipeline_group is not None:  # summed over the stage's ranks, which hold the same layers
+            sync = dict(process_group=self._stage_group) if self._stage_group is not None else dict(sync_on_compute=False)
+            return RoutingWindow(num_experts, loss_names, **sync).to(device)
         return RoutingWindow(num_experts, loss_names).to(device)
 
     # ------------------------------------------------------------------ logging (syncs)
     def _log_window(self, trainer: Trainer) -> None:
+        if self._pipeline_group is not None:
+            self._log_pipeline_window(trainer)
+            return
         window = self._window
         assert window is not None
         # Collective over all ranks (torchmetrics all-gathers each state), then one
@@ -227,15 +294,69 @@ class MoEMonitor(Callback):
         # torchmetrics squeezes one-element results to 0-dim (one MoE layer, one loss): restore the shapes
         sums = {k: v.reshape(getattr(window, k).shape) for k, v in sums.items()}
         window.reset()
-        names = [name for name, _ in self._layers]
+        self._log_sums(trainer, sums, window.loss_names, window.num_experts, self._layers)
+
+    def _log_pipeline_window(self, trainer: Trainer) -> None:
+        """Reduce the window over the stage, then gather every stage's layers over the pipeline group."""
+        import torch.distributed as dist
+
+        part: dict[str, Any] = {"layers": []}
+        window = self._window
+        if window is not None:
+            # Collective over the stage's ranks, then one device-to-host copy (the logging step's sync).
+            sums = {k: v.detach().cpu() for k, v in window.compute().items()}
+            sums = {k: v.reshape(getattr(window, k).shape) for k, v in sums.items()}
+            window.reset()
+            part["num_updates"] = int(sums["num_updates"])
+            for i, (name, layer) in enumerate(self._layers):
+                bias = layer.router.expert_bias
+                part["layers"].append({
+                    "name": name,
+                    "counts": sums["tokens_per_expert_LE"][i, : window.num_experts[i]].clone(),
+                    "dropped": int(sums["dropped_L"][i]),
+                    "losses": {n: float(sums["loss_sums_LN"][i, j]) for j, n in enumerate(window.loss_names)
+                               if n in self._layer_losses[i]},
+                    "shares": {n: self._share_sizes[i][j] for j, n in enumerate(window.loss_names)},
+                    "bias": None if bias is None else bias.detach().float().cpu(),
+                })
+        # The stages' layers to every rank: one object all-gather over the pipeline group.
+        parts: list[Any] = [None] * dist.get_world_size(self._pipeline_group)
+        dist.all_gather_object(parts, part, group=self._pipeline_group)
+        layers = sorted((layer for p in parts for layer in p["layers"]), key=lambda r: _layer_order(r["name"]))
+        if not layers:
+            return
+        loss_names = sorted({n for layer in layers for n in layer["losses"]})
+        num_experts = [layer["counts"].numel() for layer in layers]
+        width = max(num_experts)
+        sums = {
+            "tokens_per_expert_LE": torch.stack([torch.nn.functional.pad(r["counts"], (0, width - r["counts"].numel()))
+                                                 for r in layers]),
+            "dropped_L": torch.tensor([r["dropped"] for r in layers], dtype=torch.int64),
+            "loss_sums_LN": torch.tensor([[r["losses"].get(n, 0.0) for n in loss_names] for r in layers]),
+            "num_updates": torch.tensor(max(p.get("num_updates", 0) for p in parts)),
+        }
+        layer_losses = [set(r["losses"]) for r in layers]
+        share_sizes = [[r["shares"].get(n, 1) for n in loss_names] for r in layers]
+        biases = [r["bias"] for r in layers]
+        self._log_sums(trainer, sums, loss_names, num_experts, [(r["name"], None) for r in layers], biases,
+                       (layer_losses, share_sizes))
+
+    def _log_sums(self, trainer: Trainer, sums: dict[str, Tensor], loss_names: list[str], num_experts: list[int],
+                  layers: list[tuple[str, Any]], biases: Optional[list[Optional[Tensor]]] = None,
+                  losses_and_shares: Optional[tuple[list[set[str]], list[list[int]]]] = None) -> None:
+        """Statistics of the reduced ``sums`` of ``layers`` (biases read from the layers unless given;
+        ``losses_and_shares``: each layer's loss names and share sizes, unless this rank's)."""
+        window = _WindowShape(loss_names, num_experts)
+        names = [name for name, _ in layers]
         self.tokens_per_expert = {
             name: sums["tokens_per_expert_LE"][i, : window.num_experts[i]].clone() for i, name in enumerate(names)
         }
-        self.metrics = self._statistics(sums, window)
+        self.metrics = self._statistics(sums, window, *(losses_and_shares or (self._layer_losses, self._share_sizes)))
         # Expert biases are identical on every rank (updated from reduced counts); reading
         # them is a device-to-host copy, done only here.
-        for name, layer in self._layers:
-            bias = layer.router.expert_bias
+        if biases is None:
+            biases = [layer.router.expert_bias for _, layer in layers]
+        for name, bias in zip(names, biases):
             if bias is not None:
                 bias = bias.detach().float().cpu()
                 self.metrics[f"{self.prefix}/{name}/expert_bias_min"] = float(bias.min())
@@ -245,7 +366,8 @@ class MoEMonitor(Callback):
             self.last_heatmap = self._heatmap_dir(trainer) / f"expert_load_step{trainer.global_step:08d}.png"
             _write_heatmap_rank_zero(self.last_heatmap, self.tokens_per_expert, trainer.global_step)
 
-    def _statistics(self, sums: dict[str, Tensor], window: RoutingWindow) -> dict[str, float]:
+    def _statistics(self, sums: dict[str, Tensor], window: Any, layer_losses: list[set[str]],
+                    share_sizes: list[list[int]]) -> dict[str, float]:
         out: dict[str, float] = {}
         p = self.prefix
         contributions = max(1, int(sums["num_updates"]))  # micro-batches x ranks
@@ -268,9 +390,9 @@ class MoEMonitor(Callback):
                 for e, c in enumerate(counts_E.tolist()):
                     out[f"{p}/{name}/tokens_per_expert/{e}"] = float(c)
             for j, loss_name in enumerate(window.loss_names):
-                if loss_name in self._layer_losses[i]:
+                if loss_name in layer_losses[i]:
                     # Shares of one micro-batch's loss add up within their group first.
-                    micro_batches = contributions / self._share_sizes[i][j]
+                    micro_batches = contributions / share_sizes[i][j]
                     out[f"{p}/{name}/{loss_name}"] = float(sums["loss_sums_LN"][i, j]) / micro_batches
             kept_total += kept
             dropped_total += dropped
@@ -286,6 +408,18 @@ class MoEMonitor(Callback):
             return Path(self.heatmap_dir)
         # The first logger's directory, else default_root_dir (a broadcast: every rank is here).
         return Path(trainer.log_dir or trainer.default_root_dir) / "moe_heatmaps"
+
+
+class _WindowShape:
+    """What `_statistics` reads of a window: its loss names and per-layer expert counts."""
+
+    def __init__(self, loss_names: list[str], num_experts: list[int]) -> None:
+        self.loss_names, self.num_experts = loss_names, num_experts
+
+
+def _layer_order(name: str) -> list[Any]:
+    """Sort key of module paths with their numbers compared as numbers ("layers.10" after "layers.9")."""
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
 
 
 def _share_group_size(layer: MoELayer, loss_name: str) -> int:

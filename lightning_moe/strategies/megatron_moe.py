@@ -422,15 +422,19 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             splittable.pipeline_runner = self._pipeline
 
     def _check_pipeline_setup(self, trainer: Any) -> None:
-        from lightning_moe.callbacks.moe_monitor import MoEMonitor
-
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError("pipeline_parallel_size > 1 with a GradScaler (precision='16-mixed') is not supported: "
                              "use precision='bf16-mixed' or '32-true', or pipeline_parallel_size=1.")
-        if any(isinstance(cb, MoEMonitor) for cb in getattr(trainer, "callbacks", None) or []):
-            raise ValueError("MoEMonitor with pipeline_parallel_size > 1 is not supported yet (its statistics are "
-                             "gathered over all ranks, whose stages hold different MoE layers): remove the "
-                             "MoEMonitor callback, or set pipeline_parallel_size=1.")
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the other pipeline stages of this rank's replica (None without PP)."""
+        return self.layout.mesh("pp").get_group() if self._pipeline is not None else None
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this rank's pipeline stage (all ranks without PP; None: this rank alone)."""
+        return self._group("stage")
 
     def _split_pipeline(self, model: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
         """Prune the model to this rank's pipeline chunks (before any other parallelization) and

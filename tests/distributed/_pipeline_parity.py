@@ -82,6 +82,7 @@ def train(
     accumulate_batches: int = 1,
     accelerator: str = "cpu",
     precision: str = "32-true",
+    monitor: bool = False,
 ) -> Optional[dict]:
     """One run (``world_size`` ranks; ``strategy_kwargs`` without pipeline sizes is the reference:
     call it with ``world_size=1, dp=1`` and ``microbatches = M x dp`` accumulated micro-batches).
@@ -92,12 +93,14 @@ def train(
     ``microbatches`` micro-batches each (whole batches in every run), its ``val/loss`` returned.
     ``accumulate_batches``: a pipeline run accumulates gradients over this many batches per step
     (Lightning's ``accumulate_grad_batches``; the reference then takes ``A x M x dp`` micro-batches).
-    ``accelerator`` / ``precision``: the Trainer's (the GPU test runs "cuda", "bf16-mixed")."""
+    ``accelerator`` / ``precision``: the Trainer's (the GPU test runs "cuda", "bf16-mixed").
+    ``monitor``: train with a `MoEMonitor` logging every step; its last metrics are returned."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from lightning_moe import MegatronMoEStrategy
+    from lightning_moe.callbacks import MoEMonitor
 
     torch.manual_seed(0)
     config = config or tiny_config()
@@ -120,7 +123,8 @@ def train(
         accelerator=accelerator, devices=world_size, strategy=strategy, max_steps=start + steps,
         accumulate_grad_batches=accumulate, gradient_clip_val=clip, precision=precision,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=[Record()], num_sanity_val_steps=0,
+        use_distributed_sampler=False, num_sanity_val_steps=0,
+        callbacks=[Record()] + ([MoEMonitor(log_every_n_steps=1)] if monitor else []),
     )
     model = _module(config, lr)
     dp_rank = dp_rank_of(strategy_kwargs, rank, world_size)
@@ -156,4 +160,4 @@ def train(
     for part in states:
         merged.update(part)
     return {"rank_losses": torch.stack(gathered).numpy(), "state": merged, "grads": grads, "grad_norm": norm,
-            "val_loss": val_loss}
+            "val_loss": val_loss, "monitor": dict(trainer.callbacks[1].metrics) if monitor else None}

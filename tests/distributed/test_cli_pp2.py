@@ -1,5 +1,6 @@
 """`lightning-moe fit` on 2 CPU processes with PP=2 (examples/configs/pp2_cpu.yaml): it trains,
-validates through the stages, writes directory checkpoints, and a run resumed with
+validates through the stages, logs MoEMonitor statistics of both stages' layers, writes
+directory checkpoints, and a run resumed with
 ``--ckpt_path`` continues the uninterrupted run's loss curve exactly (Lightning re-runs
 ``sys.argv`` for the second process, so the CLI runs as a subprocess)."""
 
@@ -20,6 +21,7 @@ STEPS, STEPS_PER_EPOCH = 4, 2
 OVERRIDES = """\
 trainer:
   callbacks:
+    - class_path: lightning_moe.callbacks.MoEMonitor
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{dirpath: "{ckpt}", every_n_epochs: 1, save_top_k: -1, save_last: link}}
 """
@@ -71,6 +73,9 @@ def test_pp2_cli_trains_checkpoints_and_resumes_exactly(tmp_path):
     assert sorted(losses) == list(range(STEPS))
     assert losses[STEPS - 1] < losses[0] - 0.3, losses  # it trains
     assert sorted(full["val/loss"]) == [STEPS_PER_EPOCH - 1, STEPS - 1]
+    # MoEMonitor: the MoE layers of both stages, every micro-batch counted (8 sequences x 32 tokens x top-2)
+    for layer in (1, 3):
+        assert full[f"moe/model.layers.{layer}.mlp/tokens"] == {s: 8 * 32 * 2 for s in range(STEPS)}
 
     _fit(tmp_path, "resumed", f"--ckpt_path={ckpt / step}")
     resumed = _metrics(tmp_path, "resumed")

@@ -13,7 +13,6 @@ def _fit(rank, world_size, scenario):
     import lightning as L
 
     from lightning_moe import MegatronMoEStrategy
-    from lightning_moe.callbacks import MoEMonitor
     from lightning_moe.models.lightning_module import MoELanguageModel
 
     class NoHook(L.LightningModule):
@@ -31,17 +30,11 @@ def _fit(rank, world_size, scenario):
             loss = self.model.loss(batch["input_ids"], batch["labels"])
             return loss + 1e-3 * sum(p.square().sum() for p in self.model.parameters())
 
-    callbacks = []
-    if scenario == "no_hook":
-        module = NoHook()
-    elif scenario == "extra_term":
-        module = ExtraTerm(tiny_config())
-    else:
-        module, callbacks = MoELanguageModel(tiny_config()), [MoEMonitor()]
+    module = NoHook() if scenario == "no_hook" else ExtraTerm(tiny_config())
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=MegatronMoEStrategy(pipeline_parallel_size=2, print_layout=False),
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=callbacks, num_sanity_val_steps=0,
+        use_distributed_sampler=False, num_sanity_val_steps=0,
     )
     try:
         trainer.fit(module, DataLoader(MicroBatches(2), batch_size=None))
@@ -55,7 +48,6 @@ def _fit(rank, world_size, scenario):
     [
         ("no_hook", "needs a model with the pipeline split hook"),
         ("extra_term", "a loss with a gradient graph of its own"),
-        ("moe_monitor", "remove the MoEMonitor callback, or set pipeline_parallel_size=1"),
     ],
 )
 def test_refused_on_every_rank(scenario, needle):

@@ -4,8 +4,9 @@ final parameters (fp32, atol 1e-5, the tolerance of the other layout-parity test
 The `_parity` model with 4 blocks (dense, then MoE with sigmoid routing, expert bias, aux loss
 and z-loss) is split into 2 or 4 stages, folded with EP, ETP, TP or FSDP inside the stages, or cut
 into 2 x 2 interleaved chunks; each batch runs as the schedule's micro-batches. One case clips by the
-global norm, which must span both stages. After training, every run validates (forward only
-through the stages) on the same batches.
+global norm, which must span both stages. Every run trains with a MoEMonitor (its last window's
+statistics are compared) and, after training, validates (forward only through the stages) on
+the same batches.
 """
 
 import functools
@@ -36,8 +37,8 @@ LAYOUTS = {
 
 @functools.lru_cache(maxsize=None)
 def reference(accumulate: int, clip):
-    return run_distributed(train, 1, {}, 1, STEPS, accumulate, CONFIG, clip, 0.5, None, None, False, True,
-                           timeout=120)[0]
+    return run_distributed(train, 1, {}, 1, STEPS, accumulate, CONFIG, clip, 0.5, None, None, False, True, 1,
+                           "cpu", "32-true", True, timeout=120)[0]
 
 
 def _assert_matches(result: dict, ref: dict, dp_ranks: list[int]) -> None:
@@ -63,10 +64,14 @@ def _dp_ranks(world: int, kwargs: dict) -> list[int]:
 def test_pipeline_matches_one_process(layout):
     world, kwargs, dp, microbatches, clip = LAYOUTS[layout]
     result = run_distributed(train, world, kwargs, dp, STEPS, microbatches, CONFIG, clip, 0.5, None, None, False,
-                             True, timeout=180)[0]
+                             True, 1, "cpu", "32-true", True, timeout=180)[0]
     ref = reference(microbatches * dp, clip)
     # validation runs through the same stages (forward only): the token mean over every rank's batches
     assert result["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-5)
+    # MoEMonitor: every stage's layers, counted over every micro-batch, on every rank
+    assert result["monitor"].keys() == ref["monitor"].keys() and any("layers.3" in k for k in ref["monitor"])
+    for key, value in ref["monitor"].items():
+        assert result["monitor"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert ref["grads"] and any(name.endswith("router.weight") for name in ref["grads"])
     if clip is not None:  # the clip must bite, and the norm must include every stage
         assert ref["grad_norm"] > clip and result["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5)
