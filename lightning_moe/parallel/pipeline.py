@@ -225,6 +225,12 @@ class PipelineRunner:
     stage, broadcast over the pipeline group). The stages' boundary tensors are declared
     statically: ``[B / microbatches, S / seq_divisor, hidden]`` of ``boundary_dtype``, so no
     metadata forward runs (it would count router tokens and accumulate gradients).
+
+    ``token_group`` (context parallelism): the ranks holding the other shards of the batch's
+    sequences. The loss is then the token mean over the group's labelled tokens: each rank's
+    micro-batch loss is ``CP x (its token-loss sum) / (the group's labelled tokens)``, whose
+    gradients averaged over DP x CP are those of the global mean, and the returned value is the
+    group's mean (one scalar all-reduce of the token count and one of the loss).
     """
 
     def __init__(
@@ -239,6 +245,7 @@ class PipelineRunner:
         hidden_size: int,
         seq_divisor: int = 1,
         boundary_dtype: torch.dtype = torch.float32,
+        token_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.chunks = list(chunks)
         self.plan = plan
@@ -250,6 +257,7 @@ class PipelineRunner:
         self.hidden_size = hidden_size
         self.seq_divisor = seq_divisor
         self.boundary_dtype = boundary_dtype
+        self.token_group = token_group
         self.accumulate = 1
         self.runs = 0  # schedule steps taken (the strategy checks one ran per training_step)
         self.last_run_trained = False
@@ -323,9 +331,13 @@ class PipelineRunner:
             if not isinstance(value, Tensor) or value.shape[0] != batch:
                 raise ValueError(f"pipeline inputs are split into micro-batches on dim 0: {name!r} must be a "
                                  f"[B, ...] tensor with B={batch}.")
-        tokens = (labels != IGNORE_INDEX).sum().clamp(min=1).float()
+        tokens = (labels != IGNORE_INDEX).sum().float()
+        shards = 1
+        if self.token_group is not None:
+            dist.all_reduce(tokens, group=self.token_group)
+            shards = dist.get_world_size(self.token_group)
         accumulate = self.accumulate if training else 1
-        self._divisor = tokens * accumulate
+        self._divisor = tokens.clamp(min=1) / shards * accumulate
         losses: list[Tensor] = []
         args = (x,) if 0 in self.plan.chunk_indices(self.pp_rank) else ()
         if training:
@@ -341,4 +353,7 @@ class PipelineRunner:
             value = torch.zeros((), dtype=torch.float32, device=self.device)
         # The loss exists on the last stage only: one scalar broadcast over the pipeline group.
         dist.broadcast(value, src=self._last_rank, group=self.pp_group)
+        if self.token_group is not None:  # each shard's part of the group's mean
+            dist.all_reduce(value, group=self.token_group)
+            value = value / shards
         return value

@@ -70,7 +70,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         pipeline_parallel_size: PP, the model split into this many stages by its blocks (balanced by
             parameter and FLOP count; embeddings on the first stage, final norm and output projection on
             the last), run by a torch pipeline schedule (`lightning_moe.parallel.pipeline`). Each stage
-            is folded into its own TP x DP and ETP x EP x EDP grids. The model needs the split hook
+            is folded into its own TP x CP x DP and ETP x EP x EDP grids. The model needs the split hook
             (`lightning_moe.parallel.pipeline`; the reference `MoEDecoder` has it), and its training
             and validation steps compute the loss with ``model.loss(...)``: under PP that call runs
             the schedule (forward and backward in training) on the batch cut into
@@ -289,11 +289,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 "pipeline_parallel_size > 1 with tie_word_embeddings=True (the embedding and the output projection "
                 "live on different stages) is not supported: set tie_word_embeddings=False or pipeline_parallel_size=1."
             )
-        if layout.context_parallel_size > 1:
-            raise ValueError(
-                "pipeline_parallel_size > 1 with context_parallel_size > 1 is not supported yet: set "
-                "context_parallel_size=1 (or pipeline_parallel_size=1)."
-            )
 
     @override
     def setup_environment(self) -> None:
@@ -418,6 +413,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 hidden_size=int(splittable.config.hidden_size),
                 seq_divisor=tp if tp > 1 and self.sequence_parallel else 1,
                 boundary_dtype=self._pipeline_boundary_dtype(precision, mp_policy),
+                token_group=self.context_parallel_group,
             )
             splittable.pipeline_runner = self._pipeline
 
@@ -616,6 +612,12 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         """
         runner = self._pipeline
         assert runner is not None
+        if self.sequence_sharder is not None:
+            raise ValueError("DynamicContextParallel with pipeline_parallel_size > 1 is not supported: remove the "
+                             "callback (static context parallelism works with pipeline stages), or set "
+                             "pipeline_parallel_size=1.")
+        if self.layout.context_parallel_size > 1 and args:  # each CP rank runs its shard of the sequences
+            args = (self._shard_batch(args[0]), *args[1:])
         accumulate = max(1, int(getattr(self.lightning_module.trainer, "accumulate_grad_batches", 1)))
         runner.accumulate = accumulate
         for layer in moe_layers(self.model):

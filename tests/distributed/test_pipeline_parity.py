@@ -2,7 +2,7 @@
 final parameters (fp32, atol 1e-5, the tolerance of the other layout-parity tests).
 
 The `_parity` model with 4 blocks (dense, then MoE with sigmoid routing, expert bias, aux loss
-and z-loss) is split into 2 or 4 stages, folded with EP, ETP, TP or FSDP inside the stages, or cut
+and z-loss) is split into 2 or 4 stages, folded with EP, ETP, TP, CP or FSDP inside the stages, or cut
 into 2 x 2 interleaved chunks; each batch runs as the schedule's micro-batches. One case clips by the
 global norm, which must span both stages. Every run trains with a MoEMonitor (its last window's
 statistics are compared) and, after training, validates (forward only through the stages) on
@@ -31,6 +31,7 @@ LAYOUTS = {
     "pp2_ep2": (4, dict(pipeline_parallel_size=2, expert_parallel_size=2), 2, 2, 0.05),
     "pp2_tp2": (4, dict(pipeline_parallel_size=2, tensor_parallel_size=2), 1, 2, None),
     "pp2_etp2": (4, dict(pipeline_parallel_size=2, expert_tensor_parallel_size=2), 2, 2, None),
+    "pp2_cp2": (4, dict(pipeline_parallel_size=2, context_parallel_size=2), 1, 2, None),
     "pp2_dp2_fsdp": (4, dict(pipeline_parallel_size=2, sharding="fsdp", expert_sharding="fsdp"), 2, 2, None),
 }
 
