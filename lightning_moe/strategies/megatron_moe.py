@@ -903,11 +903,25 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         return meta
 
     def export_consolidated(self, path: str | Path) -> None:
-        """Write the full (unsharded) model state dict to one file, atomically, from rank 0."""
+        """Write the full (unsharded) model state dict to one file, atomically, from rank 0 (under
+        pipeline parallelism every stage's tensors, gathered to rank 0 over its pipeline group)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         assert self.model is not None
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self._pipeline is None:
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            # Every rank gathers its stage's full tensors (cpu_offload would keep them on global rank 0
+            # only, which holds one stage); rank 0's pipeline group then sends them to rank 0.
+            stage = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            stage = {name: value.detach().cpu() if torch.is_tensor(value) else value for name, value in stage.items()}
+            state = {}
+            group = self.layout.mesh("pp").get_group()
+            if 0 in dist.get_process_group_ranks(group):
+                parts: list[Any] | None = [None] * dist.get_world_size(group) if self.global_rank == 0 else None
+                dist.gather_object(stage, parts, dst=0, group=group)
+                for part in parts or []:
+                    state.update(part)
         ckpt.save_consolidated(state, Path(path))
 
     @override

@@ -83,6 +83,7 @@ def train(
     accelerator: str = "cpu",
     precision: str = "32-true",
     monitor: bool = False,
+    export_path: Optional[str] = None,
 ) -> Optional[dict]:
     """One run (``world_size`` ranks; ``strategy_kwargs`` without pipeline sizes is the reference:
     call it with ``world_size=1, dp=1`` and ``microbatches = M x dp`` accumulated micro-batches).
@@ -94,7 +95,8 @@ def train(
     ``accumulate_batches``: a pipeline run accumulates gradients over this many batches per step
     (Lightning's ``accumulate_grad_batches``; the reference then takes ``A x M x dp`` micro-batches).
     ``accelerator`` / ``precision``: the Trainer's (the GPU test runs "cuda", "bf16-mixed").
-    ``monitor``: train with a `MoEMonitor` logging every step; its last metrics are returned."""
+    ``monitor``: train with a `MoEMonitor` logging every step; its last metrics are returned.
+    ``export_path``: ``strategy.export_consolidated`` there after training."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -139,6 +141,8 @@ def train(
     trainer.fit(model, loader, ckpt_path=resume)
     if ckpt_dir is not None:
         trainer.save_checkpoint(ckpt_dir)
+    if export_path is not None:
+        strategy.export_consolidated(export_path)
     per_step = torch.tensor(losses).view(steps, -1).mean(1)
     gathered = [torch.zeros_like(per_step) for _ in range(world_size)]
     torch.distributed.all_gather(gathered, per_step)

@@ -1,5 +1,6 @@
 """Pipeline combinations not supported fail on every rank alike with a message naming the fix
-(2 gloo processes, pipeline_parallel_size=2)."""
+(2 gloo processes, pipeline_parallel_size=2): a model without the split hook, a training_step
+whose loss carries a graph of its own, a Hugging Face export of a model split into stages."""
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ def _fit(rank, world_size, scenario):
             loss = self.model.loss(batch["input_ids"], batch["labels"])
             return loss + 1e-3 * sum(p.square().sum() for p in self.model.parameters())
 
-    module = NoHook() if scenario == "no_hook" else ExtraTerm(tiny_config())
+    module = NoHook() if scenario == "no_hook" else ExtraTerm(tiny_config()) if scenario == "extra_term" else \
+        MoELanguageModel(tiny_config())
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=MegatronMoEStrategy(pipeline_parallel_size=2, print_layout=False),
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -38,6 +40,10 @@ def _fit(rank, world_size, scenario):
     )
     try:
         trainer.fit(module, DataLoader(MicroBatches(2), batch_size=None))
+        if scenario == "save_hf":  # what MoELanguageModel.save_hf writes with; refused before anything is written
+            from lightning_moe.models.hf import save_hf_weights
+
+            save_hf_weights(module.model, f"/nonexistent/{rank}", "qwen3_moe")
     except (ValueError, RuntimeError) as err:
         return str(err)
     return None
@@ -48,6 +54,7 @@ def _fit(rank, world_size, scenario):
     [
         ("no_hook", "needs a model with the pipeline split hook"),
         ("extra_term", "a loss with a gradient graph of its own"),
+        ("save_hf", "save_hf is not supported under pipeline parallelism"),
     ],
 )
 def test_refused_on_every_rank(scenario, needle):

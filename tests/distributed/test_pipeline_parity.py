@@ -92,15 +92,22 @@ def test_pipeline_under_gradient_accumulation():
 
 def test_checkpoint_resumes_across_pipeline_sizes(tmp_path):
     """PP2 trains 2 steps and saves; PP1 (one process) and PP4 resume it for a third step, which
-    equals the third step of an uninterrupted one-process run (losses, gradients, parameters).
+    equals the third step of an uninterrupted one-process run (losses, gradients, parameters). The
+    PP2 run's consolidated export holds every stage's tensors.
 
     Every run takes a step's 4 micro-batches as one batch (the one-process runs unsplit): with
     the per-sequence aux loss the gradients do not depend on the micro-batch partition, and no
     run accumulates over batches (Lightning does not realign its accumulation counters when a run
     resumes in the middle of an epoch)."""
     micro, config = 4, {**CONFIG, "moe": {**CONFIG["moe"], "router_load_balancing_type": "seq_aux_loss"}}
-    saved = str(tmp_path / "pp2")
-    run_distributed(train, 2, dict(pipeline_parallel_size=2), 1, 2, micro, config, None, 0.5, saved, timeout=180)
+    saved, exported = str(tmp_path / "pp2"), str(tmp_path / "pp2_consolidated.pt")
+    pp2 = run_distributed(train, 2, dict(pipeline_parallel_size=2), 1, 2, micro, config, None, 0.5, saved, None,
+                          False, False, 1, "cpu", "32-true", False, exported, timeout=180)[0]
+    # export_consolidated gathers both stages' tensors into rank 0's file
+    consolidated = torch.load(exported, weights_only=True)
+    assert consolidated.keys() == pp2["state"].keys()
+    for name, value in pp2["state"].items():
+        torch.testing.assert_close(consolidated[name].float(), torch.from_numpy(value), rtol=0, atol=0, msg=name)
     ref = run_distributed(train, 1, {}, 1, 3, micro, config, None, 0.5, None, None, True, timeout=120)[0]
     ref_last = {**ref, "rank_losses": ref["rank_losses"][:, 2:]}
     pp1 = run_distributed(train, 1, {}, 1, 1, micro, config, None, 0.5, None, saved, True, timeout=120)[0]

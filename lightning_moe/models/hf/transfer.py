@@ -70,6 +70,9 @@ def load_hf_weights(model: MoEDecoder, path: str | Path, arch: str) -> int:
     `HFCheckpointError` before reading anything when the checkpoint lacks a tensor, has one of
     another shape, or holds one the model would ignore.
     """
+    _refuse_pipeline_stage(model, "load_hf_weights (from_hf(materialize=False))", "use "
+                           "MoELanguageModel.from_hf(path, materialize=True), which reads the weights into the whole "
+                           "model before the strategy splits it")
     params = dict(model.named_parameters())
     if any(p.is_meta for p in params.values()):
         raise RuntimeError("load_hf_weights needs materialized parameters (to_empty() the meta model first).")
@@ -95,6 +98,15 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _refuse_pipeline_stage(model: MoEDecoder, what: str, fix: str) -> None:
+    """A model pruned to one pipeline stage holds only some tensors: refused on every rank alike."""
+    if getattr(model, "pipeline_pruned", False):
+        raise HFCheckpointError(
+            f"{what} is not supported under pipeline parallelism (each rank holds one stage's blocks): {fix}, or "
+            "set pipeline_parallel_size=1."
+        )
+
+
 @torch.no_grad()
 def save_hf_weights(
     model: MoEDecoder,
@@ -109,6 +121,8 @@ def save_hf_weights(
     (None on other ranks)."""
     from torch.distributed.tensor import DTensor
 
+    _refuse_pipeline_stage(model, "save_hf", "save a checkpoint (trainer.save_checkpoint) and export it from a run "
+                           "with pipeline_parallel_size=1, which loads it (checkpoints reshard across pipeline sizes)")
     stored_buffers = buffer_sources(model.config, arch)
     sources = {**parameter_sources(model.config, arch), **stored_buffers}
     params = dict(model.named_parameters())
