@@ -298,14 +298,15 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
 
         fast = None if args.fast_accumulation is None else tuple(args.fast_accumulation)
         recipe = FP8Recipe(args.precision, fast_accumulation=fast, graph_weight_casts=args.graph_weight_casts)
-        plugin = FP8Precision(recipe=recipe, backend=args.fp8_backend, cache_fp8_weights=args.cache_fp8_weights)
+        cache = {"auto": None, "on": True, "off": False}[args.cache_fp8_weights]
+        plugin = FP8Precision(recipe=recipe, backend=args.fp8_backend, cache_fp8_weights=cache)
         precision = {"plugins": [plugin]}
     strategy = MegatronMoEStrategy(
         tensor_parallel_size=args.tensor_parallel, expert_parallel_size=args.expert_parallel,
         expert_tensor_parallel_size=args.expert_tensor_parallel, sharding=args.sharding,
         expert_sharding=args.expert_sharding, token_dispatcher=args.dispatcher, print_layout=False,
         cache_weight_casts=args.cache_weight_casts == "on",
-        accumulate_grads_in_place=args.accumulate_grads_in_place == "on",
+        accumulate_grads_in_place=None if args.accumulate_grads_in_place == "on" else False,
     )
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy,
@@ -343,14 +344,15 @@ def main(argv=None) -> None:
     parser.add_argument("--fp8-backend", default="auto", help="FP8Precision backend: auto, te, torch, emulated")
     parser.add_argument("--fast-accumulation", nargs="*", default=None, choices=["fprop", "dgrad", "wgrad"],
                         help="FP8Recipe.fast_accumulation (default: the recipe's)")
-    parser.add_argument("--cache-fp8-weights", action="store_true", help="FP8Precision(cache_fp8_weights=True)")
+    parser.add_argument("--cache-fp8-weights", choices=["auto", "on", "off"], default="auto",
+                        help="FP8Precision(cache_fp8_weights=None / True / False); auto: the plugin's default")
     parser.add_argument("--graph-weight-casts", action="store_true", help="FP8Recipe(graph_weight_casts=True)")
     parser.add_argument("--expert-backend", default="auto", help="grouped GEMM backend: auto, grouped_mm, te")
     parser.add_argument("--cache-weight-casts", choices=["on", "off"], default="on",
                         help="MegatronMoEStrategy(cache_weight_casts=...): bf16 weight casts once per optimizer step")
-    parser.add_argument("--accumulate-grads-in-place", choices=["on", "off"], default="off",
-                        help="MegatronMoEStrategy(accumulate_grads_in_place=...): micro-batches after the "
-                             "first add their weight gradients into .grad in one pass")
+    parser.add_argument("--accumulate-grads-in-place", choices=["on", "off"], default="on",
+                        help="on: MegatronMoEStrategy(accumulate_grads_in_place=None), the default; off: False "
+                             "(micro-batches after the first add their weight gradients into .grad in one pass)")
     parser.add_argument("--fused-cross-entropy", choices=["on", "off"], default="on",
                         help="off: the LM loss through F.cross_entropy on fp32 logits (nn.cross_entropy.FUSED_KERNEL)")
     parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")

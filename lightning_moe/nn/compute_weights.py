@@ -26,9 +26,9 @@ autograd-recorded leaves (no-grad evaluation casts as before).
 gradient-accumulation fusion does: once a parameter has a ``.grad``, the cast's backward adds the
 bf16 gradient into it in one pass (read 2 + 4 bytes, write 4, per element) instead of widening it
 to a new fp32 tensor that autograd's ``AccumulateGrad`` then adds (read 2, write 4, then read 8,
-write 4). The same bits; but for those micro-batches autograd carries no gradient to the
-parameter: a ``register_hook`` hook on it receives None, while a
-``register_post_accumulate_grad_hook`` hook still runs and sees the updated ``.grad``.
+write 4). The same bits; autograd then carries no gradient to the parameter, so a parameter
+with a ``register_hook`` hook (which must see every gradient) keeps autograd's accumulation;
+``register_post_accumulate_grad_hook`` hooks run either way and see the updated ``.grad``.
 """
 
 from __future__ import annotations
@@ -123,12 +123,19 @@ class _MasterWeightCast(torch.autograd.Function):
         if grad_bf16 is None:
             return None, None
         param = ctx.accumulate_into
-        main_grad = None if param is None else param.grad
+        main_grad = None if param is None or _has_gradient_hooks(param) else param.grad
         if (main_grad is not None and type(main_grad) is Tensor and main_grad.dtype == torch.float32
                 and main_grad.is_contiguous() and main_grad.numel() == grad_bf16.numel()):
             accumulate_widened_(main_grad, grad_bf16.contiguous())
             return None, None
         return widened(grad_bf16, torch.float32), None
+
+
+def _has_gradient_hooks(param: Tensor) -> bool:
+    """Whether ``param.register_hook`` hooks are registered (they must receive every micro-batch's
+    gradient, so the accumulation stays autograd's). Tensor keeps them in ``_backward_hooks``;
+    where a torch version does not, no parameter is taken to have hooks."""
+    return bool(getattr(param, "_backward_hooks", None))
 
 
 def _covers(w: Tensor, param: Tensor) -> bool:

@@ -74,7 +74,10 @@ class FP8Precision(GlobalNormClipping, MixedPrecision):
             training step until the next optimizer step, so later micro-batches of a
             gradient-accumulation window do not quantize the weights again (see
             `FP8WeightCache`; costs about two bytes per FP8 parameter; evaluation never uses
-            it). Native "torch" backend only; `MegatronMoEStrategy` refuses it with FSDP.
+            it), as Transformer Engine reuses its weight casts after the first micro-batch.
+            None (default): on for the native "torch" backend without ``graph_weight_casts``,
+            except where `MegatronMoEStrategy` shards with FSDP (there it is left off); True
+            asks for it (native backend only; refused with FSDP); False turns it off.
     """
 
     def __init__(
@@ -86,7 +89,7 @@ class FP8Precision(GlobalNormClipping, MixedPrecision):
         amax_reduction_group: Optional[dist.ProcessGroup] = None,
         expert_amax_reduction_group: Optional[dist.ProcessGroup] = None,
         device: Optional[str] = None,
-        cache_fp8_weights: bool = False,
+        cache_fp8_weights: Optional[bool] = None,
     ) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device not in ("cpu", "cuda"):
@@ -116,6 +119,9 @@ class FP8Precision(GlobalNormClipping, MixedPrecision):
                 f"backend='torch' (this plugin runs {self.backend!r}) and no cache_fp8_weights (cached weights are "
                 "cast once per optimizer step, nothing is left to graph)."
             )
+        self.cache_fp8_weights = cache_fp8_weights  # as asked: None lets the strategy leave it off under FSDP
+        if cache_fp8_weights is None:
+            cache_fp8_weights = self.backend == "torch" and not self.recipe.graph_weight_casts
         self.weight_cache: Optional[FP8WeightCache] = FP8WeightCache() if cache_fp8_weights else None
 
     @override

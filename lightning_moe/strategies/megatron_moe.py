@@ -100,9 +100,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         accumulate_grads_in_place: with ``cache_weight_casts``, the micro-batches after the first
             of a window add each cast weight's bf16 gradient into its fp32 ``.grad`` in one pass
             (Megatron-Core's gradient-accumulation fusion: 10 bytes an element instead of 18). The
-            same gradients; but for those micro-batches autograd hands those parameters no
-            gradient: ``register_hook`` hooks on them receive None (post-accumulate-grad hooks
-            still run and see the updated ``.grad``). Off by default for that reason.
+            same gradients. Parameters with ``register_hook`` hooks keep autograd's accumulation
+            (their hooks see every gradient); post-accumulate-grad hooks run either way. None
+            (default): on wherever ``cache_weight_casts`` is; True without it is refused.
         pipeline_schedule: "1f1b" (default; one stage per rank), "interleaved_1f1b" (with
             ``virtual_pipeline_size`` chunks per rank, Megatron's virtual stages) or "gpipe".
         virtual_pipeline_size: chunks per pipeline rank (default 1); > 1 needs "interleaved_1f1b".
@@ -138,7 +138,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         dispatch_transport: Literal["nccl", "copy_engine"] | None = None,
         reshard_after_forward: bool = True,
         cache_weight_casts: bool = True,
-        accumulate_grads_in_place: bool = False,
+        accumulate_grads_in_place: bool | None = None,
         pipeline_schedule: pp_split.PipelineSchedule = "1f1b",
         virtual_pipeline_size: int = 1,
         pipeline_microbatches: int | None = None,
@@ -179,7 +179,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         if accumulate_grads_in_place and not cache_weight_casts:
             raise ValueError("accumulate_grads_in_place=True adds gradients inside the cached weight casts: "
-                             "set cache_weight_casts=True, or leave accumulate_grads_in_place off.")
+                             "set cache_weight_casts=True, or leave accumulate_grads_in_place at None.")
         self.cache_weight_casts = cache_weight_casts
         self._check_pipeline_options(pipeline_parallel_size, pipeline_schedule, virtual_pipeline_size,
                                      pipeline_microbatches)
@@ -191,7 +191,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self._pipeline_blocks: list[str] = []
         self._pipeline_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self.accumulate_grads_in_place = accumulate_grads_in_place
-        self._weight_casts = ComputeWeightCache(accumulate_grads_in_place=accumulate_grads_in_place)
+        self._weight_casts = ComputeWeightCache(
+            accumulate_grads_in_place=cache_weight_casts and accumulate_grads_in_place is not False,
+        )
         self.print_layout = print_layout
         self._layout: ParallelLayout | None = None
         self._parallelized = False
@@ -812,11 +814,16 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     def _check_fp8_options(self) -> None:
         """FP8 weight caching keeps an unsharded FP8 copy of every weight until the optimizer
         step: under FSDP that undoes the sharding's memory savings (and the re-gathered weights'
-        new storage means the copies are rarely reused). For the same reason, with FSDP-sharded
+        new storage means the copies are rarely reused), so the plugin's default (None) is turned
+        off there and an explicit True refused. For the same reason, with FSDP-sharded
         experts ``FP8Recipe.quantize_weights_once`` left at its default (None) is turned off: it
         would hold an unsharded FP8 copy of each expert weight from its forward to its backward."""
         plugin = self.precision_plugin
-        if getattr(plugin, "weight_cache", None) is not None and (self._dense_fsdp or self._experts_fsdp):
+        fsdp = self._dense_fsdp or self._experts_fsdp
+        cache_asked = getattr(plugin, "cache_fp8_weights", None)
+        if fsdp and getattr(plugin, "weight_cache", None) is not None and cache_asked is None:
+            plugin.weight_cache = None  # the default: on where it saves work, off where it would undo FSDP's sharding
+        if getattr(plugin, "weight_cache", None) is not None and fsdp:
             raise ValueError(
                 "FP8Precision(cache_fp8_weights=True) cannot be combined with FSDP sharding (it would keep an "
                 "unsharded FP8 copy of every weight on every rank): use sharding='ddp' and expert_sharding='ddp', "

@@ -406,7 +406,11 @@ def test_layout_table_names_the_capture():
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
                       callbacks=[CUDAGraphs(scope="moe")], enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)
-    trainer.fit(tiny_model(), DataLoader(Tokens(4), batch_size=2))
+    try:
+        trainer.fit(tiny_model(), DataLoader(Tokens(4), batch_size=2))
+    finally:  # the strategy initialised a 1-rank process group; later tests expect none
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert strategy.backend_summary()["CUDA graphs"] == "scope 'moe': off (no CUDA device)"
 
 
@@ -545,9 +549,13 @@ def test_train_step_cuda_graph_flag(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.train_step import main
 
-    main(["--preset", "tiny", "--layers", "1", "--seq", "32", "--micro-batch", "1", "--steps", "1", "--warmup", "2",
-          "--accelerator", "cpu", "--skip-bare", "--cuda-graph", "attn+moe", "--results-dir", str(tmp_path),
-          "--tag", "graphs"])
+    try:
+        main(["--preset", "tiny", "--layers", "1", "--seq", "32", "--micro-batch", "1", "--steps", "1", "--warmup",
+              "2", "--accelerator", "cpu", "--skip-bare", "--cuda-graph", "attn+moe", "--results-dir", str(tmp_path),
+              "--tag", "graphs"])
+    finally:  # the Lightning runs initialised a 1-rank process group; later tests expect none
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     out = json.loads((tmp_path / "train_step_graphs.json").read_text())
     assert set(out["results"]) == {"lightning", "lightning_cuda_graph"}
     assert out["cuda_graph"]["scope"] == "attn+moe" and out["cuda_graph"]["speedup"] > 0

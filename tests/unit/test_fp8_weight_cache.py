@@ -110,6 +110,21 @@ def test_strategy_refuses_the_cache_with_fsdp(monkeypatch):
         strategy._check_fp8_options()
 
 
+def test_the_default_caches_on_the_native_backend_and_stands_down_under_fsdp(monkeypatch):
+    from lightning_moe.strategies import MegatronMoEStrategy
+
+    assert FP8Precision(recipe="rowwise", backend="emulated", device="cpu").weight_cache is None
+    assert _native_plugin(monkeypatch, cache_fp8_weights=False).weight_cache is None
+    strategy = MegatronMoEStrategy()
+    strategy._precision_plugin = plugin = _native_plugin(monkeypatch)
+    assert plugin.weight_cache is not None  # the default on the native backend
+    strategy._check_fp8_options()
+    assert plugin.weight_cache is not None  # nothing sharded: kept
+    strategy._dense_fsdp = True
+    strategy._check_fp8_options()  # the default is not refused: it is turned off
+    assert plugin.weight_cache is None
+
+
 @pytest.mark.parametrize("experts_fsdp", [False, True])
 @pytest.mark.parametrize("requested", [None, True, False])
 def test_fsdp_experts_turn_off_quantizing_weights_once_unless_asked(monkeypatch, experts_fsdp, requested):
