@@ -212,7 +212,7 @@ def shard_chunks(chunks: Sequence[nn.Module], blocks: Sequence[nn.Module], mesh:
 @dataclass
 class _Compiled:
     schedule: Any
-    last_chunk: Optional[nn.Module]
+    boundary: tuple[tuple[int, ...], torch.dtype]  # the hidden states the stages exchange: shape, dtype
 
 
 class PipelineRunner:
@@ -266,6 +266,25 @@ class PipelineRunner:
         ranks = dist.get_process_group_ranks(pp_group)
         self._last_rank = ranks[(plan.num_chunks - 1) % plan.num_stages]
         self.holds_last = (plan.num_chunks - 1) in plan.chunk_indices(pp_rank)
+        self._boundary: Optional[tuple[tuple[int, ...], torch.dtype]] = None  # declared by `_compile`
+        for chunk, index in zip(self.chunks, plan.chunk_indices(pp_rank)):
+            if index != plan.num_chunks - 1:
+                chunk.register_forward_hook(self._check_boundary)
+
+    def _check_boundary(self, chunk: nn.Module, args: Any, output: Any) -> None:
+        """A chunk's output must be what the next stage's receive buffer was declared as (torch
+        checks only under TORCH_DISTRIBUTED_DEBUG=DETAIL; a mismatch would be received as other
+        bytes). Shapes and dtypes are host metadata: no sync."""
+        if self._boundary is None or not torch.is_tensor(output):
+            return
+        shape, dtype = self._boundary
+        if tuple(output.shape) != shape or output.dtype != dtype:
+            raise RuntimeError(
+                f"a pipeline chunk returned {output.dtype} {tuple(output.shape)}, but the stages were declared to "
+                f"exchange {dtype} {shape} ([micro-batch, sequence / TP under sequence parallelism, hidden]): the "
+                "chunk must return hidden states of the dense layers' compute dtype (a model of your own: cast its "
+                "output to that dtype)."
+            )
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
         return output / self._divisor
@@ -303,8 +322,7 @@ class PipelineRunner:
             schedule = Schedule1F1B(stages[0], **kwargs)
         else:
             schedule = ScheduleGPipe(stages[0], **kwargs)
-        last_chunk = self.chunks[-1] if self.holds_last else None
-        self._compiled[key] = _Compiled(schedule, last_chunk)
+        self._compiled[key] = _Compiled(schedule, (tuple(hidden.shape), self.boundary_dtype))
         return self._compiled[key]
 
     def _eval_microbatches(self, batch: int) -> int:
@@ -326,6 +344,7 @@ class PipelineRunner:
             )
         self.last_run_trained = training
         compiled = self._compile(x, labels, training)
+        self._boundary = compiled.boundary
         tensor_kwargs = {k: v for k, v in kwargs.items() if v is not None}
         for name, value in tensor_kwargs.items():
             if not isinstance(value, Tensor) or value.shape[0] != batch:

@@ -142,3 +142,18 @@ def test_validation_batches_the_micro_batches_do_not_divide():
                    dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2,
                         pipeline_microbatches=2)):
         assert run_distributed(_validate, 2, kwargs, timeout=120) == [pytest.approx(ref, abs=1e-5)] * 2
+
+
+@pytest.mark.parametrize("kwargs,dp,precision", [
+    (dict(pipeline_parallel_size=2), 2, "bf16-mixed"),  # FSDP computes in bf16: bf16 between the stages
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), 1, "bf16-true"),  # bf16 weights, sequence shards
+])
+def test_bf16_stage_boundaries(kwargs, dp, precision):
+    """The stages' hidden states are declared statically with the dense compute dtype: a wrong
+    declaration fails the schedule's metadata check. bf16 training then stays near fp32's."""
+    result = run_distributed(train, 4, kwargs, dp, STEPS, 2, CONFIG, None, 0.5, None, None, False, True, 1, "cpu",
+                             precision, timeout=180)[0]
+    ref = reference(2 * dp, None)
+    losses = torch.from_numpy(result["rank_losses"])[_dp_ranks(4, kwargs)].mean(0)
+    torch.testing.assert_close(losses, torch.from_numpy(ref["rank_losses"][0]), rtol=0, atol=3e-2)
+    assert result["val_loss"] == pytest.approx(ref["val_loss"], abs=3e-2)
