@@ -149,8 +149,22 @@ class PipelinePlan:
         return "; ".join(parts)
 
 
-def plan_split(model: nn.Module, num_stages: int, virtual_stages: int) -> PipelinePlan:
-    """Balance the model's blocks over ``num_stages x virtual_stages`` chunks (no collective)."""
+def check_split_sizes(sizes: Sequence[int], num_chunks: int, num_blocks: Optional[int] = None) -> None:
+    """``sizes`` (blocks per chunk) must give each of the ``num_chunks`` chunks at least one block
+    (and add up to ``num_blocks`` when known); raises ``ValueError`` naming the fix."""
+    if (len(sizes) != num_chunks or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+            or (num_blocks is not None and sum(sizes) != num_blocks)):
+        blocks = f" adding up to the model's {num_blocks} blocks" if num_blocks is not None else ""
+        raise ValueError(
+            f"pipeline_split_sizes={list(sizes)}: give {num_chunks} positive block counts (one per chunk, "
+            f"pipeline_parallel_size x virtual_pipeline_size, in chunk order){blocks}, or None for a balanced split."
+        )
+
+
+def plan_split(model: nn.Module, num_stages: int, virtual_stages: int,
+               sizes: Optional[Sequence[int]] = None) -> PipelinePlan:
+    """Balance the model's blocks over ``num_stages x virtual_stages`` chunks, or cut them into
+    ``sizes`` blocks per chunk (in chunk order) when given (no collective)."""
     names = list(model.pipeline_layers())
     chunks = num_stages * virtual_stages
     if len(names) < chunks:
@@ -169,7 +183,12 @@ def plan_split(model: nn.Module, num_stages: int, virtual_stages: int) -> Pipeli
     def cost(items: list[tuple[float, float]]) -> float:
         return sum(p / total_params + f / total_flops for p, f in items)
 
-    ranges = balanced_split([cost([b]) for b in blocks], chunks, cost(first), cost(last))
+    if sizes is None:
+        ranges = balanced_split([cost([b]) for b in blocks], chunks, cost(first), cost(last))
+    else:
+        check_split_sizes(sizes, chunks, len(names))
+        ends = [sum(sizes[: k + 1]) for k in range(chunks)]
+        ranges = list(zip([0, *ends[:-1]], ends))
     costs = tuple(cost(blocks[s:e]) + (cost(first) if k == 0 else 0.0) + (cost(last) if k == chunks - 1 else 0.0)
                   for k, (s, e) in enumerate(ranges))
     return PipelinePlan(num_stages, virtual_stages, tuple(tuple(names[s:e]) for s, e in ranges), costs)

@@ -110,6 +110,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         pipeline_microbatches: micro-batches each batch is cut into for the schedule (the
             micro-batches of one optimizer step, with ``accumulate_grad_batches=1``); None: PP.
             The batch size must be a multiple of it.
+        pipeline_split_sizes: blocks per chunk, in chunk order (``PP x V`` positive counts adding up
+            to the model's blocks), like Megatron's first/last-stage layer counts or torchtitan's
+            split points; None (default): balanced by parameter and FLOP count.
         print_layout: print the layout/backends table once on rank 0.
         process_group_backend / timeout: passed to ``init_process_group``.
 
@@ -142,6 +145,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         pipeline_schedule: pp_split.PipelineSchedule = "1f1b",
         virtual_pipeline_size: int = 1,
         pipeline_microbatches: int | None = None,
+        pipeline_split_sizes: list[int] | None = None,
         print_layout: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
@@ -186,6 +190,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self.pipeline_schedule = pipeline_schedule
         self.virtual_pipeline_size = virtual_pipeline_size
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
+        if pipeline_split_sizes is not None and isinstance(pipeline_parallel_size, int):
+            pp_split.check_split_sizes(pipeline_split_sizes, pipeline_parallel_size * virtual_pipeline_size)
+        self.pipeline_split_sizes = None if pipeline_split_sizes is None else list(pipeline_split_sizes)
         self._pipeline: pp_split.PipelineRunner | None = None
         self._pipeline_plan: pp_split.PipelinePlan | None = None
         self._pipeline_blocks: list[str] = []
@@ -280,6 +287,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
     def _check_pipeline_layout(self, layout: ParallelLayout, num_layers: int | None, tied: bool | None) -> None:
         """Pipeline combinations refused before any collective, each naming the fix."""
         pp, virtual = layout.pipeline_parallel_size, self.virtual_pipeline_size
+        if num_layers is not None and self.pipeline_split_sizes is not None:
+            pp_split.check_split_sizes(self.pipeline_split_sizes, pp * virtual, num_layers)
         if num_layers is not None and pp * virtual > num_layers:
             raise ValueError(
                 f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual} = {pp * virtual} pipeline chunks but "
@@ -448,7 +457,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         if not self.lightning_module.automatic_optimization:
             raise ValueError("pipeline_parallel_size > 1 runs the backward inside model.loss(...), which manual "
                              "optimization cannot drive: use automatic optimization, or pipeline_parallel_size=1.")
-        plan = pp_split.plan_split(splittable, layout.pipeline_parallel_size, self.virtual_pipeline_size)
+        plan = pp_split.plan_split(splittable, layout.pipeline_parallel_size, self.virtual_pipeline_size,
+                                   self.pipeline_split_sizes)
         pp_rank = layout.rank_in_group("pp", dist.get_rank())
         self._pipeline_plan = plan
         self._pipeline_blocks = sorted(plan.layers_of(pp_rank), key=splittable.pipeline_layers().index)

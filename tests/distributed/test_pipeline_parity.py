@@ -24,7 +24,8 @@ CONFIG = {**tiny_config(), "num_layers": 4}
 # name: (world size, strategy kwargs, DP replicas, pipeline micro-batches, clip)
 LAYOUTS = {
     "pp2": (2, dict(pipeline_parallel_size=2), 1, 2, None),
-    "pp2_gpipe": (2, dict(pipeline_parallel_size=2, pipeline_schedule="gpipe"), 1, 2, None),
+    "pp2_gpipe_split13": (2, dict(pipeline_parallel_size=2, pipeline_schedule="gpipe", pipeline_split_sizes=[1, 3]),
+                          1, 2, None),
     "pp2_virtual2": (2, dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b",
                              virtual_pipeline_size=2), 1, 2, None),
     "pp4": (4, dict(pipeline_parallel_size=4), 1, 4, None),

@@ -37,6 +37,10 @@ def test_plan_deals_chunks_round_robin_and_names_the_split():
     assert sum(len(c) for c in plan_split(_tiny(8), 2, 1).chunks) == 8
     with pytest.raises(ValueError, match="at most 4"):
         plan_split(_tiny(4), 4, 2)
+    manual = plan_split(_tiny(4), 2, 1, sizes=[1, 3])
+    assert manual.chunks == (("layers.0",), ("layers.1", "layers.2", "layers.3"))
+    with pytest.raises(ValueError, match="adding up to the model's 4 blocks"):
+        plan_split(_tiny(4), 2, 1, sizes=[1, 2])
 
 
 def test_pruned_stages_keep_the_parameter_names_and_compose_to_the_whole_loss():
@@ -80,11 +84,22 @@ def test_find_splittable_and_tied_embeddings():
         (dict(virtual_pipeline_size=0), "virtual_pipeline_size"),
         (dict(pipeline_parallel_size=4, pipeline_microbatches=2), "at least 4"),
         (dict(pipeline_microbatches=0), "pipeline_microbatches"),
+        (dict(pipeline_parallel_size=2, pipeline_split_sizes=[4]), "give 2 positive block counts"),
+        (dict(pipeline_parallel_size=2, pipeline_split_sizes=[0, 4]), "pipeline_split_sizes"),
     ],
 )
 def test_pipeline_options_are_checked_at_construction(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         MegatronMoEStrategy(**kwargs)
+
+
+def test_split_sizes_checked_against_the_model_before_process_groups():
+    strategy = MegatronMoEStrategy(pipeline_parallel_size=2, pipeline_split_sizes=[1, 2])
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    strategy._lightning_module = MoELanguageModel("tiny")  # 4 blocks
+    with pytest.raises(ValueError, match="adding up to the model's 4 blocks"):
+        strategy.setup_environment()
+    assert not dist.is_initialized()
 
 
 def test_tied_embeddings_refused_before_process_groups():
