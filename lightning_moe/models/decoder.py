@@ -292,21 +292,23 @@ class MoEDecoder(nn.Module):
         return [f"layers.{name}" for name in self.layers]
 
     def pipeline_edge_modules(self) -> tuple[list[str], list[str]]:
-        """Modules of the first chunk (the embedding) and of the last (final norm, output projection)."""
-        return ["embed_tokens"], ["norm"] + ([] if self.lm_head is None else ["lm_head"])
+        """Modules of the first chunk (the embedding) and of the last (final norm, output projection;
+        the embedding again when tied)."""
+        return ["embed_tokens"], ["norm", "lm_head" if self.lm_head is not None else "embed_tokens"]
+
+    def pipeline_shared_parameters(self) -> list[str]:
+        """Parameters both the first and the last chunk hold (the tied embedding): the strategy sums
+        their gradients between those stages and counts them once in the gradient norm."""
+        return ["embed_tokens.weight"] if self.config.tie_word_embeddings else []
 
     def pipeline_prune(self, keep: set[str], first: bool, last: bool) -> None:
         """Keep the blocks named in ``keep`` and, on the first / last stage, the embedding / final
-        norm and output projection. Block keys stay ``"0".."L-1"``, so parameter names do not change."""
-        if self.config.tie_word_embeddings:
-            raise ValueError(
-                "pipeline parallelism is not supported with tie_word_embeddings=True (the embedding and the "
-                "output projection live on different stages): set tie_word_embeddings=False."
-            )
+        norm and output projection (with tied embeddings the last stage keeps the embedding as its
+        output projection). Block keys stay ``"0".."L-1"``, so parameter names do not change."""
         for name in list(self.layers):
             if f"layers.{name}" not in keep:
                 del self.layers[name]
-        if not first:
+        if not first and not (last and self.config.tie_word_embeddings):
             self.embed_tokens = None
         if not last:
             self.norm = None
@@ -317,8 +319,9 @@ class MoEDecoder(nn.Module):
         """The module one pipeline chunk runs: the named blocks, with the embedding when ``first``
         and the final norm, output projection and loss when ``last``."""
         blocks = [self.get_submodule(name) for name in layer_names]
+        head = (self.lm_head if self.lm_head is not None else self.embed_tokens) if last else None
         return DecoderChunk(self.config, blocks, self.embed_tokens if first else None,
-                            self.norm if last else None, self.lm_head if last else None)
+                            self.norm if last else None, head)
 
     def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
         """Tensor-parallel styles for ``parallelize_module(model, tp_mesh, plan)`` (dense parts).
@@ -438,7 +441,8 @@ class DecoderChunk(nn.Module):
     [B, S]`` give every chunk the sequence length (rotary positions) and the last chunk its loss.
     Returns the hidden states, or on the last chunk the fp32 SUM of the token cross-entropies
     (0-dim): the pipeline divides by the batch's labelled tokens. The modules are the decoder's
-    own (not copies), so the decoder's state dict and parameter names are unchanged.
+    own (not copies), so the decoder's state dict and parameter names are unchanged. ``lm_head``:
+    the output projection, or the embedding itself when tied (its weight ``[V, D]`` then projects).
     """
 
     def __init__(self, cfg: ModelConfig, blocks: list[nn.Module], embed_tokens: Optional[nn.Module],
@@ -457,7 +461,11 @@ class DecoderChunk(nn.Module):
         h_BSD = _run_layers(self.layers, h_BSD, cos, sin, documents)
         if self.norm is None:
             return h_BSD
-        logits_BSV = self.lm_head(self.norm(h_BSD))
+        h_BSD = self.norm(h_BSD)
+        if isinstance(self.lm_head, nn.Embedding):  # tied: the embedding's weight projects
+            logits_BSV = F.linear(h_BSD, compute_weight(self.lm_head.weight, autocast_dtype(h_BSD)))
+        else:
+            logits_BSV = self.lm_head(h_BSD)
         tokens = (labels != IGNORE_INDEX).sum()
         return causal_lm_loss(logits_BSV, labels).float() * tokens
 

@@ -279,7 +279,6 @@ class MoELanguageModel(LightningModule):
             "num_moe_layers": cfg.num_moe_layers,  # 0: expert parallelism is refused
             "context_parallel_attention": cfg.attention_type == "gqa",  # MLA: context parallelism is refused
             "num_layers": cfg.num_layers,  # pipeline chunks: at most one per block
-            "tie_word_embeddings": cfg.tie_word_embeddings,  # refused under pipeline parallelism
         }
         if cfg.moe is not None:
             out["num_experts"] = cfg.moe.num_experts

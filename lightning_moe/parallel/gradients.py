@@ -155,14 +155,17 @@ def clip_grads_by_global_norm(
     norm_type: float = 2.0,
     pipeline_group: Optional[dist.ProcessGroup] = None,
     device: Optional[torch.device] = None,
+    exclude_from_norm: Iterable[torch.nn.Parameter] = (),
 ) -> Tensor:
     """Scale all gradients so their global norm (over every pipeline stage with
-    ``pipeline_group``) is at most ``max_norm``; returns the norm.
+    ``pipeline_group``) is at most ``max_norm``; returns the norm. ``exclude_from_norm``: parameters
+    scaled but not counted (a copy of a parameter another stage holds and counts).
 
     The clip coefficient is applied on the device (``clamp``), so clipping needs no host sync.
     """
     params = list(params)
-    total = global_grad_norm(params, norm_type, pipeline_group, device)
+    skip = {id(p) for p in exclude_from_norm}
+    total = global_grad_norm([p for p in params if id(p) not in skip], norm_type, pipeline_group, device)
     coeff = (max_norm / (total + 1e-6)).clamp(max=1.0)
     grads = [_local(g) for g in grads_of(params)]
     if grads:

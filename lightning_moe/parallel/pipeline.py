@@ -22,6 +22,10 @@ reference :class:`~lightning_moe.models.decoder.MoEDecoder` implements it)::
     pipeline_runner: attribute, set by the strategy
         the model's loss entry point calls ``self.pipeline_runner(x, labels=labels, **kwargs)``
         when it is set, which runs the schedule and returns the loss.
+    pipeline_shared_parameters() -> list[str] (optional)
+        names of parameters the first and the last chunk both hold (a tied embedding, kept by
+        ``pipeline_prune`` on both stages): their gradients are summed between those two stages
+        and counted once in the gradient norm.
 
 The split balances the chunks by parameter and FLOP count (:func:`balanced_split`): each block
 costs its share of all parameters plus its share of the FLOPs per token (matrix products, with

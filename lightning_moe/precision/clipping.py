@@ -14,6 +14,8 @@ class names, so checkpoints hold the plugin's state (a GradScaler's) under the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lightning.pytorch.plugins import precision as lightning_precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
@@ -37,6 +39,8 @@ class GlobalNormClipping(lightning_precision.Precision):
     last_grad_norm: Tensor | None = None
     # Set by `MegatronMoEStrategy` under pipeline parallelism: the norm adds every stage's share.
     pipeline_group: ProcessGroup | None = None
+    # Set with it: the parameters this rank leaves out of the norm (its copy of a parameter two stages hold).
+    pipeline_norm_skip: Callable[[], list[Tensor]] | None = None
 
     @override
     def clip_gradients(
@@ -54,8 +58,9 @@ class GlobalNormClipping(lightning_precision.Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         device = params[0].device if params else None
+        skip = self.pipeline_norm_skip() if self.pipeline_norm_skip is not None else ()
         self.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val), pipeline_group=self.pipeline_group,
-                                                        device=device)
+                                                        device=device, exclude_from_norm=skip)
 
 
 class Precision(GlobalNormClipping):

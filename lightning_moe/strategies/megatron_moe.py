@@ -197,6 +197,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         self._pipeline_plan: pp_split.PipelinePlan | None = None
         self._pipeline_blocks: list[str] = []
         self._pipeline_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._pipeline_shared: list[str] = []  # parameter names held by the first and the last stage
+        self._pipeline_shared_group: dist.ProcessGroup | None = None
+        self._splittable: torch.nn.Module | None = None
         self.accumulate_grads_in_place = accumulate_grads_in_place
         self._weight_casts = ComputeWeightCache(
             accumulate_grads_in_place=cache_weight_casts and accumulate_grads_in_place is not False,
@@ -254,7 +257,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         num_moe_layers = constraints.pop("num_moe_layers", None)
         context_parallel_attention = constraints.pop("context_parallel_attention", None)
         num_layers = constraints.pop("num_layers", None)
-        tied_embeddings = constraints.pop("tie_word_embeddings", None)
         layout = ParallelLayout(world_size=world_size, **self.sizes, **constraints)
         if layout.context_parallel_size > 1 and context_parallel_attention is False:
             raise ValueError(self._no_context_parallel_attention("the module declares attention without it"))
@@ -265,7 +267,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 "(tensor parallelism and FSDP apply), or upcycle it first (lightning_moe.models.upcycle)."
             )
         if layout.pipeline_parallel_size > 1:
-            self._check_pipeline_layout(layout, num_layers, tied_embeddings)
+            self._check_pipeline_layout(layout, num_layers)
         return layout
 
     @staticmethod
@@ -284,7 +286,7 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             raise ValueError(f"pipeline_schedule='1f1b' needs pipeline_microbatches >= pipeline_parallel_size "
                              f"({microbatches} < {pp}): raise pipeline_microbatches to at least {pp}.")
 
-    def _check_pipeline_layout(self, layout: ParallelLayout, num_layers: int | None, tied: bool | None) -> None:
+    def _check_pipeline_layout(self, layout: ParallelLayout, num_layers: int | None) -> None:
         """Pipeline combinations refused before any collective, each naming the fix."""
         pp, virtual = layout.pipeline_parallel_size, self.virtual_pipeline_size
         if num_layers is not None and self.pipeline_split_sizes is not None:
@@ -294,11 +296,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual} = {pp * virtual} pipeline chunks but "
                 f"the model has {num_layers} blocks: every chunk needs at least one block. Lower them so that "
                 f"their product is at most {num_layers}."
-            )
-        if tied:
-            raise ValueError(
-                "pipeline_parallel_size > 1 with tie_word_embeddings=True (the embedding and the output projection "
-                "live on different stages) is not supported: set tie_word_embeddings=False or pipeline_parallel_size=1."
             )
 
     @override
@@ -357,8 +354,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._pipeline is not None:
             self._check_pipeline_setup(trainer)
-            # the global gradient norm sums every stage's share
+            # the global gradient norm sums every stage's share, a shared parameter counted once
             self.precision_plugin.pipeline_group = self.layout.mesh("pp").get_group()
+            self.precision_plugin.pipeline_norm_skip = self._pipeline_norm_skip
         if self.print_layout and self.global_rank == 0:
             self.layout.print_summary(self.backend_summary())
 
@@ -427,6 +425,32 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 token_group=self.context_parallel_group,
             )
             splittable.pipeline_runner = self._pipeline
+            self._share_pipeline_parameters(splittable)
+
+    def _share_pipeline_parameters(self, splittable: torch.nn.Module) -> None:
+        """Parameters the first and the last stage both hold (a tied embedding): a group of the two
+        ranks per pipeline, over which their gradients are summed (Megatron's embedding group)."""
+        names = getattr(splittable, "pipeline_shared_parameters", None)
+        self._pipeline_shared = list(names()) if callable(names) else []
+        if not self._pipeline_shared:
+            return
+        rank = dist.get_rank()
+        for ranks in self.layout.groups("pp"):
+            pair = [ranks[0], ranks[-1]]
+            group = dist.new_group(pair)  # collective: every rank creates every pair's group
+            if rank in pair:
+                self._pipeline_shared_group = group
+        self._splittable = splittable
+
+    def _pipeline_shared_params(self) -> list[torch.nn.Parameter]:
+        if self._pipeline_shared_group is None:
+            return []
+        return [self._splittable.get_parameter(name) for name in self._pipeline_shared]
+
+    def _pipeline_norm_skip(self) -> list[torch.nn.Parameter]:
+        """The shared parameters' copies the gradient norm leaves out: the last stage's."""
+        last = self.layout.rank_in_group("pp", dist.get_rank()) == self.layout.pipeline_parallel_size - 1
+        return self._pipeline_shared_params() if last else []
 
     def _check_pipeline_setup(self, trainer: Any) -> None:
         if getattr(self.precision_plugin, "scaler", None) is not None:
@@ -758,6 +782,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             scale_grads(experts, layout.expert_data_parallel_size / dp_cp)
         else:
             all_reduce_grads(experts, self._group("edp"), scale=1.0 / dp_cp)
+        # a parameter two stages hold (tied embedding): the sum of both stages' gradients on both
+        all_reduce_grads(self._pipeline_shared_params(), self._pipeline_shared_group)
         self._update_expert_bias(model)
         self._reset_router_step_state(model)
 

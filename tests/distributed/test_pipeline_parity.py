@@ -20,6 +20,7 @@ from _pipeline_parity import train
 
 STEPS = 3
 CONFIG = {**tiny_config(), "num_layers": 4}
+CONFIGS = {"untied": CONFIG, "tied": {**CONFIG, "tie_word_embeddings": True}}
 
 # name: (world size, strategy kwargs, DP replicas, pipeline micro-batches, clip)
 LAYOUTS = {
@@ -38,9 +39,9 @@ LAYOUTS = {
 
 
 @functools.lru_cache(maxsize=None)
-def reference(accumulate: int, clip):
-    return run_distributed(train, 1, {}, 1, STEPS, accumulate, CONFIG, clip, 0.5, None, None, False, True, 1,
-                           "cpu", "32-true", True, timeout=120)[0]
+def reference(accumulate: int, clip, config_key: str = "untied"):
+    return run_distributed(train, 1, {}, 1, STEPS, accumulate, CONFIGS[config_key], clip, 0.5, None, None, False,
+                           True, 1, "cpu", "32-true", True, timeout=120)[0]
 
 
 def _assert_matches(result: dict, ref: dict, dp_ranks: list[int]) -> None:
@@ -80,6 +81,23 @@ def test_pipeline_matches_one_process(layout):
     _assert_matches(result, ref, _dp_ranks(world, kwargs))
 
 
+@pytest.mark.parametrize("world,kwargs,dp,clip", [
+    (4, dict(pipeline_parallel_size=2), 2, 0.05),  # FSDP over DP2 inside each stage, clipped
+    (2, dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2), 1, None),
+])
+def test_tied_embeddings_match_one_process(world, kwargs, dp, clip):
+    """A tied embedding lives on the first stage (input) and the last (output projection): its
+    gradient is the sum of both stages' (Megatron's embedding group), counted once in the norm."""
+    result = run_distributed(train, world, kwargs, dp, STEPS, 2, CONFIGS["tied"], clip, 0.5, None, None, False, True,
+                             1, "cpu", "32-true", True, timeout=180)[0]
+    ref = reference(2 * dp, clip, "tied")
+    assert "model.lm_head.weight" not in ref["state"]
+    if clip is not None:
+        assert ref["grad_norm"] > clip and result["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5)
+    _assert_matches(result, ref, _dp_ranks(world, kwargs))
+    assert result["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-5)
+
+
 def test_pipeline_under_gradient_accumulation():
     """accumulate_grad_batches=2 over batches of 2 pipeline micro-batches equals 4 accumulated
     micro-batches in one process: the gradients of both batches add up, clipped by one norm."""
@@ -91,16 +109,19 @@ def test_pipeline_under_gradient_accumulation():
     _assert_matches(result, ref, [0])
 
 
-def test_checkpoint_resumes_across_pipeline_sizes(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_checkpoint_resumes_across_pipeline_sizes(tmp_path, tied):
     """PP2 trains 2 steps and saves; PP1 (one process) and PP4 resume it for a third step, which
     equals the third step of an uninterrupted one-process run (losses, gradients, parameters). The
-    PP2 run's consolidated export holds every stage's tensors.
+    PP2 run's consolidated export holds every stage's tensors. With a tied embedding both the first
+    and the last stage save it (under one name).
 
     Every run takes a step's 4 micro-batches as one batch (the one-process runs unsplit): with
     the per-sequence aux loss the gradients do not depend on the micro-batch partition, and no
     run accumulates over batches (Lightning does not realign its accumulation counters when a run
     resumes in the middle of an epoch)."""
-    micro, config = 4, {**CONFIG, "moe": {**CONFIG["moe"], "router_load_balancing_type": "seq_aux_loss"}}
+    base = CONFIGS["tied" if tied else "untied"]
+    micro, config = 4, {**base, "moe": {**base["moe"], "router_load_balancing_type": "seq_aux_loss"}}
     saved, exported = str(tmp_path / "pp2"), str(tmp_path / "pp2_consolidated.pt")
     pp2 = run_distributed(train, 2, dict(pipeline_parallel_size=2), 1, 2, micro, config, None, 0.5, saved, None,
                           False, False, 1, "cpu", "32-true", False, exported, timeout=180)[0]

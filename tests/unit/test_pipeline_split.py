@@ -22,9 +22,9 @@ def test_balanced_split_minimizes_the_largest_chunk():
         balanced_split([1, 1, 1], 4)
 
 
-def _tiny(num_layers: int = 4) -> MoEDecoder:
+def _tiny(num_layers: int = 4, tied: bool = False) -> MoEDecoder:
     torch.manual_seed(0)
-    return MoEDecoder(get_preset("tiny", num_layers=num_layers))
+    return MoEDecoder(get_preset("tiny", num_layers=num_layers, tie_word_embeddings=tied))
 
 
 def test_plan_deals_chunks_round_robin_and_names_the_split():
@@ -43,8 +43,9 @@ def test_plan_deals_chunks_round_robin_and_names_the_split():
         plan_split(_tiny(4), 2, 1, sizes=[1, 2])
 
 
-def test_pruned_stages_keep_the_parameter_names_and_compose_to_the_whole_loss():
-    whole = _tiny(4)
+@pytest.mark.parametrize("tied", [False, True])
+def test_pruned_stages_keep_the_parameter_names_and_compose_to_the_whole_loss(tied):
+    whole = _tiny(4, tied)
     names = set(whole.state_dict())
     tokens = torch.randint(0, whole.config.vocab_size, (2, 9))
     input_ids, labels = tokens[:, :-1], tokens[:, 1:].clone()
@@ -53,11 +54,15 @@ def test_pruned_stages_keep_the_parameter_names_and_compose_to_the_whole_loss():
     plan = plan_split(whole, 2, 2)
     stages = []
     for rank in range(2):
-        model = _tiny(4)
+        model = _tiny(4, tied)
         chunks = split_model(model, plan, rank)
         assert set(model.state_dict()) < names  # a subset, under the whole model's names
         stages.append((model, chunks))
     assert set(stages[0][0].state_dict()) | set(stages[1][0].state_dict()) == names
+    # a tied embedding lives on the first stage (input) and the last (output projection)
+    both = set(stages[0][0].state_dict()) & set(stages[1][0].state_dict())
+    assert both == ({"embed_tokens.weight"} if tied else set())
+    assert stages[0][0].pipeline_shared_parameters() == (["embed_tokens.weight"] if tied else [])
     x = input_ids
     for chunk_index in range(plan.num_chunks):  # chunk c runs on rank c % 2
         x = stages[chunk_index % 2][1][chunk_index // 2](x, labels)
@@ -66,14 +71,11 @@ def test_pruned_stages_keep_the_parameter_names_and_compose_to_the_whole_loss():
         stages[0][0](input_ids)
 
 
-def test_find_splittable_and_tied_embeddings():
+def test_find_splittable():
     assert find_splittable(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
     module = MoELanguageModel("tiny")
     module.configure_model()
     assert find_splittable(module) is module.model
-    tied = MoEDecoder(get_preset("tiny", tie_word_embeddings=True))
-    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
-        split_model(tied, plan_split(tied, 2, 1), 0)
 
 
 @pytest.mark.parametrize(
@@ -98,14 +100,5 @@ def test_split_sizes_checked_against_the_model_before_process_groups():
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     strategy._lightning_module = MoELanguageModel("tiny")  # 4 blocks
     with pytest.raises(ValueError, match="adding up to the model's 4 blocks"):
-        strategy.setup_environment()
-    assert not dist.is_initialized()
-
-
-def test_tied_embeddings_refused_before_process_groups():
-    strategy = MegatronMoEStrategy(pipeline_parallel_size=2)
-    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
-    strategy._lightning_module = MoELanguageModel("tiny", overrides={"tie_word_embeddings": True})
-    with pytest.raises(ValueError, match="tie_word_embeddings=False or pipeline_parallel_size=1"):
         strategy.setup_environment()
     assert not dist.is_initialized()
