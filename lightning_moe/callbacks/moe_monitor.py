@@ -317,6 +317,7 @@ class MoEMonitor(Callback):
                     "losses": {n: float(sums["loss_sums_LN"][i, j]) for j, n in enumerate(window.loss_names)
                                if n in self._layer_losses[i]},
                     "shares": {n: self._share_sizes[i][j] for j, n in enumerate(window.loss_names)},
+                    # a device-to-host copy of the expert bias, at the logging step only
                     "bias": None if bias is None else bias.detach().float().cpu(),
                 })
         # The stages' layers to every rank: one object all-gather over the pipeline group.
