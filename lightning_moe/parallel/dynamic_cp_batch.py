@@ -120,7 +120,7 @@ def rank_batch(pool_batch: dict, share: RankShare, position_ids_RS: Tensor) -> d
             )
         else:
             out[key] = value
-    device = share.flat_index_T.device
+    device = pool_batch["input_ids"].device  # the plan's indices live on the host
     out["position_ids"] = _gather(position_ids_RS, share.flat_index_T)
     out["document_ids"] = share.document_ids_T.to(device).unsqueeze(0)
     return out
