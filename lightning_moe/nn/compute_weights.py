@@ -28,7 +28,10 @@ bf16 gradient into it in one pass (read 2 + 4 bytes, write 4, per element) inste
 to a new fp32 tensor that autograd's ``AccumulateGrad`` then adds (read 2, write 4, then read 8,
 write 4). The same bits; autograd then carries no gradient to the parameter, so a parameter
 with a ``register_hook`` hook (which must see every gradient) keeps autograd's accumulation;
-``register_post_accumulate_grad_hook`` hooks run either way and see the updated ``.grad``.
+``register_post_accumulate_grad_hook`` hooks run either way and see the updated ``.grad``. One
+case it cannot tell apart: ``torch.autograd.grad(loss, inputs=[param])`` through a cached cast
+while the parameter already has a ``.grad`` adds into that ``.grad`` and returns None for it; take
+such gradients (a gradient penalty, say) with ``accumulate_grads_in_place=False``.
 """
 
 from __future__ import annotations
