@@ -20,7 +20,12 @@ from _pipeline_parity import train
 
 STEPS = 3
 CONFIG = {**tiny_config(), "num_layers": 4}
-CONFIGS = {"untied": CONFIG, "tied": {**CONFIG, "tie_word_embeddings": True}}
+CONFIGS = {
+    "untied": CONFIG,
+    "tied": {**CONFIG, "tie_word_embeddings": True},
+    "mla": {**CONFIG, "attention_type": "mla", "num_query_groups": None, "q_lora_rank": 16, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8},
+}
 
 # name: (world size, strategy kwargs, DP replicas, pipeline micro-batches, clip)
 LAYOUTS = {
@@ -96,6 +101,16 @@ def test_tied_embeddings_match_one_process(world, kwargs, dp, clip):
         assert ref["grad_norm"] > clip and result["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5)
     _assert_matches(result, ref, _dp_ranks(world, kwargs))
     assert result["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-5)
+
+
+def test_multi_head_latent_attention_under_pipeline_and_tensor_parallelism():
+    """DeepSeek's attention (MLA, its heads split by TP) through PP2 x TP2 equals one process."""
+    kwargs = dict(pipeline_parallel_size=2, tensor_parallel_size=2)
+    result = run_distributed(train, 4, kwargs, 1, STEPS, 2, CONFIGS["mla"], None, 0.5, None, None, False, True, 1,
+                             "cpu", "32-true", True, timeout=180)[0]
+    ref = reference(2, None, "mla")
+    assert any("kv_a_proj_with_mqa" in name for name in ref["grads"])
+    _assert_matches(result, ref, _dp_ranks(4, kwargs))
 
 
 def test_pipeline_under_gradient_accumulation():
