@@ -190,7 +190,13 @@ class _Recipe:
     def output(self) -> Tensor:
         if self.result is None:
             device, enabled, dtype = self.autocast
-            with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            # A recomputation like the checkpoint's: `recomputing()` is True, so code with side effects
+            # (FP8 amax records, router token counts) leaves its state as the forward left it. ``fn`` runs
+            # twice in backward: here for the output, and in `checkpoint`'s recomputation for ``fn``'s own
+            # saved tensors (when its backward runs). Sharing one run would need the checkpoint's internal
+            # frame; for the cheap functions this is meant for (a norm, an activation) the second run is
+            # left as is.
+            with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), _checkpoint_phase(True):
                 result = self.fn(*self.args)
             if (result.shape, result.stride(), result.dtype) != self.out_meta:
                 raise RuntimeError(

@@ -239,3 +239,24 @@ def test_fp8_delayed_recompute_records_no_second_amax():
     assert torch.all(results[1][0] == 0)  # no second record of the inputs' and weights' amaxes
     for name, grad in results[None][2].items():
         assert torch.equal(grad, results[1][2][name]), name
+
+
+def test_output_recompute_runs_the_function_again_as_a_recomputation():
+    """Every run of an `OutputRecompute` function during backward (the checkpoint's, for the
+    function's own saved tensors, and the recipe's, for the GEMM's saved copy of its output) sees
+    `recomputing()` True, so that side effects (amax records, router counts) are not repeated."""
+    from lightning_moe.nn.saved_tensors import OutputRecompute, recomputing
+
+    seen = []
+
+    def norm(x):
+        seen.append(recomputing())
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    with OutputRecompute() as outputs:
+        y = outputs.run(norm, x) @ w
+    assert seen == [False]
+    y.square().sum().backward()
+    assert seen == [False, True, True]
