@@ -277,7 +277,8 @@ class MoEMonitor(Callback):
         self._share_sizes = [[_share_group_size(layer, n) for n in loss_names] for _, layer in self._layers]
         num_experts = [layer.config.num_experts for _, layer in self._layers]
         if self._pipeline_group is not None:  # summed over the stage's ranks, which hold the same layers
-            sync = dict(process_group=self._stage_group) if self._stage_group is not None else dict(sync_on_compute=False)
+            alone = self._stage_group is None
+            sync = dict(sync_on_compute=False) if alone else dict(process_group=self._stage_group)
             return RoutingWindow(num_experts, loss_names, **sync).to(device)
         return RoutingWindow(num_experts, loss_names).to(device)
 

@@ -244,10 +244,11 @@ class PipelineRunner:
     ``runner(x, labels=labels, **kwargs)`` splits the batch into ``microbatches`` micro-batches
     (dim 0), runs the schedule (forward and backward when gradients are enabled, forward only
     otherwise: validation batches, whose last may be smaller, are cut into the most micro-batches
-    up to ``microbatches`` that divide them, run by GPipe or the interleaved schedule) and returns the batch's token-mean loss on every rank (computed on the last
-    stage, broadcast over the pipeline group). The stages' boundary tensors are declared
-    statically: ``[B / microbatches, S / seq_divisor, hidden]`` of ``boundary_dtype``, so no
-    metadata forward runs (it would count router tokens and accumulate gradients).
+    up to ``microbatches`` that divide them, run by GPipe or the interleaved schedule) and returns
+    the batch's token-mean loss on every rank (computed on the last stage, broadcast over the
+    pipeline group). The stages' boundary tensors are declared statically: ``[B / microbatches,
+    S / seq_divisor, hidden]`` of ``boundary_dtype``, so no metadata forward runs (it would count
+    router tokens and accumulate gradients); a chunk returning anything else raises.
 
     ``token_group`` (context parallelism): the ranks holding the other shards of the batch's
     sequences. The loss is then the token mean over the group's labelled tokens: each rank's

@@ -676,7 +676,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             raise RuntimeError(
                 "under pipeline_parallel_size > 1 a training_step computes its loss with exactly one "
                 "model.loss(...) call with gradients enabled (it runs the pipeline schedule, forward and backward); "
-                f"this one ran {runner.runs - runs}: compute the loss through model.loss, or set pipeline_parallel_size=1."
+                f"this one ran {runner.runs - runs}: compute the loss through model.loss, or set "
+                "pipeline_parallel_size=1."
             )
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             raise RuntimeError(

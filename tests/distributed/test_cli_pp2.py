@@ -46,7 +46,9 @@ def _fit(tmp: Path, version: str, *extra: str) -> str:
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp, env=subprocess_env(str(ROOT)), capture_output=True, text=True, timeout=150,
                           check=False)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
     return proc.stdout
 
 

@@ -34,7 +34,8 @@ def _fit(rank, world_size, scenario):
     module = NoHook() if scenario == "no_hook" else ExtraTerm(tiny_config()) if scenario == "extra_term" else \
         MoELanguageModel(tiny_config())
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=MegatronMoEStrategy(pipeline_parallel_size=2, print_layout=False),
+        accelerator="cpu", devices=world_size,
+        strategy=MegatronMoEStrategy(pipeline_parallel_size=2, print_layout=False),
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
     )
