@@ -30,6 +30,29 @@ weights), tensors below ``min_offload_bytes``, tensor subclasses other than DTen
 not cover a dense block of memory, and anything saved inside an activation-checkpointed region
 (recomputed instead). Layers are the children of the model's outermost ``ModuleList`` /
 ``ModuleDict`` holding a matched part (the reference decoder's ``layers``).
+
+With recomputation (``ModelConfig.recompute``, ``recompute_every_n_layers``) a part is offloaded
+only where the recomputation leaves it tensors of its own to store; where both would handle the
+same tensors, `attach` refuses the pair, naming it (keep one of the two for that part):
+
+- ``attn_norm`` / ``mlp_norm`` with ``layernorm`` (the norm runs inside its recomputation),
+- ``qkv_linear`` with ``layernorm`` (the projections' input is the recomputed norm output),
+- ``qkv_linear`` with ``mla_up_proj`` where MLA's ``q_proj`` is full-rank (it runs inside the
+  recomputed up-projection),
+- ``moe_act`` with ``moe_act`` (the activation's input stays on the device for its recomputation),
+- ``expert_fc1`` / ``moe_act`` (any part inside the MoE block or dense MLP) with ``moe`` / ``mlp``,
+  parts inside the shared experts with ``shared_experts``.
+
+Parts inside the blocks that ``recompute_every_n_layers`` recomputes whole are left alone (those
+blocks keep only their input; a notice says so), and where that leaves no part at all (``N = 1``)
+`attach` refuses. Offloading such a block itself, by name, stores its input, which is what its
+checkpoint keeps.
+
+Every other pair works: e.g. ``core_attn`` with ``core_attn`` offloads q, k, v (what the
+recomputation keeps), ``expert_fc1`` with ``moe_act``, the norms and projections with ``moe``.
+
+Not with pipeline parallelism (``pipeline_parallel_size > 1``): the copies are grouped per layer,
+and a pipeline schedule keeps several micro-batches of a layer in flight.
 """
 
 from __future__ import annotations
@@ -42,6 +65,7 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -77,6 +101,92 @@ def _dense_layout(t: Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _pipeline_parallel_size(trainer: Trainer) -> int:
+    """The strategy's pipeline size (`MegatronMoEStrategy`'s layout), 1 for a strategy without one."""
+    try:
+        layout = trainer.strategy.layout
+    except (AttributeError, RuntimeError):
+        return 1
+    return getattr(layout, "pipeline_parallel_size", 1)
+
+
+def _within(name: str, outer: str) -> bool:
+    return name == outer or name.startswith(outer + ".")
+
+
+def _recompute_overlap(model: nn.Module, name: str, region: Optional[str]) -> Optional[tuple[str, str]]:
+    """(the recompute setting, why) where the reference decoder's recomputation takes away what
+    the part ``name`` (``region``: a memory region of it) would offload; None where both work."""
+    modules = dict(model.named_modules())
+    pieces = name.split(".") if name else []
+    for depth in range(len(pieces) + 1):
+        outer = ".".join(pieces[:depth])
+        module = modules.get(outer)
+        if module is None:
+            continue
+        inner = outer != name  # the part lies strictly inside ``module``
+        prefix = f"{outer}." if outer else ""
+        if inner and getattr(module, "recompute_layer", False) is True:
+            return "recompute_every_n_layers", f"block {outer} is recomputed whole and keeps only its input"
+        names = getattr(module, "recompute", None)
+        if isinstance(names, (set, frozenset)):
+            if "layernorm" in names and any(_within(name, prefix + n) for n in ("attention_norm", "mlp_norm")):
+                return "layernorm", "the norm runs inside its recomputation"
+            if "layernorm" in names and name in {f"{prefix}attention.{p}" for p in _QKV_PROJECTIONS}:
+                return "layernorm", "its input, the norm's output, is recomputed instead of stored"
+            block = "moe" if getattr(module, "is_moe", False) else "mlp"
+            if block in names and _within(name, prefix + "mlp"):
+                return block, "the block runs inside its recomputation"
+        if inner and names is True:  # AttentionCore.recompute
+            return "core_attn", "the attention product runs inside its recomputation"
+        if getattr(module, "recompute_shared_experts", False) is True and _within(name, prefix + "shared_experts"):
+            return "shared_experts", "the shared experts run inside their recomputation"
+        if getattr(module, "recompute_up_proj", False) is True and any(
+                _within(name, prefix + n) for n in ("q_proj", "q_b_proj", "kv_a_layernorm", "kv_b_proj")):
+            return "mla_up_proj", "it runs inside the recomputed up-projection"
+        if not inner and region == "moe_act" and getattr(module, "recompute_activation", False) is True:
+            return "moe_act", "the activation's input stays on the device for its recomputation"
+    return None
+
+
+_QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa")
+
+
+Part = tuple[str, nn.Module, Optional[str]]
+
+
+def _without_recomputed(model: nn.Module, parts: list[Part], specs: dict[tuple[str, Optional[str]], str]) -> list[Part]:
+    """``parts`` less those inside blocks recomputed whole (with a notice; ``ValueError`` where none
+    is left); ``ValueError`` naming the pair for a part that overlaps a selective recomputation."""
+    kept, skipped = [], []
+    for name, module, region in parts:
+        overlap = _recompute_overlap(model, name, region)
+        if overlap is None:
+            kept.append((name, module, region))
+            continue
+        setting, why = overlap
+        if setting == "recompute_every_n_layers":
+            skipped.append(name)
+            continue
+        spec = specs.get((name, region), name)
+        where = f"{name}'s {region}" if region else name
+        raise ValueError(
+            f"ActivationOffload: {spec!r} ({where}) overlaps ModelConfig.recompute {setting!r}: {why}, so offloading "
+            f"it stores nothing or copies for nothing. Keep one of the two: drop {spec!r} from ActivationOffload or "
+            f"{setting!r} from ModelConfig.recompute."
+        )
+    if skipped and not kept:
+        raise ValueError(
+            "ActivationOffload: every part named lies in a block recomputed whole (recompute_every_n_layers), which "
+            "keeps only its input: nothing to offload. Keep one of the two: set recompute_every_n_layers=None (or "
+            "N > 1), or drop the callback (or offload the blocks themselves, by name)."
+        )
+    if skipped:
+        rank_zero_info(f"ActivationOffload: {len(skipped)} parts in blocks recomputed whole (recompute_every_n_layers) "
+                       "are left alone: those blocks keep only their input.")
+    return kept
 
 
 class _Copy:
@@ -193,9 +303,16 @@ class ActivationOffload(Callback):
         self._active: list[Any] = []  # open policy contexts of the parts now running
         self._streams: Optional[tuple[Any, Any]] = None  # (device-to-host, host-to-device) CUDA streams
         self._num_layers = 0
+        self._specs: dict[tuple[str, Optional[str]], str] = {}  # part -> the entry of ``modules`` that named it
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if _pipeline_parallel_size(trainer) > 1:
+            raise ValueError(
+                "ActivationOffload runs with pipeline_parallel_size=1: its copies are grouped per layer, and a "
+                "pipeline schedule keeps several micro-batches of a layer in flight. Set pipeline_parallel_size=1, "
+                "or drop the callback."
+            )
         graphs = [type(cb).__name__ for cb in trainer.callbacks if type(cb).__name__ == "CUDAGraphs"]
         if graphs:
             raise ValueError(
@@ -218,10 +335,12 @@ class ActivationOffload(Callback):
 
     # ------------------------------------------------------------------ installation
     def attach(self, model: nn.Module) -> "ActivationOffload":
-        """Install the hooks on ``model``'s matching parts; raises where a name matches nothing."""
+        """Install the hooks on ``model``'s matching parts; raises where a name matches nothing, or
+        where a part overlaps the model's recomputation (see the module docstring)."""
         self.detach()
         parts = self._matching_parts(model)
         layers = self._layers(model, [name for name, _, _ in parts])
+        parts = _without_recomputed(model, parts, self._specs)
         self._num_layers = len(layers)
         layer_of = {}
         for index, (name, module) in enumerate(layers):
@@ -252,6 +371,7 @@ class ActivationOffload(Callback):
         """(qualified name, module, memory region or None) of every part to offload."""
         named = list(model.named_modules())
         parts: dict[tuple[str, Optional[str]], nn.Module] = {}
+        self._specs = {}
         for spec in self.modules:
             found = []
             if isinstance(spec, type):
@@ -269,6 +389,7 @@ class ActivationOffload(Callback):
                 )
             for name, module, region in found:
                 parts[(name, region)] = module
+                self._specs.setdefault((name, region), spec.__name__ if isinstance(spec, type) else spec)
         return [(name, module, region) for (name, region), module in parts.items()]
 
     @staticmethod
@@ -392,10 +513,17 @@ class ActivationOffload(Callback):
         ready = None
         if copy.device.type == "cuda":
             _, h2d = self._cuda_streams()
+            # Allocated on the compute stream, which uses and frees it: the caching allocator returns a
+            # freed block to the pool of the stream that allocated it, so a block allocated on the copy
+            # stream could be reused only by later copies, never by the compute stream. The copy stream
+            # first waits for the compute stream's work queued so far (the block may have been freed by
+            # it with kernels still reading it), and `record_stream` keeps the block from being handed
+            # out again before the copy into it is done (when the tensor is dropped unused).
+            compute = torch.cuda.current_stream(copy.device)
+            dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=copy.device)
+            h2d.wait_stream(compute)
+            dev.record_stream(h2d)
             with torch.cuda.stream(h2d):
-                # allocated on the copy stream: a block freed by the compute stream is reused only once
-                # that stream's earlier work on it is done (`_take` hands it to the compute stream)
-                dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=copy.device)
                 h2d.wait_event(copy.d2h_done)
                 dev.copy_(host, non_blocking=host.is_pinned())
                 ready = torch.cuda.Event()
@@ -410,7 +538,7 @@ class ActivationOffload(Callback):
         if ready is not None:
             stream = torch.cuda.current_stream(dev.device)
             stream.wait_event(ready)  # the compute stream waits for the copy; the host does not
-            dev.record_stream(stream)
+            dev.record_stream(stream)  # a no-op on the stream that allocated it; needed on any other
         copy.uses -= 1
         if copy.uses <= 0:  # the last saved use: the host copy is released, the device copy goes with autograd
             copy.host, copy.ready = None, None

@@ -18,7 +18,7 @@ SCRIPT = str(ROOT / "benchmarks" / "train_step.py")
 
 @pytest.mark.timeout(240)
 def test_memory_flags_configure_the_lightning_run(tmp_path):
-    flags = ["--offload", "expert_fc1", "moe_act", "attn_norm", "--offload-keep-last-layers", "0",
+    flags = ["--offload", "expert_fc1", "attn_proj", "core_attn", "--offload-keep-last-layers", "0",
              "--recompute", "moe_act", "layernorm", "--recompute-layers", "2"]
     cmd = [sys.executable, SCRIPT, "--accelerator", "cpu", "--preset", "tiny", "--layers", "3", "--seq", "32",
            "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--skip-bare", "--tag", "memory",
@@ -28,7 +28,7 @@ def test_memory_flags_configure_the_lightning_run(tmp_path):
     assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
     result = json.loads((tmp_path / "train_step_memory.json").read_text())
     config = result["config"]
-    assert config["offload"] == ["expert_fc1", "moe_act", "attn_norm"] and config["offload_keep_last_layers"] == 0
+    assert config["offload"] == ["expert_fc1", "attn_proj", "core_attn"] and config["offload_keep_last_layers"] == 0
     assert config["recompute"] == ["moe_act", "layernorm"] and config["recompute_layers"] == 2
     assert list(result["results"]) == ["lightning"]
 

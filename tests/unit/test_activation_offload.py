@@ -59,16 +59,110 @@ def test_offloaded_parts_give_the_plain_gradients(modules, autocast):
     _assert_same_grads(plain, offloaded)
 
 
-@pytest.mark.parametrize("recompute", [
-    {"recompute": [n for n in RECOMPUTE_MODULES if n not in ("mla_up_proj", "moe")]},
-    {"recompute": ["moe"]},
-    {"recompute_every_n_layers": 2, "recompute": ["layernorm", "moe_act"]},
+@pytest.mark.parametrize("modules, recompute", [
+    (["core_attn", "attn_proj", "expert_fc1"], {"recompute": [n for n in RECOMPUTE_MODULES if n not in ("mla_up_proj",
+                                                                                                      "moe")]}),
+    (["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"], {"recompute": ["moe"]}),
+    (["layers.0", "layers.2", "layers.1.attention_norm", "layers.1.attention.o_proj"],
+     {"recompute_every_n_layers": 2, "recompute": ["core_attn"]}),
 ], ids=["selective", "moe", "whole_every_2"])
-def test_offload_combined_with_recompute_gives_the_plain_gradients(recompute):
+def test_offload_combined_with_recompute_gives_the_plain_gradients(modules, recompute):
+    """The pairs that work together: each part offloads what the recomputation leaves it (a block
+    recomputed whole: the block itself, by name, offloads its input, which its checkpoint keeps)."""
     plain = _run(_config())
-    combined = _run(_config(**recompute), list(OFFLOAD_MODULES))
+    combined = _run(_config(**recompute), modules)
     assert combined[2] > 0
     _assert_same_grads(plain, combined)
+
+
+def test_core_attention_offloaded_and_recomputed_moves_q_k_v_to_the_host():
+    """core_attn offload + core_attn recompute: the checkpoint's inputs (q, k, v) are what is stored,
+    on the host; the device tensors are gone after the forward (kept without the offload)."""
+    import weakref
+
+    def run(offload):
+        torch.manual_seed(0)
+        model = MoEDecoder(_config(recompute=["core_attn"]))
+        callback = ActivationOffload(["core_attn"], keep_last_layers=0, min_offload_bytes=0) if offload else None
+        if callback is not None:
+            callback.attach(model)
+        refs = []
+        for layer in model.layers.values():
+            layer.attention.core_attention.register_forward_pre_hook(
+                lambda module, args: refs.extend(weakref.ref(t) for t in args[:3]))
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = causal_lm_loss(model(ids), torch.roll(ids, -1, dims=1))
+        alive = [ref() is not None for ref in refs]
+        held = callback.live_host_bytes if callback is not None else 0
+        loss.backward()
+        return alive, held
+
+    alive, held = run(offload=False)
+    assert len(alive) == 9 and all(alive)  # q, k, v of 3 blocks kept by the checkpoints
+    alive, held = run(offload=True)
+    cfg = _config()
+    width = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim  # q, k, v (GQA)
+    assert not any(alive) and held == 3 * (2 * 16 * width * 4)
+
+
+@pytest.mark.parametrize("modules, recompute, message", [
+    (["attn_norm"], {"recompute": ["layernorm"]}, "'attn_norm'.*'layernorm': the norm runs inside"),
+    (["mlp_norm"], {"recompute": ["layernorm"]}, "'mlp_norm'.*'layernorm'"),
+    (["qkv_linear"], {"recompute": ["layernorm"]}, "'qkv_linear'.*'layernorm': its input"),
+    (["moe_act"], {"recompute": ["moe_act"]}, "'moe_act'.*'moe_act': the activation's input stays"),
+    (["expert_fc1"], {"recompute": ["moe"]}, "'expert_fc1'.*'moe': the block runs inside"),
+    (["moe_act"], {"recompute": ["moe"]}, "'moe_act'.*'moe'"),
+    (["*.shared_experts"], {"recompute": ["shared_experts"]}, "'shared_experts': the shared experts"),
+    (["core_attn", "attn_norm"], {"recompute_every_n_layers": 1}, "every part named lies in a block recomputed"),
+    (["layers.1.*"], {"recompute_every_n_layers": 1}, "every part named"),
+], ids=["attn_norm+layernorm", "mlp_norm+layernorm", "qkv_linear+layernorm", "moe_act+moe_act",
+        "expert_fc1+moe", "moe_act+moe", "shared_experts", "every_1", "pattern_in_every_1"])
+def test_offload_and_recompute_of_the_same_part_are_refused(modules, recompute, message):
+    with pytest.raises(ValueError, match=message) as error:
+        ActivationOffload(modules).attach(MoEDecoder(_config(**recompute)))
+    assert "Keep one of the two" in str(error.value)
+
+
+def test_parts_in_blocks_recomputed_whole_are_left_alone(caplog):
+    """recompute_every_n_layers=2 over 3 blocks: blocks 0 and 2 keep only their input; the parts of
+    block 1 alone are offloaded, with a notice (and the same gradients)."""
+    import logging
+
+    plain = _run(_config())
+    with caplog.at_level(logging.INFO):
+        every_2 = _run(_config(recompute_every_n_layers=2), ["attn_norm", "expert_fc1"])
+    only_block_1 = _run(_config(recompute_every_n_layers=2), ["layers.1.attention_norm", "expert_fc1"])
+    assert every_2[2] > 0
+    _assert_same_grads(plain, every_2)
+    assert every_2[2] == only_block_1[2]
+    assert "3 parts in blocks recomputed whole" in caplog.text  # 2 norms, block 2's experts (block 0 is dense)
+    offload = ActivationOffload(["attn_norm"]).attach(MoEDecoder(_config(recompute_every_n_layers=2)))
+    assert len(offload._handles) == 3 * 2 + 2  # the 3 blocks' own hooks, block 1's norm's pre- and post-hook
+    offload.detach()
+
+
+def test_mla_projections_inside_the_recomputed_up_projection_are_refused():
+    mla = {"attention_type": "mla", "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+           "v_head_dim": 16, "qk_norm": False, "num_query_groups": None}
+    with pytest.raises(ValueError, match="'qkv_linear'.*'mla_up_proj'"):  # full-rank q_proj: inside it
+        ActivationOffload(["qkv_linear"]).attach(MoEDecoder(_config(**mla, recompute=["mla_up_proj"])))
+    plain = _run(_config(**mla, q_lora_rank=32))
+    combined = _run(_config(**mla, q_lora_rank=32, recompute=["mla_up_proj"]), ["qkv_linear"])
+    assert combined[2] > 0  # q_a_proj and kv_a_proj_with_mqa run before it
+    _assert_same_grads(plain, combined)
+
+
+def test_pipeline_parallelism_is_refused_at_setup():
+    from types import SimpleNamespace
+
+    def trainer(pp):
+        return SimpleNamespace(strategy=SimpleNamespace(layout=SimpleNamespace(pipeline_parallel_size=pp)),
+                               callbacks=[])
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
+        ActivationOffload(["attn_norm"]).setup(trainer(2), None, "fit")
+    ActivationOffload(["attn_norm"]).setup(trainer(1), None, "fit")
+    ActivationOffload(["attn_norm"]).setup(SimpleNamespace(strategy=object(), callbacks=[]), None, "fit")
 
 
 def test_last_layers_stay_and_small_tensors_stay():
