@@ -17,6 +17,11 @@ types are matched by their qualified class names (this package's ``models`` sits
 callbacks and is not imported here), subclasses included. A user's own modules are added by class
 or by name (`fnmatch` patterns over the LightningModule's ``named_modules``). Only the outermost
 of nested matches is captured (the inner ones are inside its graph).
+
+Recomputation (``ModelConfig.recompute``, ``recompute_every_n_layers``) is refused where a
+recomputed part lies inside a target or around one (``torch.utils.checkpoint`` saves the RNG
+state, which a capture cannot read); recomputed parts outside every target are fine (e.g.
+``"layernorm"`` with ``scope="attn"`` or ``"moe"``).
 """
 
 from __future__ import annotations
@@ -142,11 +147,44 @@ def _mesh_dims(param: nn.Parameter) -> set[str]:
     return set(mesh.mesh_dim_names or ("unnamed",))
 
 
-def check_targets(targets: Sequence[tuple[str, nn.Module]]) -> None:
+def recomputed_parts(root: nn.Module) -> list[tuple[str, str]]:
+    """``(qualified name, recompute setting)`` of every part of ``root`` that the reference
+    decoder's recomputation (``ModelConfig.recompute``, ``recompute_every_n_layers``) runs again
+    in backward: the module that holds the checkpointed code (found by its switches)."""
+    parts = []
+    for name, module in root.named_modules():
+        prefix = f"{name}." if name else ""
+        if getattr(module, "recompute_layer", False) is True:
+            parts.append((name, "recompute_every_n_layers"))
+        names = getattr(module, "recompute", None)
+        if names is True:  # AttentionCore
+            parts.append((name, "core_attn"))
+        elif isinstance(names, (set, frozenset)):  # DecoderLayer: the names its own forward applies
+            if "layernorm" in names:
+                parts += [(prefix + n, "layernorm") for n in ("attention_norm", "mlp_norm") if hasattr(module, n)]
+            block = "moe" if getattr(module, "is_moe", False) else "mlp"
+            if block in names and hasattr(module, "mlp"):
+                parts.append((prefix + "mlp", block))
+        if getattr(module, "recompute_up_proj", False) is True:
+            parts.append((name, "mla_up_proj"))
+        if getattr(module, "recompute_activation", False) is True:
+            parts.append((name, "moe_act"))
+        if getattr(module, "recompute_shared_experts", False) is True and getattr(module, "shared_experts", None):
+            parts.append((prefix + "shared_experts", "shared_experts"))
+    return parts
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or _inside(a, b) or _inside(b, a)
+
+
+def check_targets(targets: Sequence[tuple[str, nn.Module]], root: nn.Module | None = None) -> None:
     """Refuse, naming the fix, what a CUDA graph of ``targets`` could not replay correctly:
     FSDP-sharded or tensor-parallel parameters, module hooks (which a graph would run only at the
-    capture), the dropless all-to-all dispatch (host split sizes), host-syncing expert backends and
-    context-parallel attention. Raises ``ValueError``."""
+    capture), the dropless all-to-all dispatch (host split sizes), host-syncing expert backends,
+    context-parallel attention, and recomputation in backward of a part inside a target or around
+    it (``root``: the module the targets' names are relative to; without it, inside only).
+    Raises ``ValueError``."""
     from torch.distributed.fsdp import FSDPModule
 
     import torch.nn.modules.module as module_globals
@@ -162,6 +200,7 @@ def check_targets(targets: Sequence[tuple[str, nn.Module]]) -> None:
             f"CUDAGraphs: global module {', '.join(global_hooks)} are registered (torch.nn.modules.module."
             "register_module_*_hook), which a graph would run only at its capture: remove them before fit."
         )
+    _check_recompute(targets, root)
     for name, target in targets:
         shown = name or type(target).__name__
         # An FSDP unit around the target is fine when none of the target's parameters is its (they
@@ -194,6 +233,27 @@ def check_targets(targets: Sequence[tuple[str, nn.Module]]) -> None:
                         "use tensor_parallel_size=1."
                     )
                 raise ValueError(_fsdp_message(shown, f"{pname} (a DTensor over {sorted(dims)})"))
+
+
+def _check_recompute(targets: Sequence[tuple[str, nn.Module]], root: nn.Module | None) -> None:
+    """Recomputation (torch.utils.checkpoint) inside a captured module, or around one, would save
+    and restore the CUDA RNG state inside the capture and run the forward again between backward
+    graphs: refused unless every recomputed part lies outside every target."""
+    if root is not None:
+        recomputed = recomputed_parts(root)
+    else:
+        recomputed = [(f"{name}.{part}" if name and part else name or part, setting)
+                      for name, target in targets for part, setting in recomputed_parts(target)]
+    for name, _ in targets:
+        for part, setting in recomputed:
+            if _overlap(part, name):
+                fix = ("set recompute_every_n_layers=None" if setting == "recompute_every_n_layers"
+                       else f"drop {setting!r} from ModelConfig.recompute")
+                raise ValueError(
+                    f"CUDAGraphs: {part or 'the model'} is recomputed in backward ({setting!r}) and overlaps the "
+                    f"captured {name or 'model'} (torch.utils.checkpoint needs the RNG state, which a capture cannot "
+                    f"read): {fix}, or capture modules outside it (another scope)."
+                )
 
 
 def _check_moe_layer(name: str, module: nn.Module) -> None:

@@ -7,9 +7,12 @@ backward, at once.
 
 How a fit runs with it:
 
-1. ``on_fit_start`` finds the modules of the scope (`lightning_moe.callbacks._graph_targets`),
-   refuses what a graph cannot replay, naming the fix, and routes each module's ``forward``
-   through the callback. On a machine without CUDA the callback does nothing but say so once.
+1. ``setup`` refuses pipeline parallelism (``pipeline_parallel_size > 1``: several micro-batches
+   in flight, while the graphs hold one micro-batch's activations). ``on_fit_start`` finds the
+   modules of the scope (`lightning_moe.callbacks._graph_targets`), refuses what a graph cannot
+   replay, naming the fix (recomputation of a part inside a captured module among it), and
+   routes each module's ``forward`` through the callback. On a machine without CUDA the callback
+   does nothing but say so once.
 2. The first ``warmup_steps`` optimizer steps of the fit run eagerly; the callback records the
    signature (shapes, dtypes, autocast state) of every training call of the modules.
 3. At the start of the next accumulation window the modules are captured together, at the
@@ -43,11 +46,14 @@ Training semantics stay those of the eager step (the GPU tests check 20 steps bi
 Memory: the graphs keep their modules' activations, temporaries and gradient buffers in one
 pool for good (about one eager step's activations of the captured modules); with gradient
 accumulation the gradients of the captured parameters are held twice (``.grad`` and the graph's
-buffer). Capturing synchronizes the device once.
+buffer). Capturing synchronizes the device once. Dropped graphs (a loaded checkpoint, a capture
+again, the end of the fit) release their pool at once (the reference cycle through each graphed
+``forward`` is broken and collected).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -75,6 +81,15 @@ from lightning_moe.callbacks._graph_targets import (
     routed_method,
 )
 from lightning_moe.cuda_graphs import CapturedModules, capture_modules
+
+
+def _pipeline_parallel_size(trainer: Trainer) -> int:
+    """The strategy's pipeline size (`MegatronMoEStrategy`'s layout), 1 for a strategy without one."""
+    try:
+        layout = trainer.strategy.layout
+    except (AttributeError, RuntimeError):
+        return 1
+    return getattr(layout, "pipeline_parallel_size", 1)
 
 
 @dataclass
@@ -139,7 +154,7 @@ class CUDAGraphs(Callback):
         """The modules this callback captures in ``pl_module``, after its refusals (``ValueError``
         naming the fix for anything a graph cannot replay)."""
         targets = find_targets(pl_module, self.scopes, self.modules)
-        check_targets(targets)
+        check_targets(targets, pl_module)
         return targets
 
     def layout_rows(self, model: nn.Module) -> dict[str, str]:
@@ -155,6 +170,15 @@ class CUDAGraphs(Callback):
                                f"{self.warmup_steps} warm-up step{'s' if self.warmup_steps > 1 else ''}"}
 
     # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if _pipeline_parallel_size(trainer) > 1:
+            raise ValueError(
+                "CUDAGraphs runs with pipeline_parallel_size=1: a pipeline schedule keeps several micro-batches in "
+                "flight, and the graphs hold one micro-batch's activations. Set pipeline_parallel_size=1, or drop "
+                "the callback."
+            )
+
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._uses_cuda(trainer):
@@ -332,6 +356,16 @@ class CUDAGraphs(Callback):
         return [self._targets[i] for i in sorted(self._slots, key=self._slots.get)]
 
     def _drop_graphs(self) -> None:
-        if self._graphs is not None:
-            self._graphs.release()
+        graphs = self._graphs
         self._graphs, self._slots, self._signatures = None, {}, []
+        if graphs is None:
+            return
+        graphs.release()
+        # make_graphed_callables sets each captured module's ``forward`` to a function whose closure
+        # refers back to the module: a reference cycle, which would keep the graphs and their memory
+        # pool until the cycle collector runs. Broken here, and collected now, so that the pool is
+        # released before the next eager steps allocate.
+        for proxy in getattr(graphs, "_proxies", ()):
+            proxy.__dict__.pop("forward", None)
+        del graphs
+        gc.collect()

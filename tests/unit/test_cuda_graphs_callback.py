@@ -215,6 +215,80 @@ def test_te_fp8_and_packed_batches_are_refused_at_setup():
     CUDAGraphs(scope="moe")._refuse_setup(packed)  # MoE layers take only their tokens
 
 
+@pytest.mark.parametrize("scope, overrides, refused", [
+    ("full", {"recompute": ["layernorm"]}, "model.layers.0.attention_norm is recomputed in backward \\('layernorm'\\)"),
+    ("attn", {"recompute": ["layernorm"]}, None),  # the norms are outside every captured module
+    ("moe", {"recompute": ["layernorm", "core_attn"]}, None),
+    ("attn", {"recompute": ["core_attn"]}, "core_attention is recomputed.*drop 'core_attn'"),
+    ("moe", {"recompute": ["moe"]}, "model.layers.0.mlp is recomputed in backward \\('moe'\\)"),
+    ("moe", {"recompute": ["moe_act"]}, "experts is recomputed.*'moe_act'"),
+    ("attn", {"recompute": ["moe", "moe_act"]}, None),
+    ("moe", {"recompute_every_n_layers": 2}, "model.layers.0 is recomputed.*recompute_every_n_layers=None"),
+    ("full_iteration", {"recompute": ["moe_act"]}, "overlaps the captured model"),
+])
+def test_recompute_inside_a_captured_module_is_refused(scope, overrides, refused):
+    """torch.utils.checkpoint saves the RNG state, which a capture cannot read: recomputed parts
+    inside a target, or around one, are refused at fit start; parts outside every target pass."""
+    module = built(MoELanguageModel("tiny", overrides={
+        "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 2, "num_query_groups": 1,
+        "moe": {"ffn_hidden_size": 32}, **overrides}))
+    callback = CUDAGraphs(scope=scope)
+    if refused is None:
+        assert callback.plan(module)
+        return
+    with pytest.raises(ValueError, match=refused) as error:
+        callback.plan(module)
+    assert "RNG state" in str(error.value)
+
+
+def test_recompute_inside_the_targets_is_refused_without_the_root():
+    module = built(MoELanguageModel("tiny", overrides={"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+                                                       "recompute": ["core_attn"], "moe": {"ffn_hidden_size": 32}}))
+    with pytest.raises(ValueError, match="model.layers.0.attention.core_attention is recomputed"):
+        check_targets(find_targets(module, ("full",)))
+
+
+def test_pipeline_parallelism_is_refused_at_setup():
+    def trainer(pp):
+        return SimpleNamespace(strategy=SimpleNamespace(layout=SimpleNamespace(pipeline_parallel_size=pp)))
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=1.*drop the callback"):
+        CUDAGraphs().setup(trainer(2), None, "fit")
+    CUDAGraphs().setup(trainer(1), None, "fit")
+    CUDAGraphs().setup(SimpleNamespace(strategy=object()), None, "fit")  # a strategy without a layout
+
+
+def test_dropped_graphs_leave_no_reference_cycle():
+    """make_graphed_callables sets ``module.forward`` to a function whose closure holds the module:
+    dropping the graphs removes it, so the graphed callable (and the graphs' pool) goes at once and
+    the module's forward is its class's again; uninstalling puts the targets' forwards back too."""
+    import weakref
+
+    from lightning_moe.cuda_graphs import CapturedModules
+
+    class Proxy(nn.Module):
+        def forward(self, x):
+            return x
+
+    proxy, layer = Proxy(), nn.Linear(2, 2)
+
+    def graphed(func):  # what torch.cuda.graphs.make_graphed_callables does for a module
+        def new_fwd(*args):
+            return func.__class__.forward(func, *args)
+        return new_fwd
+
+    proxy.forward = graphed(proxy)
+    callable_ref = weakref.ref(proxy.forward)
+    callback = CUDAGraphs(modules=[nn.Linear])
+    callback._install([("layer", layer)])
+    callback._graphs = CapturedModules([layer], [proxy], [[]], SimpleNamespace(remove=lambda: None))
+    callback._uninstall()
+    assert callback._graphs is None and callback._targets == []
+    assert "forward" not in proxy.__dict__ and proxy.forward.__func__ is Proxy.forward
+    assert "forward" not in layer.__dict__ and layer.forward.__func__ is nn.Linear.forward
+    assert callable_ref() is None  # the proxy is still alive here: only its graphed forward is gone
+
+
 # ---------------------------------------------------------------------------- calls and attributes
 
 
