@@ -19,6 +19,10 @@ the selective names then apply to the other blocks. Recomputation runs the same 
 same inputs under the forward's autocast and RNG states, so gradients are the same bits; router
 counters and FP8 amax histories are left as the forward left them
 (`lightning_moe.nn.saved_tensors.recomputing`).
+
+`ActivationOffload` refuses a part that a name here already covers (``layernorm`` with the norms
+and ``qkv_linear``, ``moe_act`` with ``moe_act``, ...; keep one of the two) and leaves alone the
+parts of blocks recomputed whole; `CUDAGraphs` refuses recomputation inside its captured modules.
 """
 
 from __future__ import annotations
