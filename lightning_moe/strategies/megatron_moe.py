@@ -478,9 +478,6 @@ class MegatronMoEStrategy(ModelParallelStrategy):
                 "pipeline_edge_modules, pipeline_prune, pipeline_chunk; see lightning_moe.parallel.pipeline), which "
                 "the reference MoEDecoder has: implement it in your model, or set pipeline_parallel_size=1."
             )
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError("pipeline_parallel_size > 1 runs the backward inside model.loss(...), which manual "
-                             "optimization cannot drive: use automatic optimization, or pipeline_parallel_size=1.")
         plan = pp_split.plan_split(splittable, layout.pipeline_parallel_size, self.virtual_pipeline_size,
                                    self.pipeline_split_sizes)
         pp_rank = layout.rank_in_group("pp", dist.get_rank())
@@ -645,6 +642,8 @@ class MegatronMoEStrategy(ModelParallelStrategy):
 
         Every pipeline micro-batch is a micro-batch of the optimizer step: its aux losses get
         ``1 / (accumulate x micro-batches)`` (x CP) as their gradient scale, like its share of the task loss.
+        Under manual optimization the step zeroes, (manual-)backwards and steps itself: the
+        gradients of ``model.loss`` are there when it calls ``optimizer.step()``.
         """
         runner = self._pipeline
         assert runner is not None
@@ -659,6 +658,9 @@ class MegatronMoEStrategy(ModelParallelStrategy):
         for layer in moe_layers(self.model):
             layer.router.aux_loss_scale = self._aux_loss_scale(accumulate) / runner.microbatches
         runs = runner.runs
+        self._grads_finalized = False  # the schedule's backward makes new gradients to reduce
+        if not self.lightning_module.automatic_optimization:
+            return self._training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
         params = list(self.model.parameters())
         if trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0:
@@ -693,6 +695,12 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule ran forward and backward inside training_step: only the hooks run here,
         # and the gradients it made come back.
+        if closure_loss.requires_grad:  # manual_backward of a loss with a graph of its own
+            raise RuntimeError(
+                "under pipeline_parallel_size > 1 the backward runs inside model.loss(...); this loss has a gradient "
+                "graph of its own, whose backward would not run: backward the loss model.loss returned (add extra "
+                "loss terms inside the model), or set pipeline_parallel_size=1."
+            )
         for p, grad in self._pipeline_grads:
             p.grad = grad
         self._pipeline_grads = []

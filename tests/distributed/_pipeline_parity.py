@@ -65,6 +65,32 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
+def _manual_module(config: dict, lr: float, clip: Optional[float]):
+    from lightning_moe.models.lightning_module import MoELanguageModel
+
+    class ManualSGD(MoELanguageModel):
+        """Manual optimization: one model.loss per batch (the whole pipeline step), then the step."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss = self.model.loss(batch["input_ids"], batch["labels"])
+            self.manual_backward(loss)
+            if clip is not None:
+                self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+            optimizer.step()
+            return {"loss": loss}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    return ManualSGD(config)
+
+
 def train(
     rank: int,
     world_size: int,
@@ -84,6 +110,7 @@ def train(
     precision: str = "32-true",
     monitor: bool = False,
     export_path: Optional[str] = None,
+    manual: bool = False,
 ) -> Optional[dict]:
     """One run (``world_size`` ranks; ``strategy_kwargs`` without pipeline sizes is the reference:
     call it with ``world_size=1, dp=1`` and ``microbatches = M x dp`` accumulated micro-batches).
@@ -96,7 +123,8 @@ def train(
     (Lightning's ``accumulate_grad_batches``; the reference then takes ``A x M x dp`` micro-batches).
     ``accelerator`` / ``precision``: the Trainer's (the GPU test runs "cuda", "bf16-mixed").
     ``monitor``: train with a `MoEMonitor` logging every step; its last metrics are returned.
-    ``export_path``: ``strategy.export_consolidated`` there after training."""
+    ``export_path``: ``strategy.export_consolidated`` there after training. ``manual``: the module
+    optimizes manually (zero_grad, ``model.loss``, manual_backward, clip, step in its training_step)."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -123,12 +151,12 @@ def train(
 
     trainer = L.Trainer(
         accelerator=accelerator, devices=world_size, strategy=strategy, max_steps=start + steps,
-        accumulate_grad_batches=accumulate, gradient_clip_val=clip, precision=precision,
+        accumulate_grad_batches=accumulate, gradient_clip_val=None if manual else clip, precision=precision,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
         callbacks=[Record()] + ([MoEMonitor(log_every_n_steps=1)] if monitor else []),
     )
-    model = _module(config, lr)
+    model = _manual_module(config, lr, clip) if manual else _module(config, lr)
     dp_rank = dp_rank_of(strategy_kwargs, rank, world_size)
     if batched:
         data = PipelineBatches(micro, microbatches, dp, dp_rank)

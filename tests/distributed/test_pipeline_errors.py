@@ -1,6 +1,7 @@
 """Pipeline combinations not supported fail on every rank alike with a message naming the fix
 (2 gloo processes, pipeline_parallel_size=2): a model without the split hook, a training_step
-whose loss carries a graph of its own, a Hugging Face export of a model split into stages."""
+whose loss carries a graph of its own (returned, or given to manual_backward), a Hugging Face
+export of a model split into stages."""
 
 import pytest
 import torch
@@ -27,11 +28,18 @@ def _fit(rank, world_size, scenario):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class ExtraTerm(MoELanguageModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.automatic_optimization = scenario != "manual_extra_term"
+
         def training_step(self, batch, batch_idx):
             loss = self.model.loss(batch["input_ids"], batch["labels"])
-            return loss + 1e-3 * sum(p.square().sum() for p in self.model.parameters())
+            loss = loss + 1e-3 * sum(p.square().sum() for p in self.model.parameters())
+            if not self.automatic_optimization:
+                self.manual_backward(loss)
+            return loss
 
-    module = NoHook() if scenario == "no_hook" else ExtraTerm(tiny_config()) if scenario == "extra_term" else \
+    module = NoHook() if scenario == "no_hook" else ExtraTerm(tiny_config()) if "extra_term" in scenario else \
         MoELanguageModel(tiny_config())
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size,
@@ -55,6 +63,7 @@ def _fit(rank, world_size, scenario):
     [
         ("no_hook", "needs a model with the pipeline split hook"),
         ("extra_term", "a loss with a gradient graph of its own"),
+        ("manual_extra_term", "this loss has a gradient graph of its own"),
         ("save_hf", "save_hf is not supported under pipeline parallelism"),
     ],
 )

@@ -113,6 +113,17 @@ def test_multi_head_latent_attention_under_pipeline_and_tensor_parallelism():
     _assert_matches(result, ref, _dp_ranks(4, kwargs))
 
 
+def test_manual_optimization_matches_one_process():
+    """A training_step that zeroes, calls model.loss (the pipeline's forward and backward),
+    manual_backward, clips and steps itself trains like one process with automatic optimization."""
+    clip = 0.05
+    result = run_distributed(train, 2, dict(pipeline_parallel_size=2), 1, STEPS, 2, CONFIG, clip, 0.5, None, None,
+                             False, False, 1, "cpu", "32-true", False, None, True, timeout=180)[0]
+    ref = reference(2, clip)
+    assert ref["grad_norm"] > clip and result["grad_norm"] == pytest.approx(ref["grad_norm"], abs=1e-5)
+    _assert_matches(result, ref, [0])
+
+
 def test_pipeline_under_gradient_accumulation():
     """accumulate_grad_batches=2 over batches of 2 pipeline micro-batches equals 4 accumulated
     micro-batches in one process: the gradients of both batches add up, clipped by one norm."""
