@@ -205,3 +205,105 @@ def test_bf16_stage_boundaries(kwargs, dp, precision):
     losses = torch.from_numpy(result["rank_losses"])[_dp_ranks(4, kwargs)].mean(0)
     torch.testing.assert_close(losses, torch.from_numpy(ref["rank_losses"][0]), rtol=0, atol=3e-2)
     assert result["val_loss"] == pytest.approx(ref["val_loss"], abs=3e-2)
+
+
+def _user_model_run(rank, world_size, strategy_kwargs, steps, microbatches):
+    """A model of one's own with the split hook (no MoE): embedding, 4 residual MLP blocks, head."""
+    import lightning as L
+    from types import SimpleNamespace
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from _parity import MicroBatches, VOCAB
+    from _pipeline_parity import PipelineBatches, full_grads
+    from lightning_moe import MegatronMoEStrategy
+
+    class Block(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.fc = nn.Linear(dim, dim)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+    class Chunk(nn.Module):
+        def __init__(self, embed, blocks, head):
+            super().__init__()
+            self.embed, self.blocks, self.head = embed, nn.ModuleList(blocks), head
+
+        def forward(self, x, labels):
+            h = self.embed(x) if self.embed is not None else x
+            for block in self.blocks:
+                h = block(h)
+            if self.head is None:
+                return h
+            logits = self.head(h).float()
+            return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    class TinyLM(nn.Module):
+        def __init__(self, dim=16):
+            super().__init__()
+            self.config = SimpleNamespace(hidden_size=dim)
+            self.embed = nn.Embedding(VOCAB, dim)
+            self.blocks = nn.ModuleDict({str(i): Block(dim) for i in range(4)})
+            self.head = nn.Linear(dim, VOCAB)
+            self.pipeline_runner = None
+
+        def loss(self, input_ids, labels):
+            if self.pipeline_runner is not None:
+                return self.pipeline_runner(input_ids, labels=labels)
+            return Chunk(self.embed, list(self.blocks.values()), self.head)(input_ids, labels) / labels.numel()
+
+        def pipeline_layers(self):
+            return [f"blocks.{i}" for i in self.blocks]
+
+        def pipeline_edge_modules(self):
+            return ["embed"], ["head"]
+
+        def pipeline_prune(self, keep, first, last):
+            for name in list(self.blocks):
+                if f"blocks.{name}" not in keep:
+                    del self.blocks[name]
+            self.embed = self.embed if first else None
+            self.head = self.head if last else None
+
+        def pipeline_chunk(self, layer_names, first, last):
+            return Chunk(self.embed if first else None, [self.get_submodule(n) for n in layer_names],
+                         self.head if last else None)
+
+    class Module(L.LightningModule):
+        def configure_model(self):
+            if not hasattr(self, "model"):
+                self.model = TinyLM()
+
+        def training_step(self, batch, batch_idx):
+            return self.model.loss(batch["input_ids"], batch["labels"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    torch.manual_seed(0)
+    pipelined = strategy_kwargs.get("pipeline_parallel_size", 1) > 1
+    data = PipelineBatches(MicroBatches(64), microbatches, 1, 0)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, num_sanity_val_steps=0,
+                        strategy=MegatronMoEStrategy(print_layout=False, **strategy_kwargs))
+    module = Module()
+    trainer.fit(module, DataLoader(data, batch_size=None, sampler=list(range(steps))))
+    assert pipelined == (module.model.pipeline_runner is not None)
+    return full_grads(trainer.strategy.model)
+
+
+def test_a_model_of_ones_own_with_the_split_hook():
+    """The documented split hook on a model that is not the reference decoder: PP2 and PP2 x 2
+    virtual stages give the gradients of one process."""
+    ref = run_distributed(_user_model_run, 1, {}, STEPS, 4, timeout=120)[0]
+    for kwargs in (dict(pipeline_parallel_size=2, pipeline_microbatches=4),
+                   dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2,
+                        pipeline_microbatches=4)):
+        result = run_distributed(_user_model_run, 2, kwargs, STEPS, 4, timeout=120)[0]
+        assert result.keys() == ref.keys() and len(ref) == 11  # embedding, 4 x (weight, bias), head (weight, bias)
+        for name, value in ref.items():
+            torch.testing.assert_close(torch.from_numpy(result[name]), torch.from_numpy(value), rtol=0, atol=1e-5,
+                                       msg=name)
