@@ -128,7 +128,7 @@ def test_a_dense_config_counts_its_parameters_and_flops(tmp_path):
     assert model_flops_per_token(cfg, 12) > 6 * cfg.num_layers * 3 * cfg.hidden_size * cfg.ffn_hidden_size
     assert module.parallel_constraints() == {
         "num_attention_heads": 4, "num_query_groups": 2, "num_moe_layers": 0, "context_parallel_attention": True,
-        "num_layers": cfg.num_layers, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "num_layers": cfg.num_layers,
     }
 
 
