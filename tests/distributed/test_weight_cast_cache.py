@@ -28,7 +28,7 @@ def test_cached_casts_train_bit_identically(layout, monkeypatch):
 
     real = compute_weights._cast
     # inherited by the forked ranks: each counts the casts it makes
-    monkeypatch.setattr(compute_weights, "_cast", lambda w, dtype: _CASTS.append(1) or real(w, dtype))
+    monkeypatch.setattr(compute_weights, "_cast", lambda w, dtype, **kw: _CASTS.append(1) or real(w, dtype, **kw))
     base = dict(LAYOUTS[layout], sharding="ddp", expert_sharding="ddp")
     dp = 2 // base.get("tensor_parallel_size", 1)
     runs, casts = {}, {}
