@@ -22,9 +22,15 @@ Sub-groups (every aligned block of 2 .. max CP ranks) are made once at setup; pe
 DP replicas' batches are all-gathered over the DP group (when DP > 1) and one all-reduce of two
 scalars makes the loss, as under static CP.
 
-Supported: tensor and pipeline parallel size 1, dropless MoE with the all-to-all dispatcher and no
-aux or z loss (their definitions assume equal token counts per rank; balance experts with
-``router_enable_expert_bias``), attention with ``set_context_parallel`` (the reference decoder's).
+Router losses: ranks hold different numbers of tokens, so each router is told per micro-batch the
+tokens of one DP replica's micro-batch (``TopKRouter.sequence_group_tokens``, known from the plan:
+no collective) and normalises by it: the aux loss (counts summed over the CP group, DP = 1), the
+global aux loss and the z-loss then equal the static layout's in value and gradient.
+``seq_aux_loss`` (per row: a rank's tokens mix rows) and ``aux_loss`` at DP > 1 (per replica: a
+rank's tokens mix replicas) are refused.
+
+Supported: tensor and pipeline parallel size 1, dropless MoE with the all-to-all dispatcher,
+attention with ``set_context_parallel`` (the reference decoder's).
 """
 
 from __future__ import annotations
@@ -131,12 +137,18 @@ class DynamicContextParallel(Callback):
         """Refuse what the re-laid micro-batch would compute differently (before any collective)."""
         for layer in moe_layers(model):
             cfg = layer.config
-            if cfg.active_aux_losses or cfg.z_loss_coeff:
+            if "seq_aux_loss" in cfg.active_aux_losses:
                 raise ValueError(
-                    f"DynamicContextParallel: the router's {sorted(cfg.active_aux_losses) or ['z_loss']} normalise by "
-                    "equal token counts per rank, which dynamic CP does not keep: set "
-                    "router_load_balancing_type='none' and z_loss_coeff=0 (balance with "
-                    "router_enable_expert_bias=True), or use static context parallelism."
+                    "DynamicContextParallel: seq_aux_loss counts experts per row of the micro-batch, and a rank's "
+                    "tokens under dynamic CP mix rows: use router_load_balancing_type='aux_loss' or "
+                    "'global_aux_loss' (or router_enable_expert_bias=True), or use static context parallelism."
+                )
+            if "aux_loss" in cfg.active_aux_losses and self._strategy.layout.data_parallel_size > 1:
+                raise ValueError(
+                    "DynamicContextParallel: with data_parallel_size > 1 the static aux_loss is one per DP replica's "
+                    "micro-batch, and dynamic CP mixes the replicas' sequences on a rank: use "
+                    "router_load_balancing_type='global_aux_loss' (or router_enable_expert_bias=True), set "
+                    "context_parallel_size to the world size (DP = 1), or use static context parallelism."
                 )
             if cfg.expert_capacity_factor is not None:
                 raise ValueError(
@@ -197,6 +209,7 @@ class DynamicContextParallel(Callback):
             max_tokens=share.max_tokens,
         )
         self._set_attention(shards)
+        self._set_router_tokens(rows // layout.data_parallel_size * seq_len)
         self.last_plan, self.last_tokens = plan, rows * seq_len
         return local, strategy._group("dp_cp")
 
@@ -231,10 +244,17 @@ class DynamicContextParallel(Callback):
         for module in self._attention_modules():
             module.set_context_parallel(group, self._strategy.cp_comm_type)
 
+    def _set_router_tokens(self, tokens: Optional[int]) -> None:
+        """The tokens the routers' losses normalise by: one DP replica's micro-batch (what the static
+        CP group shares), as the ranks hold uneven shares of it; None: the static layout's count."""
+        for layer in moe_layers(self._strategy.model):
+            layer.router.sequence_group_tokens = tokens
+
     def _restore_static(self) -> None:
         """Validation and testing run the static layout (the strategy shards their batches)."""
         if self._strategy is not None and self._strategy.model is not None:
             self._set_attention(self._strategy.context_parallel_group)
+            self._set_router_tokens(None)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -268,6 +288,8 @@ class DynamicContextParallel(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._strategy is not None and getattr(self._strategy, "sequence_sharder", None) is self:
             self._strategy.sequence_sharder = None
+            if self._strategy.model is not None:
+                self._set_router_tokens(None)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -242,6 +242,12 @@ class TopKRouter(nn.Module):
             coefficient is divided by its size. None: nothing is reduced.
         global_aux_loss_group: ranks whose tokens form the global batch (TP x DP x CP); counts of
             the global aux loss are summed over it. None: nothing is reduced.
+        sequence_group_tokens: the tokens of the sequences that ``sequence_parallel_group`` shares,
+            when its ranks hold different numbers of them (set per micro-batch by a sequence
+            sharder, `lightning_moe.callbacks.DynamicContextParallel`): the aux and global-aux
+            losses normalise by it (global: times the number of such groups) and the z-loss
+            becomes ``coeff * sum_local(lse**2) / sequence_group_tokens``, so the ranks' shares add
+            up to the static layout's losses. None (static layouts): local tokens x group size.
 
     All router state stays fp32 under ``module.to(torch.bfloat16)`` / ``.half()``: routing choices
     and bias updates are made from it, and low precision would flip them.
@@ -262,6 +268,7 @@ class TopKRouter(nn.Module):
         self.latest_losses: dict[str, Tensor] = {}
         self.sequence_parallel_group: dist.ProcessGroup | None = None
         self.global_aux_loss_group: dist.ProcessGroup | None = None
+        self.sequence_group_tokens: int | None = None
         self.replayed_routing: ReplayedRouting | None = None
         self.reset_parameters()
 
@@ -341,7 +348,11 @@ class TopKRouter(nn.Module):
     def _attach_z_loss(self, logits_TE: Tensor, losses: dict[str, Tensor]) -> Tensor:
         """Tie the z-loss to the logits; its coefficient is shared over the sequence-splitting ranks."""
         coeff = self.cfg.z_loss_coeff / group_size(self.sequence_parallel_group)
-        loss = z_loss(logits_TE, coeff)
+        if self.sequence_group_tokens is None:
+            loss = z_loss(logits_TE, coeff)
+        else:  # uneven shards: the local sum over the group's tokens (mean x T / N_group x group size)
+            share = logits_TE.shape[0] * group_size(self.sequence_parallel_group) / self.sequence_group_tokens
+            loss = z_loss(logits_TE, coeff * share)
         losses["z_loss"] = (loss / coeff).detach()
         return AuxLossAutoScaler.apply(logits_TE, loss, self.aux_loss_scale)
 
@@ -367,9 +378,14 @@ class TopKRouter(nn.Module):
         if name == "aux_loss":
             group = self.sequence_parallel_group
             counts_E = all_reduce_counts(tokens_per_expert(experts_TK, num_experts), group)
-            total_tokens = num_tokens * group_size(group)
+            total_tokens = self._group_tokens(num_tokens)
             return switch_load_balancing_loss(scores_TE, counts_E, total_tokens, k, num_experts, coeff)
         if name == "seq_aux_loss":
+            if self.sequence_group_tokens is not None:
+                raise ValueError(
+                    "seq_aux_loss needs each rank's tokens to be equal slices of the same sequences; with uneven "
+                    "shards (dynamic context parallelism) use aux_loss or global_aux_loss."
+                )
             group = self.sequence_parallel_group
             seq_len = num_tokens // num_seqs
             experts_BSK = experts_TK.view(num_seqs, seq_len, k)
@@ -386,11 +402,24 @@ class TopKRouter(nn.Module):
             scores_TE,
             self.global_tokens_per_expert,
             self.global_aux_num_microbatches,
-            num_tokens * group_size(group),
+            self._global_tokens(num_tokens),
             k,
             num_experts,
             coeff,
         )
+
+    def _group_tokens(self, num_tokens: int) -> int:
+        """Tokens of the sequences the sequence-parallel group shares (the aux-loss ``N``)."""
+        if self.sequence_group_tokens is None:
+            return num_tokens * group_size(self.sequence_parallel_group)
+        return self.sequence_group_tokens
+
+    def _global_tokens(self, num_tokens: int) -> int:
+        """Tokens of one micro-batch over the global aux-loss group (the global aux-loss ``N``)."""
+        if self.sequence_group_tokens is None:
+            return num_tokens * group_size(self.global_aux_loss_group)
+        groups = group_size(self.global_aux_loss_group) // group_size(self.sequence_parallel_group)
+        return self.sequence_group_tokens * groups
 
     def _counts_for_bias(self, result: RoutingResult) -> Tensor:
         """Counts the bias update sees: Megatron sums its final routing map.

@@ -1,7 +1,8 @@
 """DynamicContextParallel under the gold test: on packed batches of documents from 16 to 512 tokens,
 4 gloo processes with dynamic CP (sub-groups of 1, 2 and 4 ranks chosen per micro-batch) return
 the losses and train to the parameters of static CP4 and of one process (fp32, atol 1e-5), also
-with EP=2 folded over the CP ranks and with either key/value exchange."""
+with EP=2 folded over the CP ranks, with either key/value exchange, and with the router's aux,
+global-aux and z losses (normalised by the tokens of the micro-batch, not of the rank)."""
 
 import functools
 
@@ -22,12 +23,15 @@ COST = dict(attention_s_per_token_pair=1e-6, linear_s_per_token=1e-6, cp_s_per_t
 MEMORY_LIMIT = 512
 
 
-def _config() -> dict:
+def _config(losses: bool = False) -> dict:
     moe = dict(
         num_experts=8, router_topk=2, ffn_hidden_size=32, router_score_function="sigmoid",
         router_enable_expert_bias=True, router_bias_update_rate=1e-2, router_load_balancing_type="none",
         aux_loss_coeff=0.0, z_loss_coeff=None,
     )
+    if losses:  # large coefficients: a wrong normalisation would show in the router weights
+        moe.update(router_load_balancing_type=["aux_loss", "global_aux_loss"], aux_loss_coeff=[0.5, 0.5],
+                   z_loss_coeff=0.1)
     return dict(
         vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=48, first_k_dense_layers=1, moe=moe, max_seq_length=SEQ,
@@ -52,7 +56,7 @@ def _batches() -> list[dict]:
     return batches
 
 
-def _train(rank, world_size, strategy_kwargs, dynamic, accelerator="cpu"):
+def _train(rank, world_size, strategy_kwargs, dynamic, losses=False, accelerator="cpu"):
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -94,7 +98,7 @@ def _train(rank, world_size, strategy_kwargs, dynamic, accelerator="cpu"):
         rows = len(batches[0]["input_ids"]) // dp
         replica = rank // strategy_kwargs["context_parallel_size"]
         batches = [{k: v[replica * rows:(replica + 1) * rows] for k, v in b.items()} for b in batches]
-    trainer.fit(_module(_config(), 0.5), DataLoader(batches, batch_size=None))
+    trainer.fit(_module(_config(losses), 0.5), DataLoader(batches, batch_size=None))
     state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank:
         return None
@@ -103,8 +107,8 @@ def _train(rank, world_size, strategy_kwargs, dynamic, accelerator="cpu"):
 
 
 @functools.lru_cache(maxsize=None)
-def _run(world_size: int, kwargs: tuple, dynamic: bool):
-    return run_distributed(_train, world_size, dict(kwargs), dynamic, timeout=240)[0]
+def _run(world_size: int, kwargs: tuple, dynamic: bool, losses: bool = False):
+    return run_distributed(_train, world_size, dict(kwargs), dynamic, losses, timeout=240)[0]
 
 
 def _assert_same(result, reference):
@@ -157,3 +161,23 @@ def test_dynamic_cp_over_dp2_x_cp2_gives_the_token_mean_of_both_replicas():
     torch.testing.assert_close(torch.tensor(logged_loss), torch.tensor(dynamic[0]), rtol=0, atol=1e-5)
     assert any(1 in plan or 4 in plan for plan in plans), plans
     assert tokens == pytest.approx([SEQ * len(rows) for rows in ROWS])  # both replicas' tokens, once
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [(("context_parallel_size", 4),), (("context_parallel_size", 4), ("expert_parallel_size", 2))],
+    ids=["cp4", "cp4_ep2"],
+)
+def test_router_aux_global_aux_and_z_losses_match_static_cp4_and_one_process(kwargs):
+    # the ranks hold different numbers of tokens: losses normalised by the local count would differ
+    single = _run(1, (), False, True)
+    static = _run(4, kwargs, False, True)
+    dynamic = _run(4, kwargs, True, True)
+    _assert_same(static, single)
+    _assert_same(dynamic, single)
+    _assert_same(dynamic, static)
+    assert any(1 in plan for plan in dynamic[1][0]), dynamic[1][0]
+    # the losses reach the router: its weights differ from a run without them
+    plain = _run(1, (), False)
+    router = next(name for name in single[3] if name.endswith("router.weight"))
+    assert abs(single[3][router] - plain[3][router]).max() > 1e-4

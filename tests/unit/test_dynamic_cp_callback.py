@@ -58,8 +58,9 @@ def test_max_cp_must_divide_the_pool_and_the_strategy_must_be_megatron():
 @pytest.mark.parametrize(
     "moe, strategy_sizes, match",
     [
-        (dict(router_load_balancing_type="aux_loss", aux_loss_coeff=1e-2), {}, "router_load_balancing_type='none'"),
-        (dict(router_load_balancing_type="none", z_loss_coeff=1e-3), {}, "z_loss"),
+        (dict(router_load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-2), {}, "seq_aux_loss counts experts"),
+        (dict(router_load_balancing_type="aux_loss", aux_loss_coeff=1e-2), dict(context_parallel_size=2),
+         "router_load_balancing_type='global_aux_loss'"),
         (dict(router_load_balancing_type="none", expert_capacity_factor=1.0, token_drop_policy="probs"), {},
          "expert_capacity_factor=None"),
         (dict(router_load_balancing_type="none", token_dispatcher_type="allgather"), dict(expert_parallel_size=2),
@@ -69,7 +70,7 @@ def test_max_cp_must_divide_the_pool_and_the_strategy_must_be_megatron():
 def test_routers_whose_losses_assume_equal_token_counts_are_refused(moe, strategy_sizes, match):
     layer = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, router_topk=2, **moe))
     callback = DynamicContextParallel(memory_limit_tokens=512)
-    trainer = _trainer(context_parallel_size=4, **strategy_sizes)
+    trainer = _trainer(**{"context_parallel_size": 4, **strategy_sizes})
     callback._strategy = trainer.strategy
     with pytest.raises(ValueError, match=match):
         callback._check_model(torch.nn.Sequential(layer))
@@ -80,5 +81,17 @@ def test_an_expert_bias_router_is_accepted():
                     router_enable_expert_bias=True, router_score_function="sigmoid")
     callback = DynamicContextParallel(memory_limit_tokens=512)
     callback._strategy = _trainer(context_parallel_size=4, expert_parallel_size=2).strategy
+    callback._check_model(torch.nn.Sequential(MoELayer(cfg)))
+    assert callback._checked_model
+
+
+@pytest.mark.parametrize("cp", [4, 2], ids=["dp1", "dp2"])
+def test_aux_global_aux_and_z_losses_are_accepted(cp):
+    # the aux loss only at DP = 1 (its counts are one replica's); global aux and z-loss at any DP
+    types, coeffs = (["aux_loss", "global_aux_loss"], [1e-2, 1e-2]) if cp == 4 else ("global_aux_loss", 1e-2)
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, router_topk=2, router_load_balancing_type=types,
+                    aux_loss_coeff=coeffs, z_loss_coeff=1e-3)
+    callback = DynamicContextParallel(memory_limit_tokens=512)
+    callback._strategy = _trainer(context_parallel_size=cp).strategy
     callback._check_model(torch.nn.Sequential(MoELayer(cfg)))
     assert callback._checked_model
