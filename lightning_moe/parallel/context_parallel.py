@@ -214,14 +214,27 @@ class TokenShards:
     Attributes:
         group: the sub-group sharing this rank's sequences (None: this rank alone).
         index_BS: ``[B, S]`` int64, each local token's place in its sub-group's sequences laid end
-            to end (a query sees keys of its document with an index not above its own).
+            to end (a query sees keys of its sequence with an index not above its own).
         max_tokens: the largest ``S`` of any rank of the group (known from the plan: no sync);
-            keys/values are padded to it for the exchange, the padding in no document.
+            keys/values are padded to it for the exchange.
+        sequence_tokens: ``[group rank][sequence]`` tokens of each of the group's sequences on each
+            rank of the group (from the plan); every rank holds its sequences one after the other
+            in that order, so these counts give each sequence's slice of every rank's block.
     """
 
     group: Optional[dist.ProcessGroup]
     index_BS: Tensor
     max_tokens: int
+    sequence_tokens: tuple[tuple[int, ...], ...]
+
+
+def _slices(counts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``[start, end)`` of consecutive runs of ``counts`` tokens."""
+    out, start = [], 0
+    for n in counts:
+        out.append((start, start + n))
+        start += n
+    return out
 
 
 def _token_shards_attention(
@@ -233,47 +246,88 @@ def _token_shards_attention(
     scale: Optional[float],
     document_ids_BS: Optional[Tensor],
 ) -> Tensor:
-    """:func:`context_parallel_attention` over shards of uneven sizes (:class:`TokenShards`)."""
+    """:func:`context_parallel_attention` over shards of uneven sizes (:class:`TokenShards`).
+
+    Attention is computed sequence by sequence, never across sequences: a rank alone runs causal
+    ``F.scaled_dot_product_attention`` on each of its (whole, in-order) sequences; a group runs the
+    ring's (or the all-gather's) fp32 block attention per sequence, on that sequence's slices of the
+    query and key blocks (``sequence_tokens``). The sequences are those of ``shards``, whose
+    numbering ``document_ids_BS`` repeats (it is not read).
+    """
     heads, groups = q_BHSd.shape[1], k_BGSd.shape[1]
     if heads % groups:
         raise ValueError(f"{heads} query heads are not a multiple of {groups} key/value heads.")
     scale = 1.0 / math.sqrt(q_BHSd.shape[-1]) if scale is None else scale
     group = shards.group
     size = 1 if group is None else dist.get_world_size(group)
-    seq_local = q_BHSd.shape[2]
-    q_idx_BS = shards.index_BS
-    q_docs_BS = torch.zeros_like(q_idx_BS) if document_ids_BS is None else document_ids_BS.to(q_idx_BS.dtype)
+    rank = 0 if group is None else dist.get_rank(group)
+    if len(shards.sequence_tokens) != size or sum(shards.sequence_tokens[rank]) != q_BHSd.shape[2]:
+        raise ValueError(
+            f"TokenShards.sequence_tokens gives {len(shards.sequence_tokens)} ranks (the group has {size}) or "
+            f"tokens that do not add up to this rank's {q_BHSd.shape[2]}: build it from the same plan as the batch."
+        )
+    slices_R = [_slices(counts) for counts in shards.sequence_tokens]
+    mine = slices_R[rank]
+    if size == 1:  # whole sequences in causal order: the kernel one process uses, per sequence
+        gqa = heads != groups
+        outs = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q_BHSd[:, :, a:b], k_BGSd[:, :, a:b], v_BGSd[:, :, a:b], is_causal=True, scale=scale, enable_gqa=gqa
+            )
+            for a, b in mine
+        ]
+        return torch.cat(outs, dim=2)
     q = q_BHSd.float()
+    q_idx_BS = shards.index_BS
     kv_2BGSd = torch.stack([k_BGSd, v_BGSd]).float()
 
-    def attend(kv: Tensor, keys_2BT: Tensor) -> tuple[Tensor, Tensor]:
-        k_idx_BT, k_docs_BT = keys_2BT.unbind(0)
-        visible = (k_idx_BT.unsqueeze(1) <= q_idx_BS.unsqueeze(2)) & (k_docs_BT.unsqueeze(1) == q_docs_BS.unsqueeze(2))
-        k, v = (t.repeat_interleave(heads // groups, dim=1) for t in kv.unbind(0))
-        return _block_attention(q, k, v, visible.unsqueeze(1), scale)
+    Part = Optional[tuple[Tensor, Tensor]]  # a sequence's (output, log-sum-exp), None: no keys
 
-    keys_2BS = torch.stack([q_idx_BS, q_docs_BS])
-    if size == 1:
-        out, _ = attend(kv_2BGSd, keys_2BS)
-        return out.to(q_BHSd.dtype)
-    # Every rank's block padded to the group's largest: padded keys carry document -1 (no query's).
-    pad = shards.max_tokens - seq_local
+    def attend(kv: Tensor, k_idx_BT: Tensor, key_slices: list[tuple[int, int]]) -> list[Part]:
+        """Each sequence's queries over its keys in ``kv`` (None where this block holds none)."""
+        parts: list[Part] = []
+        for (qa, qb), (ka, kb) in zip(mine, key_slices):
+            if kb == ka or qb == qa:
+                parts.append(None)
+                continue
+            visible = k_idx_BT[:, ka:kb].unsqueeze(1) <= q_idx_BS[:, qa:qb].unsqueeze(2)  # [B, n, m]
+            k, v = (t[:, :, ka:kb].repeat_interleave(heads // groups, dim=1) for t in kv.unbind(0))
+            parts.append(_block_attention(q[:, :, qa:qb], k, v, visible.unsqueeze(1), scale))
+        return parts
+
+    pad = shards.max_tokens - q_BHSd.shape[2]
     kv_pad = torch.nn.functional.pad(kv_2BGSd, (0, 0, 0, pad))
-    keys_pad = torch.cat([keys_2BS, torch.stack([torch.zeros_like(q_idx_BS[:, :1]), -torch.ones_like(q_idx_BS[:, :1])])
-                          .expand(2, q_idx_BS.shape[0], pad)], dim=-1)
+    idx_pad = torch.nn.functional.pad(q_idx_BS, (0, pad))
     if comm_type == "allgather":
-        kv_all = torch.cat(_AllGather.apply(kv_pad, group).unbind(0), dim=-2)
-        parts = [torch.empty_like(keys_pad) for _ in range(size)]
-        dist.all_gather(parts, keys_pad.contiguous(), group=group)
-        out, _ = attend(kv_all, torch.cat(parts, dim=-1))
-    else:
-        out, lse = attend(kv_2BGSd, keys_2BS)  # own block first: every query sees itself
-        kv, keys = kv_pad, keys_pad
-        for _ in range(1, size):
-            kv = _RingShift.apply(kv, group)
-            keys = _shift(keys.contiguous(), group, step=1)
-            out, lse = _merge(out, lse, *attend(kv, keys))
-    return out.to(q_BHSd.dtype)
+        kv_R2BGTd = _AllGather.apply(kv_pad, group)
+        idx_parts = [torch.empty_like(idx_pad) for _ in range(size)]
+        dist.all_gather(idx_parts, idx_pad.contiguous(), group=group)
+        outs = []
+        for j, (qa, qb) in enumerate(mine):
+            if qb == qa:
+                outs.append(q_BHSd.new_zeros(*q_BHSd.shape[:2], 0, q_BHSd.shape[3]).float())
+                continue
+            kv_j = torch.cat([kv_R2BGTd[r][..., slices_R[r][j][0]:slices_R[r][j][1], :] for r in range(size)], dim=-2)
+            idx_j = torch.cat([idx_parts[r][:, slices_R[r][j][0]:slices_R[r][j][1]] for r in range(size)], dim=-1)
+            visible = idx_j.unsqueeze(1) <= q_idx_BS[:, qa:qb].unsqueeze(2)
+            k, v = (t.repeat_interleave(heads // groups, dim=1) for t in kv_j.unbind(0))
+            outs.append(_block_attention(q[:, :, qa:qb], k, v, visible.unsqueeze(1), scale)[0])
+        return torch.cat(outs, dim=2).to(q_BHSd.dtype)
+    # Ring: step 0 is this rank's own block (every query sees itself: a finite lse); step s holds
+    # rank (r - s)'s block while it travels on.
+    merged = attend(kv_2BGSd, q_idx_BS, mine)
+    kv, idx = kv_pad, idx_pad
+    for step in range(1, size):
+        kv = _RingShift.apply(kv, group)
+        idx = _shift(idx.contiguous(), group, step=1)
+        for j, part in enumerate(attend(kv, idx, slices_R[(rank - step) % size])):
+            if part is not None:
+                merged[j] = _merge(*merged[j], *part) if merged[j] is not None else part
+    outs = [
+        part[0] if part is not None else q.new_zeros(*q.shape[:2], 0, q.shape[3])
+        for part in merged
+    ]
+    return torch.cat(outs, dim=2).to(q_BHSd.dtype)
 
 
 #: Batch entries whose dimension 1 is the sequence: sharded by :func:`shard_batch`.

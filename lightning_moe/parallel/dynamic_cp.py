@@ -39,14 +39,17 @@ class CostModel:
         sum_j (attention_s_per_token_pair * L_j**2 / 2 + linear_s_per_token * L_j) / c
         + (c > 1) * (cp_s_per_token * (c - 1) / c * sum_j L_j + cp_s_per_exchange * (c - 1))
 
-    (causal attention sees ``L**2 / 2`` query-key pairs; everything else, MoE included, is linear
-    in tokens; the ring passes each rank's keys/values ``c - 1`` times, once per group and layer
-    stack). Constants are for the whole model (all layers). The defaults are a FLOP estimate for
-    Qwen3-30B-A3B (`lightning_moe.models.flops`: 1.83e10 training FLOPs per token outside
-    attention, 2.36e6 per causal query-key pair over its 48 layers) at 400 TFLOP/s, and the ring's
-    traffic as ``benchmarks/dynamic_cp_sim.py`` assumes it (2 KiB of bf16 keys/values per token and
-    layer moved 3 times per ring step at 150 GB/s; 20 us per step and layer). Replace them by a
-    measurement: ``CostModel.from_json(path)`` reads what ``benchmarks/dynamic_cp_sim.py
+    with ``L_j**2 / 2`` replaced by ``L_j**2`` when ``c > 1`` (:func:`attention_pairs`: alone a
+    rank runs causal SDPA per sequence, ``L**2 / 2`` query-key pairs; a group runs dense fp32
+    blocks per sequence, the masked half included, as static CP does; everything else, MoE
+    included, is linear in tokens; the ring passes each rank's keys/values ``c - 1`` times, once
+    per group and layer stack). One attention constant serves both kernels: calibrated on SDPA, it
+    under-counts the fp32 blocks of a group on a GPU. Constants are for the whole model (all
+    layers). The defaults are a FLOP estimate for Qwen3-30B-A3B (`lightning_moe.models.flops`:
+    1.83e10 training FLOPs per token outside attention, 2.36e6 per causal query-key pair over its
+    48 layers) at 400 TFLOP/s, and the ring's traffic as ``benchmarks/dynamic_cp_sim.py`` assumes
+    it (2 KiB of bf16 keys/values per token and layer moved 3 times per ring step at 150 GB/s;
+    20 us per step and layer). Replace them by a measurement: ``CostModel.from_json(path)`` reads what ``benchmarks/dynamic_cp_sim.py
     --calibrate`` writes on the target GPU.
     """
 
@@ -63,8 +66,9 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {value!r}.")
 
     def compute(self, length: int, cp: int) -> float:
-        """Attention and linear time of one sequence on each of ``cp`` ranks."""
-        return (self.attention_s_per_token_pair * length * length / 2 + self.linear_s_per_token * length) / cp
+        """Attention and linear time of one sequence on each of ``cp`` ranks: the query-key pairs
+        the kernels compute (:func:`attention_pairs`) and the linear work, shared by the group."""
+        return (self.attention_s_per_token_pair * attention_pairs(length, cp) + self.linear_s_per_token * length) / cp
 
     def communication(self, tokens: int, cp: int) -> float:
         """CP exchange time of a group of ``cp`` ranks sharing ``tokens`` tokens (0 for one rank)."""
@@ -99,6 +103,14 @@ class CostModel:
                 "write one with `python benchmarks/dynamic_cp_sim.py --calibrate --out <file>` on the target GPU."
             )
         return cls.from_dict({**data["cost_model"], "source": str(path)})
+
+
+def attention_pairs(length: int, cp: int) -> float:
+    """Query-key pairs the attention of one sequence computes over a group of ``cp`` ranks, all
+    ranks together: alone (``cp = 1``) causal SDPA, ``L**2 / 2``; over a group the ring's (or the
+    all-gather's) block attention, which computes every pair of each block it is given, masked or
+    not: ``L**2`` (as static CP's does), twice the causal count."""
+    return length * length / 2 if cp == 1 else float(length * length)
 
 
 def is_power_of_two(n: int) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_moe.parallel.context_parallel import SEQUENCE_KEYS
-from lightning_moe.parallel.dynamic_cp import Plan, chunk_bounds
+from lightning_moe.parallel.dynamic_cp import Plan, chunk_bounds, rank_token_counts
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class RankShare:
         index_T: its place in the sub-group's sequences laid end to end.
         group: the rank's sub-group in the plan.
         max_tokens: the most tokens any rank of that sub-group holds.
+        sequence_tokens: ``[group rank][sequence]`` tokens of each of the group's sequences on each
+            of its ranks (`lightning_moe.parallel.context_parallel.TokenShards`).
     """
 
     flat_index_T: Tensor
@@ -75,6 +77,7 @@ class RankShare:
     index_T: Tensor
     group: int
     max_tokens: int
+    sequence_tokens: tuple[tuple[int, ...], ...]
 
 
 def rank_share(sequences: PoolSequences, plan: Plan, pool_rank: int) -> RankShare:
@@ -99,7 +102,9 @@ def rank_share(sequences: PoolSequences, plan: Plan, pool_rank: int) -> RankShar
             f"rank {pool_rank}: {flat_index_T.numel()} tokens, the plan says {plan.rank_tokens[pool_rank]}"
         )
     max_tokens = max(plan.rank_tokens[offset : offset + size]) if plan.rank_tokens else flat_index_T.numel()
-    return RankShare(flat_index_T, torch.cat(docs), torch.cat(index), group, max_tokens)
+    per_sequence = [rank_token_counts(sequences.lengths[seq], size) for seq in plan.sequences_of_group(group)]
+    sequence_tokens = tuple(tuple(counts[r] for counts in per_sequence) for r in range(size))
+    return RankShare(flat_index_T, torch.cat(docs), torch.cat(index), group, max_tokens, sequence_tokens)
 
 
 def rank_batch(pool_batch: dict, share: RankShare, position_ids_RS: Tensor) -> dict:
