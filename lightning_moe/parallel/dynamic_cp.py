@@ -49,8 +49,8 @@ class CostModel:
     1.83e10 training FLOPs per token outside attention, 2.36e6 per causal query-key pair over its
     48 layers) at 400 TFLOP/s, and the ring's traffic as ``benchmarks/dynamic_cp_sim.py`` assumes
     it (2 KiB of bf16 keys/values per token and layer moved 3 times per ring step at 150 GB/s;
-    20 us per step and layer). Replace them by a measurement: ``CostModel.from_json(path)`` reads what ``benchmarks/dynamic_cp_sim.py
-    --calibrate`` writes on the target GPU.
+    20 us per step and layer). Replace them by a measurement: ``CostModel.from_json(path)`` reads
+    what ``benchmarks/dynamic_cp_sim.py --calibrate`` writes on the target GPU.
     """
 
     attention_s_per_token_pair: float = 5.9e-9
