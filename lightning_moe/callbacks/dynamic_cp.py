@@ -28,12 +28,12 @@ Sub-groups (every aligned block of 2 .. max CP ranks) are made once at setup; pe
 DP replicas' batches are all-gathered over the DP group (when DP > 1) and one all-reduce of two
 scalars makes the loss, as under static CP.
 
-Router losses: ranks hold different numbers of tokens, so each router is told per micro-batch the
-tokens of one DP replica's micro-batch (``TopKRouter.sequence_group_tokens``, known from the plan:
-no collective) and normalises by it: the aux loss (counts summed over the CP group, DP = 1), the
-global aux loss and the z-loss then equal the static layout's in value and gradient.
-``seq_aux_loss`` (per row: a rank's tokens mix rows) and ``aux_loss`` at DP > 1 (per replica: a
-rank's tokens mix replicas) are refused.
+Router losses: ranks hold uneven shares of the replicas' micro-batches, so each router is told per
+micro-batch the DP replica and row of each of its tokens (``TopKRouter.uneven_shares``, from the
+plan): the aux loss counts experts per replica and the seq-aux loss per row (one all-reduce of
+``[units, E]`` counts over DP x CP, in place of the static layout's over CP), each normalised by
+the replica's (row's) tokens; the global aux loss and the z-loss normalise by one replica's tokens.
+Each then equals the static layout's in value and gradient.
 
 Supported: tensor and pipeline parallel size 1, dropless MoE with the all-to-all dispatcher,
 attention with ``set_context_parallel`` (the reference decoder's).
@@ -53,6 +53,7 @@ from typing_extensions import override
 from lightning_moe.parallel.context_parallel import TokenShards
 from lightning_moe.parallel.dynamic_cp import CostModel, Plan, aligned_blocks, is_power_of_two, plan_micro_batch
 from lightning_moe.parallel.dynamic_cp_batch import find_sequences, rank_batch, rank_share
+from lightning_moe.nn.router import UnevenShares
 from lightning_moe.parallel.fsdp import moe_layers
 
 
@@ -143,19 +144,6 @@ class DynamicContextParallel(Callback):
         """Refuse what the re-laid micro-batch would compute differently (before any collective)."""
         for layer in moe_layers(model):
             cfg = layer.config
-            if "seq_aux_loss" in cfg.active_aux_losses:
-                raise ValueError(
-                    "DynamicContextParallel: seq_aux_loss counts experts per row of the micro-batch, and a rank's "
-                    "tokens under dynamic CP mix rows: use router_load_balancing_type='aux_loss' or "
-                    "'global_aux_loss' (or router_enable_expert_bias=True), or use static context parallelism."
-                )
-            if "aux_loss" in cfg.active_aux_losses and self._strategy.layout.data_parallel_size > 1:
-                raise ValueError(
-                    "DynamicContextParallel: with data_parallel_size > 1 the static aux_loss is one per DP replica's "
-                    "micro-batch, and dynamic CP mixes the replicas' sequences on a rank: use "
-                    "router_load_balancing_type='global_aux_loss' (or router_enable_expert_bias=True), set "
-                    "context_parallel_size to the world size (DP = 1), or use static context parallelism."
-                )
             if cfg.expert_capacity_factor is not None:
                 raise ValueError(
                     "DynamicContextParallel: expert capacity depends on the tokens per rank, which dynamic CP changes: "
@@ -216,7 +204,13 @@ class DynamicContextParallel(Callback):
             sequence_tokens=share.sequence_tokens,
         )
         self._set_attention(shards)
-        self._set_router_tokens(rows // layout.data_parallel_size * seq_len)
+        rows_per_replica = rows // layout.data_parallel_size
+        row_T = share.flat_index_T // seq_len
+        self._set_router_shares(UnevenShares(
+            replica_T=(row_T // rows_per_replica).to(device), row_T=row_T.to(device),
+            num_replicas=layout.data_parallel_size, rows_per_replica=rows_per_replica, row_tokens=seq_len,
+            group=strategy._group("dp_cp"),
+        ))
         self.last_plan, self.last_tokens = plan, rows * seq_len
         return local, strategy._group("dp_cp")
 
@@ -251,17 +245,16 @@ class DynamicContextParallel(Callback):
         for module in self._attention_modules():
             module.set_context_parallel(group, self._strategy.cp_comm_type)
 
-    def _set_router_tokens(self, tokens: Optional[int]) -> None:
-        """The tokens the routers' losses normalise by: one DP replica's micro-batch (what the static
-        CP group shares), as the ranks hold uneven shares of it; None: the static layout's count."""
+    def _set_router_shares(self, shares: Optional[UnevenShares]) -> None:
+        """Where each rank's tokens come from, for the routers' losses (None: the static layout)."""
         for layer in moe_layers(self._strategy.model):
-            layer.router.sequence_group_tokens = tokens
+            layer.router.uneven_shares = shares
 
     def _restore_static(self) -> None:
         """Validation and testing run the static layout (the strategy shards their batches)."""
         if self._strategy is not None and self._strategy.model is not None:
             self._set_attention(self._strategy.context_parallel_group)
-            self._set_router_tokens(None)
+            self._set_router_shares(None)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -296,7 +289,7 @@ class DynamicContextParallel(Callback):
         if self._strategy is not None and getattr(self._strategy, "sequence_sharder", None) is self:
             self._strategy.sequence_sharder = None
             if self._strategy.model is not None:
-                self._set_router_tokens(None)
+                self._set_router_shares(None)
 
     @override
     def state_dict(self) -> dict[str, Any]:

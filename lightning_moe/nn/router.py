@@ -213,6 +213,51 @@ def capacity_keep_mask(
     return keep_N.view_as(experts_TK)
 
 
+@dataclass(frozen=True)
+class UnevenShares:
+    """Where a rank's tokens come from when the ranks hold uneven shares of the micro-batches
+    (dynamic context parallelism; every DP replica's micro-batch is ``[B, S]``).
+
+    Attributes:
+        replica_T: int64 ``[T]``, the DP replica of each local token.
+        row_T: int64 ``[T]``, the row of each local token among all replicas' rows
+            (``replica * B + row``).
+        num_replicas: DP. rows_per_replica: B. row_tokens: S.
+        group: the ranks sharing all replicas' tokens (DP x CP); None: one rank.
+    """
+
+    replica_T: Tensor
+    row_T: Tensor
+    num_replicas: int
+    rows_per_replica: int
+    row_tokens: int
+    group: dist.ProcessGroup | None
+
+    @property
+    def replica_tokens(self) -> int:
+        """Tokens of one DP replica's micro-batch: what the static CP group shares."""
+        return self.rows_per_replica * self.row_tokens
+
+    def balancing_loss(self, name: str, scores_TE: Tensor, experts_TK: Tensor, topk: int, coeff: float) -> Tensor:
+        """This rank's share of the static layout's ``aux_loss`` (one per replica) or ``seq_aux_loss``
+        (one per row, averaged over a replica's rows): each local token's scores weighted by the
+        expert counts of its replica (row), the counts summed over ``group`` (one all-reduce of
+        ``[units, E]``). The shares summed over the ranks give the static losses summed over the
+        replicas, and so the same gradients once averaged over DP x CP."""
+        num_experts = scores_TE.shape[1]
+        if name == "aux_loss":
+            unit_T, units, unit_tokens, per_replica = self.replica_T, self.num_replicas, self.replica_tokens, 1
+        else:
+            unit_T, units = self.row_T, self.num_replicas * self.rows_per_replica
+            unit_tokens, per_replica = self.row_tokens, self.rows_per_replica
+        unit_T = unit_T.to(experts_TK.device)
+        offsets_TK = unit_T.unsqueeze(1) * num_experts
+        counts_UE = all_reduce_counts(tokens_per_expert(experts_TK + offsets_TK, units * num_experts), self.group)
+        counts_TE = counts_UE.view(units, num_experts)[unit_T]
+        scale = num_experts * coeff / (topk * unit_tokens * unit_tokens * per_replica)
+        return torch.sum(scores_TE * counts_TE) * scale
+
+
 class TopKRouter(nn.Module):
     """Linear gate plus :func:`route`, with Megatron's auxiliary losses and aux-loss-free balancing.
 
@@ -242,12 +287,11 @@ class TopKRouter(nn.Module):
             coefficient is divided by its size. None: nothing is reduced.
         global_aux_loss_group: ranks whose tokens form the global batch (TP x DP x CP); counts of
             the global aux loss are summed over it. None: nothing is reduced.
-        sequence_group_tokens: the tokens of the sequences that ``sequence_parallel_group`` shares,
-            when its ranks hold different numbers of them (set per micro-batch by a sequence
-            sharder, `lightning_moe.callbacks.DynamicContextParallel`): the aux and global-aux
-            losses normalise by it (global: times the number of such groups) and the z-loss
-            becomes ``coeff * sum_local(lse**2) / sequence_group_tokens``, so the ranks' shares add
-            up to the static layout's losses. None (static layouts): local tokens x group size.
+        uneven_shares: :class:`UnevenShares` when the ranks hold uneven shares of the micro-batches
+            (set per micro-batch by `lightning_moe.callbacks.DynamicContextParallel`): the losses
+            then count and normalise per DP replica (aux, global aux, z) or row (seq aux) from it,
+            so that the ranks' shares add up to the static layout's losses. None (static layouts):
+            local tokens x group size.
 
     All router state stays fp32 under ``module.to(torch.bfloat16)`` / ``.half()``: routing choices
     and bias updates are made from it, and low precision would flip them.
@@ -268,7 +312,7 @@ class TopKRouter(nn.Module):
         self.latest_losses: dict[str, Tensor] = {}
         self.sequence_parallel_group: dist.ProcessGroup | None = None
         self.global_aux_loss_group: dist.ProcessGroup | None = None
-        self.sequence_group_tokens: int | None = None
+        self.uneven_shares: UnevenShares | None = None
         self.replayed_routing: ReplayedRouting | None = None
         self.reset_parameters()
 
@@ -348,10 +392,10 @@ class TopKRouter(nn.Module):
     def _attach_z_loss(self, logits_TE: Tensor, losses: dict[str, Tensor]) -> Tensor:
         """Tie the z-loss to the logits; its coefficient is shared over the sequence-splitting ranks."""
         coeff = self.cfg.z_loss_coeff / group_size(self.sequence_parallel_group)
-        if self.sequence_group_tokens is None:
+        if self.uneven_shares is None:
             loss = z_loss(logits_TE, coeff)
-        else:  # uneven shards: the local sum over the group's tokens (mean x T / N_group x group size)
-            share = logits_TE.shape[0] * group_size(self.sequence_parallel_group) / self.sequence_group_tokens
+        else:  # the local sum over one replica's tokens (mean x T / N_replica x group size)
+            share = logits_TE.shape[0] * group_size(self.sequence_parallel_group) / self.uneven_shares.replica_tokens
             loss = z_loss(logits_TE, coeff * share)
         losses["z_loss"] = (loss / coeff).detach()
         return AuxLossAutoScaler.apply(logits_TE, loss, self.aux_loss_scale)
@@ -375,17 +419,15 @@ class TopKRouter(nn.Module):
         """One load-balancing loss from the aux scores ``[T, E]`` and their top-k ``[T, K]``."""
         num_tokens, num_experts = scores_TE.shape
         k = self.cfg.router_topk
+        shares = self.uneven_shares
+        if shares is not None and name != "global_aux_loss":
+            return shares.balancing_loss(name, scores_TE, experts_TK, k, coeff)
         if name == "aux_loss":
             group = self.sequence_parallel_group
             counts_E = all_reduce_counts(tokens_per_expert(experts_TK, num_experts), group)
-            total_tokens = self._group_tokens(num_tokens)
+            total_tokens = num_tokens * group_size(group)
             return switch_load_balancing_loss(scores_TE, counts_E, total_tokens, k, num_experts, coeff)
         if name == "seq_aux_loss":
-            if self.sequence_group_tokens is not None:
-                raise ValueError(
-                    "seq_aux_loss needs each rank's tokens to be equal slices of the same sequences; with uneven "
-                    "shards (dynamic context parallelism) use aux_loss or global_aux_loss."
-                )
             group = self.sequence_parallel_group
             seq_len = num_tokens // num_seqs
             experts_BSK = experts_TK.view(num_seqs, seq_len, k)
@@ -402,24 +444,11 @@ class TopKRouter(nn.Module):
             scores_TE,
             self.global_tokens_per_expert,
             self.global_aux_num_microbatches,
-            self._global_tokens(num_tokens),
+            num_tokens * group_size(group) if shares is None else shares.replica_tokens * shares.num_replicas,
             k,
             num_experts,
             coeff,
         )
-
-    def _group_tokens(self, num_tokens: int) -> int:
-        """Tokens of the sequences the sequence-parallel group shares (the aux-loss ``N``)."""
-        if self.sequence_group_tokens is None:
-            return num_tokens * group_size(self.sequence_parallel_group)
-        return self.sequence_group_tokens
-
-    def _global_tokens(self, num_tokens: int) -> int:
-        """Tokens of one micro-batch over the global aux-loss group (the global aux-loss ``N``)."""
-        if self.sequence_group_tokens is None:
-            return num_tokens * group_size(self.global_aux_loss_group)
-        groups = group_size(self.global_aux_loss_group) // group_size(self.sequence_parallel_group)
-        return self.sequence_group_tokens * groups
 
     def _counts_for_bias(self, result: RoutingResult) -> Tensor:
         """Counts the bias update sees: Megatron sums its final routing map.

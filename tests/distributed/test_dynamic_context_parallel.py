@@ -2,7 +2,8 @@
 4 gloo processes with dynamic CP (sub-groups of 1, 2 and 4 ranks chosen per micro-batch) return
 the losses and train to the parameters of static CP4 and of one process (fp32, atol 1e-5), also
 with EP=2 folded over the CP ranks, with either key/value exchange, and with the router's aux,
-global-aux and z losses (normalised by the tokens of the micro-batch, not of the rank)."""
+global-aux, seq-aux and z losses (counted per replica or row, normalised by its tokens, not the
+rank's); DP2 x CP2 with those losses trains as static DP2 x CP2."""
 
 import functools
 
@@ -23,25 +24,28 @@ COST = dict(attention_s_per_token_pair=1e-6, linear_s_per_token=1e-6, cp_s_per_t
 MEMORY_LIMIT = 512
 
 
-def _config(losses: bool = False) -> dict:
+def _config(losses: str = "") -> dict:
     moe = dict(
         num_experts=8, router_topk=2, ffn_hidden_size=32, router_score_function="sigmoid",
         router_enable_expert_bias=True, router_bias_update_rate=1e-2, router_load_balancing_type="none",
         aux_loss_coeff=0.0, z_loss_coeff=None,
     )
-    if losses:  # large coefficients: a wrong normalisation would show in the router weights
+    # large coefficients: a wrong normalisation would show in the router weights
+    if losses == "aux":
         moe.update(router_load_balancing_type=["aux_loss", "global_aux_loss"], aux_loss_coeff=[0.5, 0.5],
                    z_loss_coeff=0.1)
+    elif losses == "seq_aux":
+        moe.update(router_load_balancing_type="seq_aux_loss", aux_loss_coeff=0.5, z_loss_coeff=0.1)
     return dict(
         vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=48, first_k_dense_layers=1, moe=moe, max_seq_length=SEQ,
     )
 
 
-def _batches() -> list[dict]:
+def _batches(spec=ROWS) -> list[dict]:
     g = torch.Generator().manual_seed(7)
     batches = []
-    for rows in ROWS:
+    for rows in spec:
         tokens = torch.randint(0, VOCAB, (len(rows), SEQ + 1), generator=g)
         labels = tokens[:, 1:].clone()
         docs, positions = [], []
@@ -56,7 +60,7 @@ def _batches() -> list[dict]:
     return batches
 
 
-def _train(rank, world_size, strategy_kwargs, dynamic, losses=False, accelerator="cpu"):
+def _train(rank, world_size, strategy_kwargs, dynamic, losses="", spec=ROWS, accelerator="cpu"):
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -92,7 +96,7 @@ def _train(rank, world_size, strategy_kwargs, dynamic, losses=False, accelerator
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[*callbacks, Record()], num_sanity_val_steps=0,
     )
-    batches = _batches()
+    batches = _batches(spec)
     dp = world_size // strategy_kwargs.get("context_parallel_size", 1)
     if dp > 1:  # replica r reads its rows of every batch (rank = cp rank + CP x dp rank)
         rows = len(batches[0]["input_ids"]) // dp
@@ -107,8 +111,8 @@ def _train(rank, world_size, strategy_kwargs, dynamic, losses=False, accelerator
 
 
 @functools.lru_cache(maxsize=None)
-def _run(world_size: int, kwargs: tuple, dynamic: bool, losses: bool = False):
-    return run_distributed(_train, world_size, dict(kwargs), dynamic, losses, timeout=240)[0]
+def _run(world_size: int, kwargs: tuple, dynamic: bool, losses: str = "", spec: tuple = ROWS):
+    return run_distributed(_train, world_size, dict(kwargs), dynamic, losses, spec, timeout=240)[0]
 
 
 def _assert_same(result, reference):
@@ -170,9 +174,9 @@ def test_dynamic_cp_over_dp2_x_cp2_gives_the_token_mean_of_both_replicas():
 )
 def test_router_aux_global_aux_and_z_losses_match_static_cp4_and_one_process(kwargs):
     # the ranks hold different numbers of tokens: losses normalised by the local count would differ
-    single = _run(1, (), False, True)
-    static = _run(4, kwargs, False, True)
-    dynamic = _run(4, kwargs, True, True)
+    single = _run(1, (), False, "aux")
+    static = _run(4, kwargs, False, "aux")
+    dynamic = _run(4, kwargs, True, "aux")
     _assert_same(static, single)
     _assert_same(dynamic, single)
     _assert_same(dynamic, static)
@@ -181,3 +185,30 @@ def test_router_aux_global_aux_and_z_losses_match_static_cp4_and_one_process(kwa
     plain = _run(1, (), False)
     router = next(name for name in single[3] if name.endswith("router.weight"))
     assert abs(single[3][router] - plain[3][router]).max() > 1e-4
+
+
+# Two replicas with as many labelled tokens each per step (the static DP2 x CP2 token mean is then
+# the pool's): step 1 two documents per row, step 2 four.
+EQUAL_ROWS = (((16, 496), (200, 312)), ((100, 30, 16, 366), (256, 128, 64, 64)))
+
+
+@pytest.mark.parametrize("losses", ["aux", "seq_aux"])
+def test_router_losses_over_dp2_x_cp2_match_static_dp2_x_cp2(losses):
+    # replicas' documents mix on the ranks: the aux loss is counted per replica, seq aux per row
+    kwargs = (("context_parallel_size", 2),)
+    static = _run(4, kwargs, False, losses, EQUAL_ROWS)
+    dynamic = _run(4, kwargs, True, losses, EQUAL_ROWS)
+    # parameters only: static DP2 x CP2 returns replica 0's loss, dynamic the pool's
+    state, ref_state = dynamic[3], static[3]
+    assert state.keys() == ref_state.keys()
+    for name, value in ref_state.items():
+        torch.testing.assert_close(torch.from_numpy(state[name]), torch.from_numpy(value), rtol=0, atol=1e-5, msg=name)
+    assert any(1 in plan or 4 in plan for plan in dynamic[1][0]), dynamic[1][0]
+
+
+def test_seq_aux_loss_matches_static_cp4_and_one_process():
+    kwargs = (("context_parallel_size", 4),)
+    single = _run(1, (), False, "seq_aux")
+    dynamic = _run(4, kwargs, True, "seq_aux")
+    _assert_same(dynamic, single)
+    _assert_same(_run(4, kwargs, False, "seq_aux"), single)

@@ -58,16 +58,13 @@ def test_max_cp_must_divide_the_pool_and_the_strategy_must_be_megatron():
 @pytest.mark.parametrize(
     "moe, strategy_sizes, match",
     [
-        (dict(router_load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-2), {}, "seq_aux_loss counts experts"),
-        (dict(router_load_balancing_type="aux_loss", aux_loss_coeff=1e-2), dict(context_parallel_size=2),
-         "router_load_balancing_type='global_aux_loss'"),
         (dict(router_load_balancing_type="none", expert_capacity_factor=1.0, token_drop_policy="probs"), {},
          "expert_capacity_factor=None"),
         (dict(router_load_balancing_type="none", token_dispatcher_type="allgather"), dict(expert_parallel_size=2),
          "token_dispatcher='alltoall'"),
     ],
 )
-def test_routers_whose_losses_assume_equal_token_counts_are_refused(moe, strategy_sizes, match):
+def test_routers_that_need_equal_token_counts_are_refused(moe, strategy_sizes, match):
     layer = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, router_topk=2, **moe))
     callback = DynamicContextParallel(memory_limit_tokens=512)
     trainer = _trainer(**{"context_parallel_size": 4, **strategy_sizes})
@@ -86,9 +83,8 @@ def test_an_expert_bias_router_is_accepted():
 
 
 @pytest.mark.parametrize("cp", [4, 2], ids=["dp1", "dp2"])
-def test_aux_global_aux_and_z_losses_are_accepted(cp):
-    # the aux loss only at DP = 1 (its counts are one replica's); global aux and z-loss at any DP
-    types, coeffs = (["aux_loss", "global_aux_loss"], [1e-2, 1e-2]) if cp == 4 else ("global_aux_loss", 1e-2)
+def test_every_load_balancing_loss_and_the_z_loss_are_accepted(cp):
+    types, coeffs = ["aux_loss", "seq_aux_loss", "global_aux_loss"], [1e-2, 1e-2, 1e-2]
     cfg = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, router_topk=2, router_load_balancing_type=types,
                     aux_loss_coeff=coeffs, z_loss_coeff=1e-3)
     callback = DynamicContextParallel(memory_limit_tokens=512)
