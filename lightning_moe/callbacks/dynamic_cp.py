@@ -11,12 +11,13 @@ never worse than the static layout on that model). Each rank then runs its seque
 chunks through one forward; attention attends within each sequence (uneven shards,
 `lightning_moe.parallel.context_parallel.TokenShards`): a rank alone runs causal SDPA per sequence,
 a sub-group the ring's (or all-gather's) fp32 block attention per sequence, the kernel static CP
-uses, so no score matrix spans two sequences. The cost model counts what these compute
+uses (the ring only on the visible half of each received block), so no score matrix spans two
+sequences. The cost model counts what these compute
 (:func:`~lightning_moe.parallel.dynamic_cp.attention_pairs`: ``L**2 / 2`` query-key pairs alone,
-``L**2`` over a group, whose dense blocks include the masked half); its attention constant is one
-per pair, calibrated on SDPA, so the fp32 blocks of a group (slower per pair than SDPA's bf16
-kernels on a GPU, as under static CP) are still under-counted there. MoE layers route whatever
-tokens the rank holds over the unchanged expert-parallel groups.
+``L**2 (c + 1) / (2 c)`` over a ring of ``c``); its attention constant is one per pair,
+calibrated on SDPA, so a group's fp32 blocks (slower per pair than SDPA's bf16 kernels on a GPU,
+as under static CP) and the all-gather's full blocks (``L**2``) are under-counted. MoE layers route
+whatever tokens the rank holds over the unchanged expert-parallel groups.
 
 Loss and gradients: the returned loss is the token mean over the pool's labelled tokens, its
 gradient that of the pool's token mean (`token_mean_over_group` over the DP x CP ranks, whose
@@ -202,6 +203,7 @@ class DynamicContextParallel(Callback):
             index_BS=share.index_T.to(device).unsqueeze(0),
             max_tokens=share.max_tokens,
             sequence_tokens=share.sequence_tokens,
+            first_chunk_tokens=share.first_chunk_tokens,
         )
         self._set_attention(shards)
         rows_per_replica = rows // layout.data_parallel_size

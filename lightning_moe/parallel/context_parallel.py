@@ -220,12 +220,15 @@ class TokenShards:
         sequence_tokens: ``[group rank][sequence]`` tokens of each of the group's sequences on each
             rank of the group (from the plan); every rank holds its sequences one after the other
             in that order, so these counts give each sequence's slice of every rank's block.
+        first_chunk_tokens: ``[group rank][sequence]`` how many of those are the rank's early
+            chunk (``i`` of ``2c``); the rest are its late chunk ``2c-1-i``.
     """
 
     group: Optional[dist.ProcessGroup]
     index_BS: Tensor
     max_tokens: int
     sequence_tokens: tuple[tuple[int, ...], ...]
+    first_chunk_tokens: tuple[tuple[int, ...], ...]
 
 
 def _slices(counts: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -251,8 +254,12 @@ def _token_shards_attention(
     Attention is computed sequence by sequence, never across sequences: a rank alone runs causal
     ``F.scaled_dot_product_attention`` on each of its (whole, in-order) sequences; a group runs the
     ring's (or the all-gather's) fp32 block attention per sequence, on that sequence's slices of the
-    query and key blocks (``sequence_tokens``). The sequences are those of ``shards``, whose
-    numbering ``document_ids_BS`` repeats (it is not read).
+    query and key blocks (``sequence_tokens``). The ring computes only the visible part of each
+    block it receives (the chunk order says which, so no mask): from a rank ``j < i`` all queries
+    over ``j``'s early chunk, from a rank ``j > i`` the late-chunk queries over all of ``j``'s keys;
+    its own block is masked by the tokens' indices. The all-gather attends each query to all of its
+    sequence's keys, masked. The sequences are those of ``shards``, whose numbering
+    ``document_ids_BS`` repeats (it is not read).
     """
     heads, groups = q_BHSd.shape[1], k_BGSd.shape[1]
     if heads % groups:
@@ -316,13 +323,30 @@ def _token_shards_attention(
     # Ring: step 0 is this rank's own block (every query sees itself: a finite lse); step s holds
     # rank (r - s)'s block while it travels on.
     merged = attend(kv_2BGSd, q_idx_BS, mine)
-    kv, idx = kv_pad, idx_pad
+    all_visible = torch.ones((), dtype=torch.bool, device=q.device)
+    firsts = shards.first_chunk_tokens
+    kv = kv_pad
     for step in range(1, size):
         kv = _RingShift.apply(kv, group)
-        idx = _shift(idx.contiguous(), group, step=1)
-        for j, part in enumerate(attend(kv, idx, slices_R[(rank - step) % size])):
-            if part is not None:
-                merged[j] = _merge(*merged[j], *part) if merged[j] is not None else part
+        src = (rank - step) % size
+        for j, ((qa, qb), (ka, kb)) in enumerate(zip(mine, slices_R[src])):
+            if merged[j] is None:  # no queries of this sequence here
+                continue
+            if src < rank:  # every query over the source's early chunk
+                q_lo, q_hi, k_hi = qa, qb, ka + firsts[src][j]
+            else:  # the late-chunk queries over all of the source's keys
+                q_lo, q_hi, k_hi = qa + firsts[rank][j], qb, kb
+            if q_hi == q_lo or k_hi == ka:
+                continue
+            k, v = (t[:, :, ka:k_hi].repeat_interleave(heads // groups, dim=1) for t in kv.unbind(0))
+            part = _block_attention(q[:, :, q_lo:q_hi], k, v, all_visible, scale)
+            out, lse = merged[j]
+            lo, hi = q_lo - qa, q_hi - qa
+            new_out, new_lse = _merge(out[:, :, lo:hi], lse[:, :, lo:hi], *part)
+            merged[j] = (
+                torch.cat([out[:, :, :lo], new_out, out[:, :, hi:]], dim=2),
+                torch.cat([lse[:, :, :lo], new_lse, lse[:, :, hi:]], dim=2),
+            )
     outs = [
         part[0] if part is not None else q.new_zeros(*q.shape[:2], 0, q.shape[3])
         for part in merged

@@ -39,13 +39,13 @@ class CostModel:
         sum_j (attention_s_per_token_pair * L_j**2 / 2 + linear_s_per_token * L_j) / c
         + (c > 1) * (cp_s_per_token * (c - 1) / c * sum_j L_j + cp_s_per_exchange * (c - 1))
 
-    with ``L_j**2 / 2`` replaced by ``L_j**2`` when ``c > 1`` (:func:`attention_pairs`: alone a
-    rank runs causal SDPA per sequence, ``L**2 / 2`` query-key pairs; a group runs dense fp32
-    blocks per sequence, the masked half included, as static CP does; everything else, MoE
-    included, is linear in tokens; the ring passes each rank's keys/values ``c - 1`` times, once
-    per group and layer stack). One attention constant serves both kernels: calibrated on SDPA, it
-    under-counts the fp32 blocks of a group on a GPU. Constants are for the whole model (all
-    layers). The defaults are a FLOP estimate for Qwen3-30B-A3B (`lightning_moe.models.flops`:
+    with ``L_j**2 / 2`` replaced by ``L_j**2 (c + 1) / (2 c)`` when ``c > 1``
+    (:func:`attention_pairs`: alone a rank runs causal SDPA per sequence, ``L**2 / 2`` query-key
+    pairs; a group runs the ring's fp32 blocks per sequence, its own block whole and the visible
+    half of the others'; everything else, MoE included, is linear in tokens; the ring passes each
+    rank's keys/values ``c - 1`` times, once per group and layer stack). One attention constant
+    serves both kernels: calibrated on SDPA, it under-counts the fp32 blocks of a group on a GPU.
+    Constants are for the whole model (all layers). The defaults are a FLOP estimate for Qwen3-30B-A3B (`lightning_moe.models.flops`:
     1.83e10 training FLOPs per token outside attention, 2.36e6 per causal query-key pair over its
     48 layers) at 400 TFLOP/s, and the ring's traffic as ``benchmarks/dynamic_cp_sim.py`` assumes
     it (2 KiB of bf16 keys/values per token and layer moved 3 times per ring step at 150 GB/s;
@@ -107,10 +107,13 @@ class CostModel:
 
 def attention_pairs(length: int, cp: int) -> float:
     """Query-key pairs the attention of one sequence computes over a group of ``cp`` ranks, all
-    ranks together: alone (``cp = 1``) causal SDPA, ``L**2 / 2``; over a group the ring's (or the
-    all-gather's) block attention, which computes every pair of each block it is given, masked or
-    not: ``L**2`` (as static CP's does), twice the causal count."""
-    return length * length / 2 if cp == 1 else float(length * length)
+    ranks together. Alone (``cp = 1``): causal SDPA, ``L**2 / 2``. Over a group: the ring's fp32
+    blocks, each rank its own block whole (``(L / c)**2``, masked) and the visible half of each of
+    the ``c - 1`` blocks it receives, ``L**2 (c + 1) / (2 c)`` in all (the all-gather exchange
+    computes every pair, ``L**2``: more than this counts)."""
+    if cp == 1:
+        return length * length / 2
+    return length * length * (cp + 1) / (2 * cp)
 
 
 def is_power_of_two(n: int) -> bool:

@@ -70,6 +70,7 @@ class RankShare:
         max_tokens: the most tokens any rank of that sub-group holds.
         sequence_tokens: ``[group rank][sequence]`` tokens of each of the group's sequences on each
             of its ranks (`lightning_moe.parallel.context_parallel.TokenShards`).
+        first_chunk_tokens: ``[group rank][sequence]`` how many of those are the rank's early chunk.
     """
 
     flat_index_T: Tensor
@@ -78,6 +79,7 @@ class RankShare:
     group: int
     max_tokens: int
     sequence_tokens: tuple[tuple[int, ...], ...]
+    first_chunk_tokens: tuple[tuple[int, ...], ...]
 
 
 def rank_share(sequences: PoolSequences, plan: Plan, pool_rank: int) -> RankShare:
@@ -102,9 +104,14 @@ def rank_share(sequences: PoolSequences, plan: Plan, pool_rank: int) -> RankShar
             f"rank {pool_rank}: {flat_index_T.numel()} tokens, the plan says {plan.rank_tokens[pool_rank]}"
         )
     max_tokens = max(plan.rank_tokens[offset : offset + size]) if plan.rank_tokens else flat_index_T.numel()
-    per_sequence = [rank_token_counts(sequences.lengths[seq], size) for seq in plan.sequences_of_group(group)]
+    members = plan.sequences_of_group(group)
+    per_sequence = [rank_token_counts(sequences.lengths[seq], size) for seq in members]
     sequence_tokens = tuple(tuple(counts[r] for counts in per_sequence) for r in range(size))
-    return RankShare(flat_index_T, torch.cat(docs), torch.cat(index), group, max_tokens, sequence_tokens)
+    edges = [chunk_bounds(sequences.lengths[seq], size) for seq in members]
+    first_chunk_tokens = tuple(tuple(e[r + 1] - e[r] for e in edges) for r in range(size))
+    return RankShare(
+        flat_index_T, torch.cat(docs), torch.cat(index), group, max_tokens, sequence_tokens, first_chunk_tokens
+    )
 
 
 def rank_batch(pool_batch: dict, share: RankShare, position_ids_RS: Tensor) -> dict:

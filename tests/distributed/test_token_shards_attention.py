@@ -50,7 +50,9 @@ def _sharded(rank, world_size, comm_type):
         group = dist.new_group(list(range(world_size)))
     share = rank_share(sequences, plan, rank)
     per_rank = [rank_share(sequences, plan, r).flat_index_T.numel() for r in range(world_size)]
-    shards = TokenShards(group, share.index_T.unsqueeze(0), max(per_rank), share.sequence_tokens)
+    shards = TokenShards(
+        group, share.index_T.unsqueeze(0), max(per_rank), share.sequence_tokens, share.first_chunk_tokens
+    )
     q, k, v, w = (t.index_select(2, share.flat_index_T).clone() for t in _inputs())
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     out = context_parallel_attention(q, k, v, shards, comm_type, document_ids_BS=share.document_ids_T.unsqueeze(0))
