@@ -69,6 +69,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_moe.callbacks._layout import pipeline_parallel_size
 from lightning_moe.nn.experts import GroupedExperts
 from lightning_moe.nn.saved_tensors import (
     SavedTensorPolicy,
@@ -101,15 +102,6 @@ def _dense_layout(t: Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _pipeline_parallel_size(trainer: Trainer) -> int:
-    """The strategy's pipeline size (`MegatronMoEStrategy`'s layout), 1 for a strategy without one."""
-    try:
-        layout = trainer.strategy.layout
-    except (AttributeError, RuntimeError):
-        return 1
-    return getattr(layout, "pipeline_parallel_size", 1)
 
 
 def _within(name: str, outer: str) -> bool:
@@ -307,7 +299,7 @@ class ActivationOffload(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if _pipeline_parallel_size(trainer) > 1:
+        if pipeline_parallel_size(trainer) > 1:
             raise ValueError(
                 "ActivationOffload runs with pipeline_parallel_size=1: its copies are grouped per layer, and a "
                 "pipeline schedule keeps several micro-batches of a layer in flight. Set pipeline_parallel_size=1, "

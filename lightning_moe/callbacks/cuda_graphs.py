@@ -80,16 +80,8 @@ from lightning_moe.callbacks._graph_targets import (
     normalize_scope,
     routed_method,
 )
+from lightning_moe.callbacks._layout import pipeline_parallel_size
 from lightning_moe.cuda_graphs import CapturedModules, capture_modules
-
-
-def _pipeline_parallel_size(trainer: Trainer) -> int:
-    """The strategy's pipeline size (`MegatronMoEStrategy`'s layout), 1 for a strategy without one."""
-    try:
-        layout = trainer.strategy.layout
-    except (AttributeError, RuntimeError):
-        return 1
-    return getattr(layout, "pipeline_parallel_size", 1)
 
 
 @dataclass
@@ -172,7 +164,7 @@ class CUDAGraphs(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if _pipeline_parallel_size(trainer) > 1:
+        if pipeline_parallel_size(trainer) > 1:
             raise ValueError(
                 "CUDAGraphs runs with pipeline_parallel_size=1: a pipeline schedule keeps several micro-batches in "
                 "flight, and the graphs hold one micro-batch's activations. Set pipeline_parallel_size=1, or drop "

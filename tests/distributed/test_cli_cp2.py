@@ -10,13 +10,13 @@ The checkpoint resumed from ends an epoch (``limit_train_batches`` = 3 steps per
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _cli_metrics import metrics_by_step
 from _launch import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,13 +61,7 @@ def _fit(tmp: Path, version: str, *extra: str) -> None:
 
 
 def _metrics(tmp: Path, version: str) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    with (tmp / "logs" / "cp2_cpu" / version / "metrics.csv").open() as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if value and key not in ("step", "epoch"):
-                    out.setdefault(key, {})[int(row["step"])] = float(value)
-    return out
+    return metrics_by_step(tmp / "logs" / "cp2_cpu" / version / "metrics.csv")
 
 
 @pytest.mark.timeout(240)

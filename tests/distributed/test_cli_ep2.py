@@ -12,13 +12,13 @@ position): tests/distributed/test_ep2_run_output.py.
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _cli_metrics import metrics_by_step
 from _launch import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,13 +63,7 @@ def _fit(tmp: Path, version: str, *extra: str) -> None:
 
 
 def _metrics(tmp: Path, version: str) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    with (tmp / "logs" / "ep2_cpu" / version / "metrics.csv").open() as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if value and key not in ("step", "epoch"):
-                    out.setdefault(key, {})[int(row["step"])] = float(value)
-    return out
+    return metrics_by_step(tmp / "logs" / "ep2_cpu" / version / "metrics.csv")
 
 
 @pytest.mark.timeout(240)

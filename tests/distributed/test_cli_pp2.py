@@ -6,12 +6,12 @@ directory checkpoints, and a run resumed with
 
 from __future__ import annotations
 
-import csv
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _cli_metrics import metrics_by_step
 from _launch import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,13 +53,7 @@ def _fit(tmp: Path, version: str, *extra: str) -> str:
 
 
 def _metrics(tmp: Path, version: str) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    with (tmp / "logs" / "pp2_cpu" / version / "metrics.csv").open() as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if value and key not in ("step", "epoch"):
-                    out.setdefault(key, {})[int(row["step"])] = float(value)
-    return out
+    return metrics_by_step(tmp / "logs" / "pp2_cpu" / version / "metrics.csv")
 
 
 @pytest.mark.timeout(240)
