@@ -25,6 +25,7 @@ what its forward saved.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
@@ -80,7 +81,7 @@ def policies_allowed() -> bool:
     return _IN_CHECKPOINT.get() == 0 and not in_backward() and torch.is_grad_enabled()
 
 
-class SavedTensorPolicy:
+class SavedTensorPolicy(abc.ABC):
     """Stores some of the tensors autograd saves for backward in its own way.
 
     `pack` returns a payload for a tensor it claims (None: not claimed); `unpack` turns that payload
@@ -89,11 +90,13 @@ class SavedTensorPolicy:
 
     recomputes: bool = False
 
+    @abc.abstractmethod
     def pack(self, tensor: Tensor) -> Optional[Any]:
-        raise NotImplementedError
+        """The payload for a tensor this policy claims, None for one it leaves to autograd."""
 
+    @abc.abstractmethod
     def unpack(self, payload: Any) -> Tensor:
-        raise NotImplementedError
+        """The tensor ``pack`` took, from its payload."""
 
 
 class _Packed:

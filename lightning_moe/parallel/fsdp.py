@@ -91,6 +91,22 @@ def shard_dense(
     ignored: Iterable[nn.Parameter],
 ) -> list[nn.Module]:
     """``fully_shard`` transformer blocks, then the LightningModule's top-level children."""
+    return shard_blocks_then_roots(_blocks(root), list(root.children()), dp_mesh, mp_policy, reshard_after_forward,
+                                   ignored)
+
+
+def shard_blocks_then_roots(
+    blocks: Iterable[nn.Module],
+    roots: Iterable[nn.Module],
+    mesh,
+    mp_policy,
+    reshard_after_forward: bool,
+    ignored: Iterable[nn.Parameter],
+) -> list[nn.Module]:
+    """``fully_shard`` each block (``reshard_after_forward``), then each root around them, kept
+    unsharded after its forward (the roots' own modules gather last and are needed first in
+    backward). A module whose parameters are all ``ignored`` is left alone. Returns the wrapped
+    modules."""
     from torch.distributed.fsdp import fully_shard
 
     ignored_set = set(ignored)
@@ -102,18 +118,17 @@ def shard_dense(
             return
         fully_shard(
             module,
-            mesh=dp_mesh,
+            mesh=mesh,
             mp_policy=mp_policy,
             reshard_after_forward=reshard,
             ignored_params=own & ignored_set or None,
         )
         wrapped.append(module)
 
-    for block in _blocks(root):
+    for block in blocks:
         wrap(block, reshard_after_forward)
-    for child in root.children():
-        # The top-level modules gather last and are needed first in backward: keep unsharded.
-        wrap(child, False)
+    for root in roots:
+        wrap(root, False)
     return wrapped
 
 

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from lightning_moe.nn.experts import GroupedExperts
 from lightning_moe.nn.moe_layer import MoELayer
+from lightning_moe.parallel.fsdp import shard_blocks_then_roots
 
 PipelineSchedule = Literal["1f1b", "interleaved_1f1b", "gpipe"]
 PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "gpipe")
@@ -210,25 +211,7 @@ def shard_chunks(chunks: Sequence[nn.Module], blocks: Sequence[nn.Module], mesh:
     """FSDP2 over ``mesh`` for each block, then each chunk (its embeddings / norm / head): the
     chunks are what the pipeline calls, so they are the FSDP roots (as torchtitan shards model
     chunks). Returns the wrapped modules."""
-    from torch.distributed.fsdp import fully_shard
-
-    ignored_set = set(ignored)
-    wrapped: list[nn.Module] = []
-
-    def wrap(module: nn.Module, reshard: bool) -> None:
-        own = set(module.parameters())
-        if not (own - ignored_set):
-            return
-        fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
-                    ignored_params=own & ignored_set or None)
-        wrapped.append(module)
-
-    for block in blocks:
-        wrap(block, reshard_after_forward)
-    for chunk in chunks:
-        # The chunk's own modules gather first and are needed first in backward: keep unsharded.
-        wrap(chunk, False)
-    return wrapped
+    return shard_blocks_then_roots(blocks, chunks, mesh, mp_policy, reshard_after_forward, ignored)
 
 
 # ------------------------------------------------------------------------------------ schedules

@@ -13,13 +13,10 @@ position): tests/distributed/test_ep2_run_output.py.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _cli_metrics import metrics_by_step
-from _launch import subprocess_env
+from _cli_fit import metrics_by_step, run_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "ep2_cpu.yaml"
@@ -38,28 +35,8 @@ model:
 
 
 def _fit(tmp: Path, version: str, *extra: str) -> None:
-    env = subprocess_env(str(ROOT))
-    cmd = [
-        sys.executable, "-m", "lightning_moe", "fit",
-        "--config", str(CONFIG),
-        "--config", str(tmp / "overrides.yaml"),
-        f"--trainer.max_steps={STEPS}",
-        f"--trainer.limit_train_batches={STEPS_PER_EPOCH}",
-        f"--trainer.val_check_interval={STEPS_PER_EPOCH}",
-        "--trainer.limit_val_batches=2",
-        "--trainer.log_every_n_steps=1",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
-        f"--trainer.logger.init_args.save_dir={tmp / 'logs'}",
-        f"--trainer.logger.init_args.version={version}",
-        f"--data.seq_length={SEQ}",
-        f"--data.micro_batch_size={MICRO}",
-        *extra,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=150, check=False)
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    )
+    run_fit(CONFIG, tmp, version, STEPS, STEPS_PER_EPOCH, f"--data.seq_length={SEQ}",
+            f"--data.micro_batch_size={MICRO}", *extra)
 
 
 def _metrics(tmp: Path, version: str) -> dict[str, dict[int, float]]:

@@ -6,13 +6,10 @@ directory checkpoints, and a run resumed with
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _cli_metrics import metrics_by_step
-from _launch import subprocess_env
+from _cli_fit import metrics_by_step, run_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "pp2_cpu.yaml"
@@ -28,28 +25,7 @@ trainer:
 
 
 def _fit(tmp: Path, version: str, *extra: str) -> str:
-    cmd = [
-        sys.executable, "-m", "lightning_moe", "fit",
-        "--config", str(CONFIG),
-        "--config", str(tmp / "overrides.yaml"),
-        f"--trainer.max_steps={STEPS}",
-        f"--trainer.limit_train_batches={STEPS_PER_EPOCH}",
-        f"--trainer.val_check_interval={STEPS_PER_EPOCH}",
-        "--trainer.limit_val_batches=2",
-        "--trainer.log_every_n_steps=1",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
-        f"--trainer.logger.init_args.save_dir={tmp / 'logs'}",
-        f"--trainer.logger.init_args.version={version}",
-        "--data.seq_length=32",
-        *extra,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp, env=subprocess_env(str(ROOT)), capture_output=True, text=True, timeout=150,
-                          check=False)
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    )
-    return proc.stdout
+    return run_fit(CONFIG, tmp, version, STEPS, STEPS_PER_EPOCH, "--data.seq_length=32", *extra)
 
 
 def _metrics(tmp: Path, version: str) -> dict[str, dict[int, float]]:
