@@ -24,7 +24,22 @@ sampler, which also shuffles them, so the loss curve is not the one-device strea
 step covers ``micro_batch x seq x accumulate x DP`` tokens; tokens/s and TFLOP/s are the whole
 job's, TFLOP/s and MFU per GPU. Rank 0 writes the results; the losses and the peak
 memory in them are rank 0's own. ``--accelerator cpu`` runs the same on CPU processes (gloo), a
-plumbing check: its MFU means nothing.
+plumbing check: its MFU means nothing (on one CPU process the bare loop runs too).
+
+Packed documents (``--packed``): each row of ``--seq`` tokens is filled exactly by documents of
+lognormal lengths (median ``--doc-median``, log-space sigma ``--doc-sigma``, at least ``--doc-min``,
+the row's last document cut to fit; seeded by ``--doc-seed``, drawn apart from the tokens, so a
+packed run trains the same tokens as the unpacked one). Both runs feed ``document_ids`` and
+per-document ``position_ids`` (restarting at 0, as ``LMDataModule(pack_sequences=True)`` does), and
+a document's last token does not predict the next document (label -100); attention stays inside
+each document (compiled FlexAttention with a block mask on CUDA). The attention FLOPs are then
+counted per document (`packed_model_flops`): ``sum_i L_i^2`` instead of ``S^2`` per row, in the
+same full-square convention as ``model_flops_per_token``, so packed and unpacked TFLOP/s compare;
+``tflops_per_gpu_causal`` counts the causal half in both (``sum_i L_i^2 / 2`` against ``S^2 / 2``).
+The JSON's ``config.packed`` / ``config.documents`` / ``config.flops_model`` record the flag, the
+document-length statistics of the run's micro-batches and the FLOP count used:
+
+    python benchmarks/train_step.py --seq 16384 --layers 4 --micro-batch 1 --packed
 """
 
 from __future__ import annotations
@@ -32,7 +47,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -79,6 +96,96 @@ def marginal_layer(step_s: tuple[float, float], flops: tuple[float, float], laye
         "full_layers": full_layers, "projected_full_step_s": full_s,
         "projected_full_tflops_per_gpu": full_flops / full_s / 1e12 / devices if full_s > 0 else None,
     }
+
+
+def packed_model_flops(cfg, document_lengths: list[list[int]], causal: bool = False) -> dict:
+    """Training (forward + backward) FLOPs of packed rows whose attention stays inside each document.
+
+    ``document_lengths``: per row, the lengths ``L_i`` of its documents (each row's sum is its
+    tokens). The matrix products cost ``6 * forward_matmul_parameters(cfg)`` per token, as in
+    ``model_flops_per_token``; attention costs ``attention_flops_per_token(cfg, L_i)`` per token of
+    document ``i``, i.e. ``sum_i L_i^2`` score pairs per row in ``model_flops_per_token``'s full-square
+    convention (one document filling the row gives exactly ``model_flops_per_token(cfg, S) * S``), or
+    half of that with ``causal`` (``sum_i L_i^2 / 2``: the pairs a causal kernel must compute, up to
+    the diagonal). Returns ``{"tokens", "matmul", "attention", "total"}`` (FLOPs)."""
+    from lightning_moe.models.flops import attention_flops_per_token, forward_matmul_parameters
+
+    lengths = [int(n) for row in document_lengths for n in row]
+    if any(n <= 0 for n in lengths):
+        raise ValueError(f"document lengths must be positive, got {sorted(lengths)[:5]}...")
+    tokens = sum(lengths)
+    # attention_flops_per_token is linear in the length: its value at 1 is the FLOPs per score pair
+    per_pair = attention_flops_per_token(cfg, 1) * (0.5 if causal else 1.0)
+    matmul = 6.0 * forward_matmul_parameters(cfg) * tokens
+    attention = per_pair * sum(n * n for n in lengths)
+    return {"tokens": tokens, "matmul": matmul, "attention": attention, "total": matmul + attention}
+
+
+def document_lengths(args, rows: int) -> list[list[int]]:
+    """The document lengths of the first ``rows`` packed rows (``--doc-*``): lognormal, each row
+    filled exactly to ``--seq``, its last document cut to fit. The same stream for every caller
+    (a fixed seed), so the bare loop, the Lightning run and the FLOP count see the same rows."""
+    rng = random.Random(args.doc_seed)
+    mu = math.log(args.doc_median)
+    out = []
+    for _ in range(rows):
+        row, total = [], 0
+        while total < args.seq:
+            n = max(args.doc_min, int(round(rng.lognormvariate(mu, args.doc_sigma))))
+            n = min(n, args.seq - total)
+            row.append(n)
+            total += n
+        out.append(row)
+    return out
+
+
+def packed_fields(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``document_ids``, ``position_ids`` ``[B, S]`` of packed rows (the representation of
+    ``lightning_moe.models.document_mask``) and the ``[B, S]`` mask of the labels to ignore: every
+    document's last token but the row's last (that document is cut, as a window cuts one)."""
+    docs, positions, ends = [], [], []
+    for row in lengths:
+        sizes = torch.tensor(row)
+        docs.append(torch.repeat_interleave(torch.arange(len(row)), sizes))
+        positions.append(torch.cat([torch.arange(n) for n in row]))
+        end = torch.zeros(int(sizes.sum()), dtype=torch.bool)
+        end[sizes.cumsum(0)[:-1] - 1] = True
+        ends.append(end)
+    return torch.stack(docs), torch.stack(positions), torch.stack(ends)
+
+
+def document_stats(lengths: list[list[int]], seq: int) -> dict:
+    """Statistics of the documents of packed rows (the JSON's ``config.documents``)."""
+    flat = sorted(n for row in lengths for n in row)
+    pairs = sum(n * n for n in flat)
+    return {
+        "rows": len(lengths), "documents": len(flat),
+        "documents_per_row": len(flat) / len(lengths),
+        "mean": statistics.fmean(flat), "median": statistics.median(flat),
+        "p90": flat[min(len(flat) - 1, int(0.9 * len(flat)))], "min": flat[0], "max": flat[-1],
+        # sum_i L_i^2 over S^2 per row: the packed attention's share of the unpacked one's pairs
+        "attention_pair_fraction": pairs / (len(lengths) * seq * seq),
+    }
+
+
+def step_flops(args, cfg, tokens: int, rows: int) -> dict:
+    """The FLOP count of one optimizer step of ``tokens`` tokens (the JSON's ``config.flops_model``):
+    ``model_flops_per_token(cfg, S) * tokens``, or with ``--packed`` the mean over the run's first
+    ``rows`` packed rows of `packed_model_flops` per token, times the tokens. ``total`` is the
+    full-square count (TFLOP/s); ``total_causal`` counts the causal half of the attention."""
+    from lightning_moe.models.flops import attention_flops_per_token, model_flops_per_token
+
+    if not args.packed:
+        total = model_flops_per_token(cfg, args.seq) * tokens
+        attention = attention_flops_per_token(cfg, args.seq) * tokens
+        return {"name": "model_flops_per_token", "attention": "full S x S per row", "total": total,
+                "attention_flops": attention, "total_causal": total - attention / 2}
+    full = packed_model_flops(cfg, document_lengths(args, rows))
+    scale = tokens / full["tokens"]  # the rows' mean per token, over the step's tokens
+    return {"name": "packed_model_flops", "attention": "per document: sum_i L_i^2 per row",
+            "total": full["total"] * scale,
+            "attention_flops": full["attention"] * scale,
+            "total_causal": (full["total"] - full["attention"] / 2) * scale, "rows_averaged": rows}
 
 
 def trainer_rank_zero(args) -> bool:
@@ -146,49 +253,65 @@ def build_module(args):
 
 def batches(args, vocab: int, count: int, device):
     """``count`` micro-batches: random tokens, or random windows of the embedded corpus's
-    training split (``--data corpus``: loss curves that mean something)."""
+    training split (``--data corpus``: loss curves that mean something). ``--packed``: with the
+    rows' ``document_ids`` and ``position_ids`` (`document_lengths`) and no label across a
+    document boundary; the tokens are the unpacked run's."""
     g = torch.Generator(device="cpu").manual_seed(1234)
+    packed = getattr(args, "packed", False)
+    lengths = document_lengths(args, count * args.micro_batch) if packed else None
     stream = None
     if args.data == "corpus":
         from lightning_moe.data.corpus import load_corpus
 
         stream = torch.from_numpy(load_corpus().train_tokens.astype("int64"))
-    for _ in range(count):
+    for i in range(count):
         if stream is None:
             t = torch.randint(1, vocab, (args.micro_batch, args.seq + 1), generator=g)
         else:
             starts = torch.randint(0, stream.numel() - args.seq - 1, (args.micro_batch,), generator=g)
             t = torch.stack([stream[s : s + args.seq + 1] for s in starts.tolist()])
-        yield {"input_ids": t[:, :-1].to(device, non_blocking=True), "labels": t[:, 1:].to(device, non_blocking=True)}
+        batch = {"input_ids": t[:, :-1], "labels": t[:, 1:]}
+        if packed:
+            docs, positions, ends = packed_fields(lengths[i * args.micro_batch : (i + 1) * args.micro_batch])
+            batch = {**batch, "labels": batch["labels"].masked_fill(ends, -100), "document_ids": docs,
+                     "position_ids": positions}
+        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def batch_loss(model, batch: dict) -> torch.Tensor:
+    """The decoder's loss on a micro-batch, packed or not (as ``MoELanguageModel`` computes it)."""
+    return model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"), batch.get("document_ids"))
 
 
 def bare_loop(args) -> list[float]:
-    """The same module, optimizer and schedule driven by a plain loop (no Lightning)."""
+    """The same module, optimizer and schedule driven by a plain loop (no Lightning), on one GPU
+    (or one CPU process with ``--accelerator cpu``: a plumbing check)."""
+    device = "cuda" if args.accelerator == "cuda" else "cpu"
     torch.manual_seed(0)
     module = build_module(args)
     with torch.device("meta"):
         module.configure_model()
-    module.model.to_empty(device="cuda")
+    module.model.to_empty(device=device)
     module.model.init_weights()
     opt_cfg = module.configure_optimizers()  # max_steps is given: no Trainer needed
     optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
     times: list[float] = []
     vocab = module.model_config.vocab_size
-    data = batches(args, vocab, (args.warmup + args.steps) * args.accumulate, "cuda")
+    data = batches(args, vocab, (args.warmup + args.steps) * args.accumulate, device)
     losses: list[torch.Tensor] = []
     from lightning_moe.nn.compute_weights import ComputeWeightCache
 
     # the weight casts of one optimizer step shared by its micro-batches, as the strategy does
     weight_casts = ComputeWeightCache(accumulate_grads_in_place=args.accumulate_grads_in_place == "on")
     casts_active = weight_casts.active if args.cache_weight_casts == "on" else contextlib.nullcontext
-    torch.cuda.synchronize()  # host sync: the first step's start
+    sync(args)  # host sync: the first step's start
     last_end = time.perf_counter()
     for _ in range(args.warmup + args.steps):
         window_loss = 0.0  # the optimizer step's mean loss over its micro-batches
         for _ in range(args.accumulate):
             batch = next(data)
-            with casts_active(), torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = module.model.loss(batch["input_ids"], batch["labels"]) / args.accumulate
+            with casts_active(), torch.autocast(device, dtype=torch.bfloat16):
+                loss = batch_loss(module.model, batch) / args.accumulate
             loss.backward()
             window_loss = window_loss + loss.detach()
         if args.clip:
@@ -197,7 +320,7 @@ def bare_loop(args) -> list[float]:
         weight_casts.clear()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()  # host sync: end of the timed step (same in the Lightning run)
+        sync(args)  # host sync: end of the timed step (same in the Lightning run)
         now = time.perf_counter()
         times.append(now - last_end)
         last_end = now
@@ -206,18 +329,19 @@ def bare_loop(args) -> list[float]:
     if args.profile:
         from benchmarks._profile import print_profile, profile_step
 
-        batch = next(batches(args, vocab, 1, "cuda"))
+        batch = next(batches(args, vocab, 1, device))
 
         def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = module.model.loss(batch["input_ids"], batch["labels"])
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = batch_loss(module.model, batch)
             loss.backward()  # outside autocast, as the timed loop and Lightning run it
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         print_profile(profile_step(step))
     del module, optimizer, scheduler
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return times[args.warmup :], losses_list
 
 
@@ -381,6 +505,14 @@ def main(argv=None) -> None:
                         help="also run the Lightning step with CUDAGraphs(scope=...) (captured inside the "
                              "untimed warm-up, which must be at least 2 steps): its time against the eager "
                              "Lightning step and both peak memories")
+    parser.add_argument("--packed", action="store_true",
+                        help="packed documents: document_ids and per-document position_ids in every batch, "
+                             "attention inside each document, its FLOPs counted per document")
+    parser.add_argument("--doc-median", type=float, default=2048.0, help="--packed: median document length")
+    parser.add_argument("--doc-sigma", type=float, default=1.0,
+                        help="--packed: sigma of the log of the document length (lognormal)")
+    parser.add_argument("--doc-min", type=int, default=32, help="--packed: shortest document drawn (before the cut)")
+    parser.add_argument("--doc-seed", type=int, default=4321, help="--packed: seed of the document lengths")
     add_memory_arguments(parser)
     args = parser.parse_args(argv)
     check_memory_arguments(args)
@@ -395,13 +527,25 @@ def main(argv=None) -> None:
                          f"{args.tensor_parallel}")
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         raise SystemExit("train_step.py needs a CUDA GPU (or --accelerator cpu for the Lightning run on CPU)")
-    if (args.devices > 1 or args.accelerator == "cpu") and not args.skip_bare:
-        raise SystemExit("the bare loop runs on one GPU: add --skip-bare for --devices > 1 or --accelerator cpu")
-    from lightning_moe.models import get_preset, model_flops_per_token
+    if args.devices > 1 and not args.skip_bare:
+        raise SystemExit("the bare loop runs on one device: add --skip-bare for --devices > 1")
+    if args.packed and (args.doc_median < 1 or args.doc_sigma < 0 or args.doc_min < 1):
+        raise SystemExit("--doc-median and --doc-min must be at least 1 and --doc-sigma at least 0")
+    if args.packed and args.peer is not None:
+        raise SystemExit("--peer hf trains without document masks: drop --packed or --peer")
+    from lightning_moe.models import get_preset
 
     cfg = get_preset(args.preset, num_layers=args.layers, max_seq_length=args.seq)
     tokens = args.micro_batch * args.seq * args.accumulate * data_parallel_size(args)  # per optimizer step, all ranks
-    flops_per_step = model_flops_per_token(cfg, args.seq) * tokens
+    # the rows of every micro-batch the Lightning run draws (the bare loop's are the first of them)
+    rows = (args.warmup + args.steps) * args.accumulate * data_parallel_size(args) * args.micro_batch
+    flops_model = step_flops(args, cfg, tokens, rows)
+    flops_per_step = flops_model["total"]
+    documents = document_stats(document_lengths(args, rows), args.seq) if args.packed else None
+    if documents is not None and trainer_rank_zero(args):
+        print(f"packed: {documents['documents_per_row']:.1f} documents per row of {args.seq}, median "
+              f"{documents['median']:.0f} mean {documents['mean']:.0f} max {documents['max']} tokens; "
+              f"attention pairs {documents['attention_pair_fraction']*100:.1f}% of unpacked", flush=True)
     results = {}
     runs = (("bare_torch", bare_loop), ("lightning", lightning_run))
     if args.skip_bare:
@@ -435,6 +579,7 @@ def main(argv=None) -> None:
             "tokens_per_s": tokens / median,
             "tflops_per_gpu": flops_per_step / median / 1e12 / args.devices,
             "tflops": flops_per_step / median / 1e12,
+            "tflops_per_gpu_causal": flops_model["total_causal"] / median / 1e12 / args.devices,
             "spec_peak_tflops": None if peak_flops is None else peak_flops / 1e12,
             "mfu": None if peak_flops is None else flops_per_step / (median * peak_flops * args.devices),
             "ratio_to_measured_h200_bf16_gemm": flops_per_step / (median * MEASURED_H200_BF16_GEMM * args.devices),
@@ -446,7 +591,7 @@ def main(argv=None) -> None:
         r = results[name]
         peak = "" if r["peak_gib"] is None else f" peak {r['peak_gib']:.1f} GiB"
         mfu = "MFU n/a" if r["mfu"] is None else f"MFU {r['mfu']*100:5.1f}% of {r['spec_peak_tflops']:.0f} spec"
-        print(f"{name:11s} {r['tflops_per_gpu']:6.1f} TFLOP/s per GPU, {mfu} "
+        print(f"{name:11s} {r['tflops_per_gpu']:6.1f} TFLOP/s per GPU ({r['tflops_per_gpu_causal']:.1f} causal), {mfu} "
               f"({r['ratio_to_measured_h200_bf16_gemm']*100:.1f}% of a measured H200 bf16 GEMM), "
               f"{median*1e3:8.1f} ms/step {r['tokens_per_s']:9.0f} tok/s{peak} loss {final_loss:.3f}", flush=True)
     marginal = None
@@ -457,12 +602,12 @@ def main(argv=None) -> None:
         outcome = lightning_run(other)
         if outcome is None:
             return
-        other_flops = model_flops_per_token(get_preset(args.preset, num_layers=args.marginal_layers,
-                                                       max_seq_length=args.seq), args.seq) * tokens
+        other_flops = step_flops(args, get_preset(args.preset, num_layers=args.marginal_layers,
+                                                  max_seq_length=args.seq), tokens, rows)["total"]
         full = get_preset(args.preset, max_seq_length=args.seq)
         marginal = marginal_layer((results["lightning"]["median_step_s"], statistics.median(outcome[0])),
                                   (flops_per_step, other_flops), (args.layers, args.marginal_layers),
-                                  full.num_layers, model_flops_per_token(full, args.seq) * tokens, args.devices)
+                                  full.num_layers, step_flops(args, full, tokens, rows)["total"], args.devices)
         per_layer = marginal["tflops_per_gpu_per_layer"]
         projected = marginal["projected_full_tflops_per_gpu"]
         print(f"marginal layer: {marginal['step_s_per_layer']*1e3:.2f} ms, "
@@ -487,7 +632,8 @@ def main(argv=None) -> None:
     tag = args.tag or f"{args.preset}_{args.layers}l"
     write_results(f"train_step_{tag}", {
         "config": {**vars(args), "tokens_per_step": tokens, "model_flops_per_step": flops_per_step,
-                   "data_parallel_size": data_parallel_size(args)},
+                   "data_parallel_size": data_parallel_size(args), "flops_model": flops_model,
+                   "documents": documents},
         "results": results,
         "marginal_layer": marginal,
         "lightning_overhead": overhead,
