@@ -479,6 +479,9 @@ def main(argv=None) -> None:
                              "(micro-batches after the first add their weight gradients into .grad in one pass)")
     parser.add_argument("--fused-cross-entropy", choices=["on", "off"], default="on",
                         help="off: the LM loss through F.cross_entropy on fp32 logits (nn.cross_entropy.FUSED_KERNEL)")
+    parser.add_argument("--fused-rotary", choices=["on", "off"], default="on",
+                        help="off: per-head qk-norm and rotary embedding through the eager fp32 ops instead of "
+                             "one Triton kernel each way (models.rotary.FUSED_KERNEL)")
     parser.add_argument("--skip-bare", action="store_true", help="only the Lightning run (loss-curve studies)")
     parser.add_argument("--tag", default=None)
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one bare step")
@@ -522,6 +525,10 @@ def main(argv=None) -> None:
         import lightning_moe.nn.cross_entropy as cross_entropy
 
         cross_entropy.FUSED_KERNEL = False
+    if args.fused_rotary == "off":
+        import lightning_moe.models.rotary as rotary
+
+        rotary.FUSED_KERNEL = False
     if args.devices < 1 or args.tensor_parallel < 1 or args.devices % args.tensor_parallel:
         raise SystemExit(f"--devices {args.devices} must be a positive multiple of --tensor-parallel "
                          f"{args.tensor_parallel}")

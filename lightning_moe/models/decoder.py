@@ -35,10 +35,10 @@ from lightning_moe.models.layers import (
     Linear,
     ProjectionRMSNorm,
     RMSNorm,
-    apply_rotary,
     rotary_cos_sin,
 )
 from lightning_moe.models.mla import MultiHeadLatentAttention
+from lightning_moe.models.rotary import norm_rotary
 from lightning_moe.models.recompute import checkpointed
 from lightning_moe.nn.compute_weights import autocast_dtype, compute_weight
 from lightning_moe.nn.cross_entropy import cross_entropy_mean
@@ -100,11 +100,11 @@ class Attention(nn.Module):
         q_BSHd = q_BSX.view(batch, seq, -1, self.head_dim)
         k_BSGd = k_BSX.view(batch, seq, -1, self.head_dim)
         v_BSGd = self.v_proj(x_BSD).view(batch, seq, -1, self.head_dim)
-        if self.q_norm is not None and not self.norms_projection:
-            q_BSHd = self.q_norm(q_BSHd)
-            k_BSGd = self.k_norm(k_BSGd)
-        q_BSHd = apply_rotary(q_BSHd, cos, sin)
-        k_BSGd = apply_rotary(k_BSGd, cos, sin)
+        # Per-head qk-norm (or none) and the rotary embedding: one Triton kernel each way on a GPU
+        # (`models.rotary`); the projection-wide norm ran above.
+        head_norms = self.q_norm is not None and not self.norms_projection
+        q_BSHd = norm_rotary(q_BSHd, cos, sin, self.q_norm if head_norms else None)
+        k_BSGd = norm_rotary(k_BSGd, cos, sin, self.k_norm if head_norms else None)
         q, k, v = (t.transpose(1, 2) for t in (q_BSHd, k_BSGd, v_BSGd))
         out_BHSd = self.core_attention(q, k, v, documents, cp_group=self.cp_group, cp_comm_type=self.cp_comm_type)
         return self.o_proj(out_BHSd.transpose(1, 2).reshape(batch, seq, -1))

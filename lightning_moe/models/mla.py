@@ -33,9 +33,10 @@ from torch import Tensor, nn
 
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.document_mask import DocumentMask
-from lightning_moe.models.layers import AttentionCore, Linear, RMSNorm, apply_rotary
+from lightning_moe.models.layers import AttentionCore, Linear, RMSNorm
 from lightning_moe.models.recompute import checkpointed
 from lightning_moe.models.rope_scaling import latent_softmax_mscale
+from lightning_moe.models.rotary import norm_rotary
 
 
 class SharedRopeKey(nn.Identity):
@@ -126,8 +127,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope_BSHn, v_BSHv = kv_BSHe.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         heads = k_nope_BSHn.shape[2]
 
-        q_rope_BSHr = apply_rotary(q_rope_BSHr, cos, sin)
-        k_rope_BS1r = self.shared_rope_key(apply_rotary(k_rope_BSr.unsqueeze(2), cos, sin))
+        q_rope_BSHr = norm_rotary(q_rope_BSHr, cos, sin)  # rotary only (one Triton kernel on a GPU)
+        k_rope_BS1r = self.shared_rope_key(norm_rotary(k_rope_BSr.unsqueeze(2), cos, sin))
         q_BSHq = torch.cat([q_nope_BSHn, q_rope_BSHr], dim=-1)
         k_BSHq = torch.cat([k_nope_BSHn, k_rope_BS1r.expand(-1, -1, heads, -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q_BSHq, k_BSHq, v_BSHv))

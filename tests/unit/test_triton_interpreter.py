@@ -2,7 +2,8 @@
 library's launch shape and others against a 16 x 16 reference launch and against the plain cast,
 per operand kind (and the fused SwiGLU-backward cast against the backward then the cast), and the FP8
 weight-gradient kernel's TMA-stored tiles against its plain stores (`_interpreted_wgrad.py`), the
-cross-entropy kernel against autograd (`_interpreted_cross_entropy.py`), and delayed
+cross-entropy kernel against autograd (`_interpreted_cross_entropy.py`), the per-head norm + rotary
+kernel against the eager formulation, alone and in a decoder (`_interpreted_rotary.py`), and delayed
 scaling's update kernel against the torch update (`_interpreted_scale_update.py`). Where
 Triton is not installed these skip; CI installs it (see ``.ci/run``)."""
 
@@ -66,6 +67,20 @@ def test_cross_entropy_kernel_matches_autograd():
     result = _interpreted("_interpreted_cross_entropy.py")
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("cross_entropy")]
+    assert len(lines) == 4 and all(line.endswith("equal") for line in lines), result.stdout
+
+
+def test_norm_rotary_kernel_matches_the_eager_formulation():
+    result = _interpreted("_interpreted_rotary.py", "kernel")
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rotary")]
+    assert len(lines) == 6 and all(line.endswith("equal") for line in lines), result.stdout
+
+
+def test_decoder_with_the_fused_norm_rotary_matches_the_eager_decoder():
+    result = _interpreted("_interpreted_rotary.py", "model")
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("model")]
     assert len(lines) == 4 and all(line.endswith("equal") for line in lines), result.stdout
 
 
