@@ -2,10 +2,10 @@
 
 The eager formulation is ``apply_rotary(norm(x), cos, sin)`` (`layers.RMSNorm` in fp32 returning
 ``x.dtype``, then `layers.apply_rotary` in fp32): about ten fp32 full-size temporaries of each
-of q and k forward and more kernels in backward. In training on a GPU with Triton one kernel
-each way does it (`kernels.rotary_triton`): the same rounding points (the normed value rounded
+of q and k forward and more kernels in backward. On a GPU with Triton one kernel each way does
+it, with or without gradients (`kernels.rotary_triton`): the same rounding points (the normed value rounded
 to the activation dtype before the rotation), within one unit in the last place of eager.
-Elsewhere (CPU, no gradient, tensor subclasses such as a tensor-parallel DTensor weight, a norm
+Elsewhere (CPU, tensor subclasses such as a tensor-parallel DTensor weight, a norm
 module with hooks, which the fused path would not call) the eager formulation runs.
 """
 
@@ -63,11 +63,12 @@ def _plain_norm(norm: Optional[nn.Module], hd: int) -> bool:
 
 
 def _fused(x_BSHd: Tensor, cos: Tensor, sin: Tensor, norm: Optional[nn.Module]) -> bool:
-    if not (FUSED_KERNEL and torch.is_grad_enabled() and type(x_BSHd) is Tensor and x_BSHd.dim() == 4):
+    # Not conditioned on grad mode: a recomputed block (activation checkpointing) must give the
+    # bits its first forward gave, and that forward may run without gradients.
+    if not (FUSED_KERNEL and type(x_BSHd) is Tensor and x_BSHd.dim() == 4):
         return False
     hd = x_BSHd.shape[-1]
-    wants_grad = x_BSHd.requires_grad or (norm is not None and norm.weight.requires_grad)
-    return (wants_grad and x_BSHd.dtype in _DTYPES and hd % 2 == 0 and _plain_norm(norm, hd)
+    return (x_BSHd.dtype in _DTYPES and hd % 2 == 0 and _plain_norm(norm, hd)
             and all(type(t) is Tensor and t.dtype == torch.float32 and not t.requires_grad
                     and t.shape[-2:] == (x_BSHd.shape[1], hd)
                     and (t.dim() == 2 or (t.dim() == 3 and t.shape[0] in (1, x_BSHd.shape[0])))
@@ -78,7 +79,7 @@ def _fused(x_BSHd: Tensor, cos: Tensor, sin: Tensor, norm: Optional[nn.Module]) 
 def norm_rotary(x_BSHd: Tensor, cos: Tensor, sin: Tensor, norm: Optional[nn.Module] = None) -> Tensor:
     """``apply_rotary(norm(x), cos, sin)`` (without ``norm``: ``apply_rotary(x, cos, sin)``) of
     ``x`` ``[B, S, H, hd]`` with fp32 ``cos``/``sin`` ``[S, hd]`` or ``[B, S, hd]``; ``norm`` an
-    `RMSNorm` over one head. Fused on a GPU with Triton in training (see the module docstring)."""
+    `RMSNorm` over one head. Fused on a GPU with Triton (see the module docstring)."""
     if _fused(x_BSHd, cos, sin, norm):
         weight = None if norm is None else norm.weight
         return _FusedNormRotary.apply(x_BSHd, weight, cos, sin, 0.0 if norm is None else float(norm.eps))

@@ -216,20 +216,22 @@ class FP8Precision(GlobalNormClipping, MixedPrecision):
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        self.update_delayed_scaling()
-        if self.weight_cache is not None:
-            self.weight_cache.clear()  # the weights just changed
+        self.update_delayed_scaling()  # clears the FP8 weight cache: the weights just changed
         return output
 
     def update_delayed_scaling(self) -> None:
         """Delayed scaling's once-per-step update (`optimizer_step` calls it): reduce this step's
-        amaxes, one collective per reduction group, and refresh the scales."""
+        amaxes, one collective per reduction group, refresh the scales, and drop the cached FP8
+        weights (quantized with the old scales; the optimizer step changed the weights too)."""
         experts_group = self.expert_amax_reduction_group
         if experts_group is None or experts_group is self.amax_reduction_group:
             update_delayed_scaling(self._delayed_modules + self._delayed_experts, self.recipe, self.amax_reduction_group)
         else:
             update_delayed_scaling(self._delayed_modules, self.recipe, self.amax_reduction_group)
             update_delayed_scaling(self._delayed_experts, self.recipe, experts_group)
+        if self.weight_cache is not None:
+            # Cached FP8 weights were quantized with the scales just replaced: quantize afresh.
+            self.weight_cache.clear()
 
     def backend_description(self) -> str:
         """One line for the layout table: recipe, backends and what was converted."""

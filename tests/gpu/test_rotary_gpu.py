@@ -46,9 +46,22 @@ def test_fused_norm_rotary_matches_eager(dtype, with_norm, batch, seq, heads, hd
     dy = torch.randn(batch, heads, seq, hd, device="cuda", generator=g).to(dtype).transpose(1, 2)
     (y, dx, dw), (want, want_dx, want_dw) = _eager_and_fused(x, cos, sin, norm, dy)
     eps = torch.finfo(dtype).eps
-    # one rounding of the same fp32 value, up to FMA contraction and rsqrt's last bit: one unit in the last place
-    assert ((y.float() - want.float()).abs() <= eps * want.float().abs() + 1e-6 * float(want.abs().max())).all()
-    assert ((dx.float() - want_dx.float()).abs() <= eps * float(want_dx.abs().max())).all()
+    y, want = y.detach().float(), want.detach().float()
+    if with_norm:
+        # The normed value is rounded to the activation dtype before the rotation, as eager rounds it;
+        # the two sums of squares (and rsqrt's last bit) may put that rounding one unit apart, and the
+        # rotation carries a unit of each term (x1 cos, x2 sin) into the output, which can be smaller
+        # than its terms: the bound is a unit of the terms plus a unit of the output.
+        normed = norm(x).detach().float().abs()
+        half = normed.shape[-1] // 2
+        swapped = torch.cat([normed[..., half:], normed[..., :half]], dim=-1)
+        terms = normed * cos.abs().unsqueeze(-2) + swapped * sin.abs().unsqueeze(-2)  # |x1 cos| + |x2 sin|
+        assert ((y - want).abs() <= eps * (want.abs() + terms) + 1e-6 * float(want.abs().max())).all()
+    else:
+        # one rounding of the same fp32 value, up to FMA contraction: one unit in the last place
+        assert ((y - want).abs() <= eps * want.abs() + 1e-6 * float(want.abs().max())).all()
+    # The norm's backward sums hd products per row in another order than eager: hd units of the largest.
+    assert ((dx.float() - want_dx.float()).abs() <= hd * eps * float(want_dx.abs().max())).all()
     if with_norm:
         assert ((dw - want_dw).abs() <= 1e-4 * want_dw.abs().max()).all()
 

@@ -99,6 +99,18 @@ def test_plugin_clears_after_each_optimizer_step_and_not_in_evaluation(monkeypat
     assert "cached per optimizer step" in plugin.backend_description()
 
 
+def test_the_delayed_scaling_update_alone_clears_the_cache(monkeypatch):
+    """A loop that steps by hand calls `update_delayed_scaling` once per optimizer step: the cached
+    FP8 weights were quantized with the scales it replaces, so it drops them itself."""
+    plugin = _native_plugin(monkeypatch, cache_fp8_weights=True)
+    w = torch.randn(2, 2)
+    with plugin.forward_context():
+        active_cache().get("fc1", w, "fprop", lambda: w * 2)
+    assert len(plugin.weight_cache) == 1
+    plugin.update_delayed_scaling()
+    assert len(plugin.weight_cache) == 0
+
+
 def test_strategy_refuses_the_cache_with_fsdp(monkeypatch):
     from lightning_moe.strategies import MegatronMoEStrategy
 
