@@ -13,7 +13,11 @@ TFLOP/s per GPU (model FLOPs per step, ``model_flops_per_token``: active paramet
 fwd+bwd, over time and GPUs) and MFU against the GPU's dense spec peak (``MoEThroughput``'s
 table: 989.4 TFLOP/s bf16, 1978.9 FP8 on H100 / H200 SXM; the FP8 peak for an FP8 run), as
 Megatron-Core and the peers report it, with the ratio to a measured H200 bf16 GEMM rate (787e12)
-as a second, labelled figure; and the Lightning overhead = trainer median / bare median - 1. Writes
+as a second, labelled figure; and the Lightning overhead = trainer median / bare median - 1. On
+CUDA, next to each run's peak of allocated memory: its activation memory (``activation_gib``), the
+measured steps' peak minus what was allocated when they started (``static_gib``: parameters,
+gradients, optimizer states, weight-cast caches), the part that offload and recompute can cut
+(`ActivationMemory`; the HF peer's is not measured). Writes
 ``benchmarks/results/train_step_<tag>.json``.
 
 Several GPUs (the Lightning run only, ``--skip-bare``): ``--devices N`` with the folded layout's
@@ -232,13 +236,82 @@ def memory_overrides(args) -> dict:
     return {"recompute": args.recompute, "recompute_every_n_layers": args.recompute_layers}
 
 
+class ActivationMemory:
+    """Activation memory of a run: the peak of allocated CUDA memory over the measured steps minus
+    the memory allocated when they start (parameters, gradients, optimizer states, weight-cast
+    caches: what stays from one step to the next). `measured_start` resets the peak statistics
+    there and keeps the warm-up's peak, so that `run_peak` is still the peak of the whole run.
+    With ``--warmup 0`` the optimizer states, made in the first step, count as activations. Off
+    CUDA (or before CUDA starts) every figure is None."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.static: Optional[int] = None
+        self.measured_peak: Optional[int] = None
+        self.warmup_peak = 0
+
+    @staticmethod
+    def _cuda() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def measured_start(self) -> None:
+        """At the start of the first measured step (no host sync: allocator statistics only)."""
+        if not self._cuda():
+            return
+        self.warmup_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        self.static = torch.cuda.memory_allocated()
+
+    def measured_end(self) -> None:
+        if self.static is not None:
+            self.measured_peak = torch.cuda.max_memory_allocated()
+
+    def run_peak(self) -> Optional[int]:
+        """The peak over the whole run (warm-up included)."""
+        if not self._cuda():
+            return None
+        return max(self.warmup_peak, torch.cuda.max_memory_allocated())
+
+    def figures(self) -> dict:
+        """GiB: ``static_gib``, ``measured_peak_gib``, ``activation_gib`` (None where not measured)."""
+        if self.static is None or self.measured_peak is None:
+            return {"static_gib": None, "measured_peak_gib": None, "activation_gib": None}
+        return {"static_gib": self.static / 2**30, "measured_peak_gib": self.measured_peak / 2**30,
+                "activation_gib": (self.measured_peak - self.static) / 2**30}
+
+
+ACTIVATION_MEMORY = ActivationMemory()  # the run in progress (runs go one after the other)
+
+
+def activation_memory_callback(args, tracker: Optional[ActivationMemory] = None):
+    """A Lightning callback marking ``tracker``'s measured steps: from the first micro-batch after
+    the warm-up's optimizer steps to the end of training."""
+    from lightning.pytorch.callbacks import Callback
+
+    tracker = ACTIVATION_MEMORY if tracker is None else tracker
+
+    class MarkMeasuredSteps(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == args.warmup * args.accumulate:
+                tracker.measured_start()
+
+        def on_train_end(self, trainer, pl_module):
+            tracker.measured_end()
+
+    return MarkMeasuredSteps()
+
+
 def memory_callbacks(args) -> list:
-    """The ActivationOffload callback of --offload (none without it)."""
+    """The measured steps' activation memory (`ActivationMemory`) and the ActivationOffload
+    callback of --offload."""
+    callbacks = [activation_memory_callback(args)]
     if not args.offload:
-        return []
+        return callbacks
     from lightning_moe.callbacks import ActivationOffload
 
-    return [ActivationOffload(args.offload, keep_last_layers=args.offload_keep_last_layers)]
+    return callbacks + [ActivationOffload(args.offload, keep_last_layers=args.offload_keep_last_layers)]
 
 
 def build_module(args):
@@ -306,7 +379,9 @@ def bare_loop(args) -> list[float]:
     casts_active = weight_casts.active if args.cache_weight_casts == "on" else contextlib.nullcontext
     sync(args)  # host sync: the first step's start
     last_end = time.perf_counter()
-    for _ in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            ACTIVATION_MEMORY.measured_start()
         window_loss = 0.0  # the optimizer step's mean loss over its micro-batches
         for _ in range(args.accumulate):
             batch = next(data)
@@ -325,6 +400,7 @@ def bare_loop(args) -> list[float]:
         times.append(now - last_end)
         last_end = now
         losses.append(window_loss)  # read once after the loop: no extra sync in the timed steps
+    ACTIVATION_MEMORY.measured_end()
     losses_list = torch.stack(losses).tolist()
     if args.profile:
         from benchmarks._profile import print_profile, profile_step
@@ -575,6 +651,7 @@ def main(argv=None) -> None:
             gc.collect()  # the run before may leave its model in reference cycles: free it first
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        ACTIVATION_MEMORY.reset()
         outcome = fn(args)
         if outcome is None:  # a rank other than 0 of a multi-process run: rank 0 reports
             return
@@ -590,13 +667,17 @@ def main(argv=None) -> None:
             "spec_peak_tflops": None if peak_flops is None else peak_flops / 1e12,
             "mfu": None if peak_flops is None else flops_per_step / (median * peak_flops * args.devices),
             "ratio_to_measured_h200_bf16_gemm": flops_per_step / (median * MEASURED_H200_BF16_GEMM * args.devices),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "peak_gib": None if not cuda or ACTIVATION_MEMORY.run_peak() is None else ACTIVATION_MEMORY.run_peak() / 2**30,
+            # the measured steps' peak over what was allocated at their start (`ActivationMemory`)
+            **ACTIVATION_MEMORY.figures(),
             "final_loss": final_loss,
             "step_times_s": times,
             "losses": losses,
         }
         r = results[name]
         peak = "" if r["peak_gib"] is None else f" peak {r['peak_gib']:.1f} GiB"
+        if r["activation_gib"] is not None:
+            peak += f" (activations {r['activation_gib']:.2f} GiB over {r['static_gib']:.2f} static)"
         mfu = "MFU n/a" if r["mfu"] is None else f"MFU {r['mfu']*100:5.1f}% of {r['spec_peak_tflops']:.0f} spec"
         print(f"{name:11s} {r['tflops_per_gpu']:6.1f} TFLOP/s per GPU ({r['tflops_per_gpu_causal']:.1f} causal), {mfu} "
               f"({r['ratio_to_measured_h200_bf16_gemm']*100:.1f}% of a measured H200 bf16 GEMM), "

@@ -31,6 +31,9 @@ def test_memory_flags_configure_the_lightning_run(tmp_path):
     assert config["offload"] == ["expert_fc1", "attn_proj", "core_attn"] and config["offload_keep_last_layers"] == 0
     assert config["recompute"] == ["moe_act", "layernorm"] and config["recompute_layers"] == 2
     assert list(result["results"]) == ["lightning"]
+    # the activation memory (CUDA allocator statistics) is reported for every run, None on CPU
+    assert {"static_gib", "measured_peak_gib", "activation_gib"} <= set(result["results"]["lightning"])
+    assert result["results"]["lightning"]["activation_gib"] is None
 
 
 @pytest.mark.parametrize(
