@@ -43,10 +43,25 @@ autograd hands that buffer to ``.grad`` when ``.grad`` is None (no copy). The ne
 then overwrite ``.grad`` before adding to it. So a parameter whose ``.grad`` still holds such a
 buffer at the next backward raises, unless ``accumulate_grads=True``, which copies the gradient
 out of the graph's buffer at the first backward after ``.grad`` was cleared (one copy of every
-gradient per accumulation window; later micro-batches add in place). `CapturedModules.clear_stale_grads`
-sets such a ``.grad`` back to None, for a loop that zeroes gradients in place
-(``zero_grad(set_to_none=False)``) before each backward. An input that is a leaf tensor gets the
-graph's buffer as its ``.grad`` likewise; clear it before the next backward.
+gradient per accumulation window; later micro-batches add in place). The buffer handed to
+``.grad`` is memory of the graphs' shared pool, which `torch.cuda.make_graphed_callables` gives
+out again in the order of the capture: the next forwards' temporaries may lie there, and so may,
+between the forwards and the backwards, another captured module's saved activations (the
+backward graph of module i allocates its gradient buffers where module j > i kept activations,
+freed once j's backward was captured). Such a ``.grad`` holds the gradient from its backward
+until the next forward replays, and must never be written in place after that:
+`CapturedModules.clear_stale_grads` sets it back to None; call it after the optimizer step and
+before the next forward, so that a loop that zeroes gradients in place
+(``zero_grad(set_to_none=False)``) finds None there (zeroing it after the forwards corrupts the
+activations the backward graphs then read). An input that is a leaf tensor gets the graph's
+buffer as its ``.grad`` likewise; clear it before the next forward.
+
+Memory: cuBLAS keeps a workspace per (handle, stream) for good (on Hopper 32 MiB for cuBLAS and
+as much for cuBLASLt). The capture's warm-up runs on a stream of its own and the capture on
+another, so each would keep one more workspace; `capture_modules` drops the cached workspaces
+before and after the capture (as torch's inductor does around its graphs): the capture stream's
+then lies in the graphs' pool, which the graphs' GEMMs use as scratch, the warm-up stream's is
+freed, and the training stream's is allocated again at its next GEMM.
 """
 
 from __future__ import annotations
@@ -254,12 +269,22 @@ class CapturedModules:
         return self._guard.accumulate_grads
 
     def clear_stale_grads(self) -> None:
-        """Set ``.grad`` to None where it still is a graph's gradient buffer (call before a backward
-        when gradients were zeroed in place since the last one)."""
+        """Set ``.grad`` to None where it still is a graph's gradient buffer: call it after the
+        optimizer step has read the gradients and before the next forward (before any in-place
+        ``zero_grad``; see the module docstring)."""
         self._guard.clear_stale_grads()
 
     def release(self) -> None:
         self._guard.remove()
+
+
+def _clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces (each is allocated again at its stream's next
+    GEMM). A workspace allocated during a capture is the graph's pool memory, which the pool keeps
+    for the graph's GEMMs after the cache lets it go."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _capture(proxies: list[nn.Module], sample_args: list[tuple], num_warmup_iters: int) -> None:
@@ -273,8 +298,10 @@ def _capture(proxies: list[nn.Module], sample_args: list[tuple], num_warmup_iter
         # An earlier captured module may be garbage (a reference cycle): no collection mid-capture.
         with torch.autocast("cuda", enabled=False) if autocast else contextlib.nullcontext(), collector_held_off():
             # allow_unused_input: a parameter no output depends on gets no gradient (None), as eagerly.
+            _clear_cublas_workspaces()  # the capture stream's workspace is then allocated in the graphs' pool
             torch.cuda.make_graphed_callables(tuple(proxies), tuple(sample_args), num_warmup_iters=num_warmup_iters,
                                               allow_unused_input=True)
+            _clear_cublas_workspaces()  # the warm-up stream's and the capture stream's (module docstring)
     except RuntimeError as error:  # torch.AcceleratorError is a RuntimeError
         torch.cuda.set_stream(stream)
         if "captur" not in str(error):

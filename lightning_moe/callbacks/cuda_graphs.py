@@ -26,9 +26,15 @@ Training semantics stay those of the eager step (the GPU tests check 20 steps bi
   modules are in eval mode or gradients are off there;
 - gradient accumulation: with ``accumulate_grad_batches > 1`` (or manual optimization) the first
   backward of a window copies each gradient out of the graph's buffer, the later ones add in
-  place; with one micro-batch per step ``.grad`` is the graph's buffer itself (no copy), and a
-  ``zero_grad(set_to_none=False)`` between steps is handled by setting such a ``.grad`` to None
-  before the next backward (the same values);
+  place; with one micro-batch per step ``.grad`` is the graph's buffer itself (no copy), valid
+  from the backward to the optimizer step. That buffer lies in the graphs' shared pool, whose
+  memory the next step's forwards reuse (for temporaries, and, between the forwards and the
+  backwards, for other captured modules' saved activations), so the callback sets such a
+  ``.grad`` to None at the start of every training batch and before Lightning's ``zero_grad``:
+  a ``zero_grad(set_to_none=False)`` then finds None there and zeroes nothing in the pool (the
+  same values: the backward's gradient either way). Lightning's ``zero_grad`` of the module
+  before a validation run leaves ``.grad`` None too, so after a validation run the next
+  backward hands its buffer to ``.grad`` whatever ``set_to_none`` the step's ``zero_grad`` uses;
 - FP8 delayed scaling: the graphs record amaxes into the modules' history in place and read the
   scales the once-per-step update writes in place; a warm-up step gives every state its scales
   before the capture. Expert-bias token counts, global aux-loss counts and the aux-loss
@@ -191,6 +197,7 @@ class CUDAGraphs(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._targets:
             return
+        self._release_graph_grads()  # the last step's gradients, before this step's forwards replay
         if self._calls:
             key = tuple(self._calls)
             self._seen_calls[key] = self._seen_calls.pop(key, 0) + 1  # re-inserted: the latest last
@@ -207,7 +214,14 @@ class CUDAGraphs(Callback):
             self._capture(trainer)
 
     @override
-    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+    def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._release_graph_grads()  # before an in-place zero_grad could write into the graphs' pool
+
+    def _release_graph_grads(self) -> None:
+        """``.grad = None`` where ``.grad`` is still a backward graph's gradient buffer (one
+        micro-batch per step). The buffer is the graphs' pool memory, which the next forward
+        replays reuse: a ``zero_grad(set_to_none=False)`` after the forwards (Lightning zeroes
+        after ``training_step``) would zero other captured modules' saved activations there."""
         if self._graphs is not None and not self._graphs.accumulate_grads:
             self._graphs.clear_stale_grads()
 

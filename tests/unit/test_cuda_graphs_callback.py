@@ -6,7 +6,7 @@ itself replaced by an eager stand-in (the graphs are GPU tests: tests/gpu/test_c
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -349,13 +349,16 @@ class _EagerCapture:
     replays: int = 0
     released: bool = False
     stale_clears: int = 0
+    events: list = field(default_factory=list)  # "replay" and "clear", in the order they came
 
     def replay(self, slot, *tensors):
         self.replays += 1
+        self.events.append("replay")
         return self.forwards[slot](*tensors)
 
     def clear_stale_grads(self):
         self.stale_clears += 1
+        self.events.append("clear")
 
     def release(self):
         self.released = True
@@ -380,7 +383,7 @@ def captures(monkeypatch):
     return made
 
 
-def _losses(module, callbacks, steps, accumulate=1, data=None, ckpt_path=None, **kwargs):
+def _losses(module, callbacks, steps, accumulate=1, data=None, ckpt_path=None, val=None, **kwargs):
     seen = []
 
     class Keep(callback_module.Callback):
@@ -389,7 +392,7 @@ def _losses(module, callbacks, steps, accumulate=1, data=None, ckpt_path=None, *
 
     torch.manual_seed(0)
     trainer = _trainer([*callbacks, Keep()], max_steps=steps, accumulate=accumulate, **kwargs)
-    trainer.fit(module, data or DataLoader(Tokens(64), batch_size=2), ckpt_path=ckpt_path)
+    trainer.fit(module, data or DataLoader(Tokens(64), batch_size=2), val, ckpt_path=ckpt_path)
     return seen, trainer
 
 
@@ -405,7 +408,8 @@ def test_capture_after_warm_up_then_replay(captures, accumulate):
                                  "model.layers.1.attention", "model.layers.1.mlp"]  # the order of the step
     assert capture.accumulate_grads == (accumulate > 1)
     assert capture.replays == 3 * accumulate * 4  # steps 2..4, every micro-batch, four modules
-    assert capture.stale_clears == (0 if accumulate > 1 else 3)
+    # one micro-batch per step: at the start of steps 3 and 4 and before the zero_grad of steps 2..4
+    assert capture.stale_clears == (0 if accumulate > 1 else 2 + 3)
     assert capture.released and all("forward" not in m.__dict__ for m in module.modules())
 
 
@@ -540,6 +544,65 @@ def test_gradient_guard_steals_clears_or_copies():
     assert v.grad.tolist() == [6.0, 6.0, 6.0]
     assert v.grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     guard.remove()
+
+
+def test_handed_gradient_buffer_is_not_zeroed_in_place_once_cleared():
+    """The buffer a backward graph hands to ``.grad`` is pool memory that the next forwards
+    reuse (another captured module's saved activations, until the backwards read them): cleared
+    before the in-place ``zero_grad``, the zeroing leaves it alone; the next backward hands it out
+    again with the new gradient."""
+    from lightning_moe.cuda_graphs import _GradientGuard
+
+    w = nn.Parameter(torch.zeros(3))
+    buffer = torch.zeros(3)
+    guard = _GradientGuard([w], accumulate_grads=False)
+    optimizer = torch.optim.SGD([w], lr=0.0)
+    _FixedBuffer.apply(w, buffer).backward()
+    assert w.grad.tolist() == [1.0, 1.0, 1.0]
+    if w.grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+        pytest.skip("autograd copied the buffer into .grad: nothing aliases the pool here")
+    optimizer.step()
+    buffer.copy_(torch.tensor([7.0, 8.0, 9.0]))  # the next forward replay keeps an activation there
+    guard.clear_stale_grads()
+    optimizer.zero_grad(set_to_none=False)
+    assert w.grad is None and buffer.tolist() == [7.0, 8.0, 9.0]
+    _FixedBuffer.apply(w, buffer).backward(torch.tensor(2.0))
+    assert w.grad.tolist() == [2.0, 2.0, 2.0]
+    guard.remove()
+
+
+def test_zero_grad_in_place_never_meets_a_graph_gradient(captures):
+    """One micro-batch per step with ``zero_grad(set_to_none=False)`` and validation in between
+    (Lightning's module ``zero_grad`` before it sets ``.grad`` to None, so the next backward hands
+    the graph's buffer to ``.grad``): the callback clears the graphs' gradients at every batch
+    start, before that step's forwards replay, and again before Lightning's ``zero_grad``, so the
+    in-place zeroing never writes into the graphs' pool. The losses are the eager ones."""
+    order = []
+
+    class InPlace(MoELanguageModel):
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            order.append("zero_grad")
+            optimizer.zero_grad(set_to_none=False)
+
+    def model():
+        overrides = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 2,
+                     "num_query_groups": 1, "moe": {"ffn_hidden_size": 32}}
+        return InPlace("tiny", overrides=overrides, learning_rate=1e-2, warmup_steps=1)
+
+    data = DataLoader(Tokens(64), batch_size=2)
+    kwargs = {"val_check_interval": 3, "limit_val_batches": 1}
+    reference, _ = _losses(model(), [], steps=7, data=data, val=data, **kwargs)
+    callback = _OnCPU(scope="full", warmup_steps=2)
+    order.clear()
+    losses, _ = _losses(model(), [callback], steps=7, data=data, val=data, **kwargs)
+    assert losses == reference
+    (capture,) = captures
+    events = capture.events
+    assert events.count("replay") == 5 * 2  # steps 2..6, two layers
+    # per step after the capture: clear, replay x 2 (the forwards), clear (just before zero_grad)
+    steps = "".join("c" if e == "clear" else "r" for e in events)
+    assert steps == "rrc" + "crrc" * 4, steps
+    assert order.count("zero_grad") == 7
 
 
 def test_capture_leaves_buffers_and_grads_as_they_were(monkeypatch):
