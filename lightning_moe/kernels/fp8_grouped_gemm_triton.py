@@ -160,12 +160,15 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
                           out_desc=None, FLATTEN: tl.constexpr = True, WARP_SPECIALIZE: tl.constexpr = False,
-                          PRECISE: tl.constexpr = False):
+                          PRECISE: tl.constexpr = False, ACCUMULATE: tl.constexpr = False):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
     flattens with the contraction, as in the forward kernel. An expert without tokens stores
-    zeros. Columns past the operands' width read as zeros (the descriptors' bounds)."""
+    zeros. Columns past the operands' width read as zeros (the descriptors' bounds).
+    ``ACCUMULATE`` (fp32 output): each tile is added to the output's values (beta = 1), the
+    scaled fp32 product plus the old value, one fp32 add, as ``out += dw`` would after a plain
+    store; an expert without tokens adds zeros."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -188,7 +191,11 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         col_ok = cols < N
         sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
         sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
-        out = (acc * sa[:, None] * sb[None, :]).to(out_ptr.dtype.element_ty)
+        out = acc * sa[:, None] * sb[None, :]
+        if ACCUMULATE:
+            old_ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            out = tl.load(old_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0) + out
+        out = out.to(out_ptr.dtype.element_ty)
         if TMA_STORE:
             # The tile leaves by TMA in two column halves (half the staging buffer): the copy
             # engine drains it while the next tile's contraction runs, where the plain store
@@ -207,7 +214,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
                      block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
                      num_stages: int = 4, programs: Optional[int] = None,
                      out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False,
-                     warp_specialize: bool = False, precise: bool = False) -> Tensor:
+                     warp_specialize: bool = False, precise: bool = False,
+                     accumulate_into: Optional[Tensor] = None) -> Tensor:
     """``out_dtype`` (bf16 or fp32) ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
@@ -218,7 +226,12 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     ``[E, N]``. fp32 output is for fp32 master weights: their gradient is written once, not
     rounded to bf16 and widened by a second pass. ``tma_store``: the tiles leave by TMA (see the
     kernel; needs ``N`` times the element size a multiple of 16 bytes). ``programs`` and
-    ``warp_specialize`` and ``precise`` as in `grouped_mm_fprop`."""
+    ``warp_specialize`` and ``precise`` as in `grouped_mm_fprop`.
+
+    ``accumulate_into``: a contiguous fp32 ``[E, M, N]`` tensor (a parameter's ``.grad``) that the
+    kernel adds the gradient into and returns, instead of a new one (Megatron-Core's
+    gradient-accumulation fusion): each element ``old + dw`` in fp32, the bits of ``out += dw``
+    after an fp32 ``dw``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, r = a_MR.shape
@@ -228,7 +241,14 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     assert WGRAD_GROUP_ALIGN % block_k == 0, "a contraction block must not cross a group's aligned end"
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"grouped_mm_wgrad writes bf16 or fp32, not {out_dtype}")
-    out = torch.empty(experts, m, n, dtype=out_dtype, device=a_MR.device)
+    if accumulate_into is None:
+        out = torch.empty(experts, m, n, dtype=out_dtype, device=a_MR.device)
+    else:
+        out = accumulate_into
+        if (out.dtype != torch.float32 or out_dtype != torch.float32 or tuple(out.shape) != (experts, m, n)
+                or not out.is_contiguous()):
+            raise ValueError(f"grouped_mm_wgrad(accumulate_into=...) takes a contiguous fp32 [{experts}, {m}, {n}] "
+                             f"tensor with out_dtype fp32, got {out.dtype} {tuple(out.shape)} and {out_dtype}")
     if out.numel() == 0:
         return out
     a_desc = TensorDescriptor(a_MR, [m, r], [a_MR.stride(0), 1], [block_m, block_k])
@@ -244,5 +264,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
            a_desc, b_desc, out, scale_a_EM, scale_b_EN, aligned_ends_E, experts, m, n,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
            NUM_STAGES=num_stages, TMA_STORE=tma_store, out_desc=out_desc, FLATTEN=not warp_specialize,
-           WARP_SPECIALIZE=warp_specialize, PRECISE=precise, num_warps=num_warps)
+           WARP_SPECIALIZE=warp_specialize, PRECISE=precise, num_warps=num_warps,
+           # The epilogue's old + product must stay a multiply then an add, each rounded, as the
+           # unfused store and add: no contraction into a fused multiply-add.
+           **({"ACCUMULATE": True, "enable_fp_fusion": False} if accumulate_into is not None else {}))
     return out

@@ -125,13 +125,43 @@ class _MasterWeightCast(torch.autograd.Function):
     def backward(ctx, grad_bf16: Optional[Tensor]) -> tuple[Optional[Tensor], None]:
         if grad_bf16 is None:
             return None, None
-        param = ctx.accumulate_into
-        main_grad = None if param is None or _has_gradient_hooks(param) else param.grad
-        if (main_grad is not None and type(main_grad) is Tensor and main_grad.dtype == torch.float32
-                and main_grad.is_contiguous() and main_grad.numel() == grad_bf16.numel()):
+        main_grad = accumulation_grad(ctx.accumulate_into, grad_bf16.numel())
+        if main_grad is not None:
             accumulate_widened_(main_grad, grad_bf16.contiguous())
             return None, None
         return widened(grad_bf16, torch.float32), None
+
+
+def accumulation_grad(param: Optional[Tensor], numel: int) -> Optional[Tensor]:
+    """The fp32 ``.grad`` of ``param`` that a backward may add a gradient of ``numel`` elements into
+    itself, handing autograd none (Megatron-Core's gradient-accumulation fusion), or None: ``param``
+    is None, has ``register_hook`` hooks (they must see every gradient), has no ``.grad`` yet (the
+    first micro-batch of a window: autograd takes the fresh gradient as it is), or a ``.grad`` that
+    is not a plain contiguous fp32 tensor of ``numel`` elements. The one test of `_MasterWeightCast`
+    and of the FP8 GEMMs' weight gradients (`lightning_moe.precision`)."""
+    main_grad = None if param is None or _has_gradient_hooks(param) else param.grad
+    if (main_grad is not None and type(main_grad) is Tensor and main_grad.dtype == torch.float32
+            and main_grad.is_contiguous() and main_grad.numel() == numel):
+        return main_grad
+    return None
+
+
+def in_place_accumulation_target(w: Tensor) -> Optional[Tensor]:
+    """The parameter into whose fp32 ``.grad`` a GEMM's backward may add ``w``'s gradient itself
+    (then checked per backward by `accumulation_grad`), or None. Decided in the forward, as
+    `ComputeWeightCache.cast` decides for the bf16 casts, and under the same switch: a
+    `ComputeWeightCache` with ``accumulate_grads_in_place`` active (``MegatronMoEStrategy``'s
+    training steps), grad mode on, and ``w`` an fp32 leaf that requires grad, or a contiguous view
+    of all of one in the same element order (`_covers`: the grouped experts' ``fc1_matrix``).
+    Tensor subclasses (DTensor shards) are not taken. Used by GEMMs that produce the weight gradient
+    themselves (the FP8 ones) instead of a cast node."""
+    if (_active is None or not _active.accumulate_grads_in_place or not torch.is_grad_enabled()
+            or type(w.data) is not Tensor):
+        return None
+    param = w if w.is_leaf else w._base
+    if param is None or not param.is_leaf or not param.requires_grad or param.dtype != torch.float32:
+        return None
+    return param if _covers(w, param) else None
 
 
 def _has_gradient_hooks(param: Tensor) -> bool:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import Tensor
 
+from lightning_moe.kernels import accumulate_widened_
+from lightning_moe.nn.compute_weights import accumulation_grad, in_place_accumulation_target
 from lightning_moe.nn.grouped_gemm import padded_to_16_byte_rows
 from lightning_moe.precision.autocast import compute_dtype, no_autocast
 from lightning_moe.precision import scaled_mm
@@ -62,7 +64,7 @@ def _grouped_gemm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
 class _EmulatedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
-                state: Optional[DelayedState]) -> Tensor:
+                state: Optional[DelayedState], accumulate_into: tuple[Optional[Tensor]] = (None,)) -> Tensor:
         out_dtype = compute_dtype(x)
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
@@ -75,6 +77,7 @@ class _EmulatedLinear(torch.autograd.Function):
         ctx.save_for_backward(x_q if ctx.reuse_x else x2, w_q if ctx.reuse_w else weight)
         ctx.recipe, ctx.state, ctx.bias_dtype = recipe, state, None if bias is None else bias.dtype
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        (ctx.accumulate_into,) = accumulate_into  # a reference, not an input (see _weight_gradient)
         return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -101,13 +104,13 @@ class _EmulatedLinear(torch.autograd.Function):
                                           hadamard=hadamard)
             dw = dy_t @ x_t.t()
             db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)
-        return dx.to(ctx.x_dtype).reshape(ctx.x_shape), dw.to(ctx.w_dtype), db, None, None
+        return dx.to(ctx.x_dtype).reshape(ctx.x_shape), _weight_gradient(ctx, dw), db, None, None, None
 
 
 class _EmulatedGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe,
-                state: Optional[DelayedState]) -> Tensor:
+                state: Optional[DelayedState], accumulate_into: tuple[Optional[Tensor]] = (None,)) -> Tensor:
         out_dtype = compute_dtype(x)
         experts, k, n = w.shape
         with no_autocast(x):
@@ -118,6 +121,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         ctx.reuse_x, ctx.reuse_w = symmetric_tiles(recipe, "input"), symmetric_tiles(recipe, "weight")
         ctx.save_for_backward(x_q if ctx.reuse_x else x, w_q if ctx.reuse_w else w, offsets)
         ctx.recipe, ctx.state, ctx.x_dtype, ctx.w_dtype = recipe, state, x.dtype, w.dtype
+        (ctx.accumulate_into,) = accumulate_into
         return y.to(out_dtype)
 
     @staticmethod
@@ -152,7 +156,21 @@ class _EmulatedGroupedMM(torch.autograd.Function):
                                           hadamard)
             x_t, dy_t = pad_contraction(x_t, multiple), pad_contraction(dy_t, multiple)
             dw = _grouped_gemm(x_t.contiguous(), dy_t.t().contiguous(), offsets)
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
+        return dx.to(ctx.x_dtype), _weight_gradient(ctx, dw), None, None, None, None
+
+
+def _weight_gradient(ctx: Any, dw: Tensor) -> Optional[Tensor]:
+    """The emulated weight gradient in the weight's dtype for autograd, or None after adding it into
+    the weight's fp32 ``.grad`` (`accumulation_grad`, where the forward's
+    `in_place_accumulation_target` chose the weight: the strategy's ``accumulate_grads_in_place``),
+    the bits of autograd's ``.grad += dw``. The parameter rides on ctx in a tuple, not as an input
+    of the Function, so that autograd has no second edge to its AccumulateGrad."""
+    dw = dw.to(ctx.w_dtype)
+    main_grad = accumulation_grad(ctx.accumulate_into, dw.numel())
+    if main_grad is None:
+        return dw
+    accumulate_widened_(main_grad, dw)
+    return None
 
 
 def _backend(recipe: FP8Recipe, backend: str, x: Tensor, grouped: bool) -> str:
@@ -191,7 +209,7 @@ def fp8_linear(
     recipe = FP8Recipe.of(recipe)
     if _backend(recipe, backend, x, grouped=False) == "torch":
         return scaled_mm.scaled_linear(x, weight, bias, recipe, state, weight_key)
-    return _EmulatedLinear.apply(x, weight, bias, recipe, state)
+    return _EmulatedLinear.apply(x, weight, bias, recipe, state, (in_place_accumulation_target(weight),))
 
 
 def fp8_grouped_mm(
@@ -223,7 +241,7 @@ def fp8_grouped_mm(
     recipe = FP8Recipe.of(recipe)
     if _backend(recipe, backend, x_RK, grouped=True) == "torch":
         return scaled_mm.scaled_grouped_mm(x_RK, w_EKN, offsets_E, recipe, state, weight_key, prefetched)
-    return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state)
+    return _EmulatedGroupedMM.apply(x_RK, w_EKN, offsets_E, recipe, state, (in_place_accumulation_target(w_EKN),))
 
 
 def _native_delayed(recipe: FP8Recipe, backend: str, state: Optional[DelayedState], x: Tensor) -> bool:

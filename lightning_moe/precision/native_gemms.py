@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_moe.kernels import widened
+from lightning_moe.kernels import accumulate_widened_, widened
 from lightning_moe.precision.native_casts import ALIGN, once_per_version
 
 
@@ -41,13 +41,21 @@ def column_major(q: Tensor) -> Tensor:
     return q.t().contiguous().t()
 
 
-def scaled_mm_rows(a: Tensor, sa: Tensor, b_rows: Tensor, sb: Tensor, out_dtype: torch.dtype, fast: bool) -> Tensor:
-    """``a @ b_rows.T`` where both are laid out ``[other, contraction]`` (row-major)."""
+def scaled_mm_rows(a: Tensor, sa: Tensor, b_rows: Tensor, sb: Tensor, out_dtype: torch.dtype, fast: bool,
+                   accumulate_into: Optional[Tensor] = None) -> Optional[Tensor]:
+    """``a @ b_rows.T`` where both are laid out ``[other, contraction]`` (row-major).
+    ``accumulate_into``: a contiguous fp32 tensor of the product's elements (a weight's ``.grad``)
+    that the product is added into instead of returned (None returned). ``_scaled_mm`` has no
+    beta, so the add is a pass of its own, in one read of a bf16 product (`accumulate_widened_`):
+    the bits of returning the product in ``out_dtype`` fp32 and adding it."""
     rowwise = sa.numel() > 1 or sb.numel() > 1
     dtype = torch.bfloat16 if rowwise else out_dtype  # rowwise kernels write bf16 only
     scale_a, scale_b = (sa.reshape(-1, 1), sb.reshape(1, -1)) if rowwise else (sa.reshape(()), sb.reshape(()))
     out = torch._scaled_mm(a.contiguous(), b_rows.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
                            out_dtype=dtype, use_fast_accum=fast)
+    if accumulate_into is not None:
+        accumulate_widened_(accumulate_into, out)
+        return None
     return out.to(out_dtype)
 
 
@@ -143,7 +151,8 @@ def torch_group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor,
 
 def group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Tensor, offsets_E: Tensor,
                           ends: Optional[list[int]], fast: bool, aligned_ends: Optional[Tensor] = None,
-                          out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                          out_dtype: torch.dtype = torch.bfloat16,
+                          accumulate_into: Optional[Tensor] = None) -> Optional[Tensor]:
     """``dw[e] = a[:, rows of e] @ b[:, rows of e]^T``: both operands ``[features, R]`` with
     per-(expert, feature) scales ``[E, features]``. Returns ``out_dtype`` ``[E, K, N]`` (the
     weight's dtype). Our Triton kernel writes an fp32 gradient for fp32 master weights directly.
@@ -151,7 +160,16 @@ def group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Te
     sm90 with cuBLAS >= 12.9, so those paths write bf16, widened after (`kernels.widened`). So fp32
     master weights get an unrounded gradient from the Triton kernel and a bf16-rounded one
     otherwise (the Triton kernel switched off, the generic quantizers, off sm90). ``aligned_ends``:
-    the operands are in the aligned group layout (`wgrad_aligned_ends`), for our Triton kernel."""
+    the operands are in the aligned group layout (`wgrad_aligned_ends`), for our Triton kernel.
+
+    ``accumulate_into`` (with ``out_dtype`` fp32): a contiguous fp32 tensor of ``E * K * N``
+    elements (the weight's ``.grad``, `nn.compute_weights.accumulation_grad`) that the gradient is
+    added into instead of returned (None returned), Megatron-Core's gradient-accumulation fusion:
+    our Triton kernel adds its fp32 tiles to the old values in its epilogue (no fp32 gradient
+    written and read back); torch's kernels' bf16 output is added in one pass
+    (`kernels.accumulate_widened_`). The bits of returning the gradient and ``.grad += dw``."""
+    if accumulate_into is not None and out_dtype != torch.float32:
+        raise ValueError(f"group_weight_gradient(accumulate_into=...) adds an fp32 gradient, not {out_dtype}")
     if aligned_ends is not None:
         from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
 
@@ -159,15 +177,20 @@ def group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Te
         # fp32 tiles take 3 stages: 4 and their staging buffer exceed shared memory.
         tma_store = WGRAD_TMA_STORE and qb_NR.shape[0] * kernel_dtype.itemsize % 16 == 0
         stages = 3 if tma_store and kernel_dtype == torch.float32 else 4
-        return grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends,
-                                out_dtype=kernel_dtype, tma_store=tma_store, num_stages=stages,
-                                precise=not fast).to(out_dtype)
+        into = None
+        if accumulate_into is not None:
+            into = accumulate_into.view(sa_EK.shape[0], qa_KR.shape[0], qb_NR.shape[0])
+        dw = grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends,
+                              out_dtype=kernel_dtype, tma_store=tma_store, num_stages=stages,
+                              precise=not fast, accumulate_into=into)
+        return None if into is not None else dw.to(out_dtype)
     experts = sa_EK.shape[0]
     if ends is None:
         # torch's FP8 grouped GEMM writes bf16 only
-        return widened(torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1),
-                                                offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=fast),
-                       out_dtype)
+        return _widened_or_added(torch._scaled_grouped_mm(qa_KR, qb_NR.t(), sa_EK.reshape(-1), sb_EN.reshape(-1),
+                                                          offs=offsets_E, out_dtype=torch.bfloat16,
+                                                          use_fast_accum=fast),
+                                 out_dtype, accumulate_into)
     out = torch.empty(experts, qa_KR.shape[0], qb_NR.shape[0], dtype=torch.bfloat16, device=qa_KR.device)
     start = 0
     for e, end in enumerate(ends):
@@ -177,4 +200,12 @@ def group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Te
         else:
             out[e].zero_()  # an expert without tokens has no gradient
         start = end
-    return widened(out, out_dtype)
+    return _widened_or_added(out, out_dtype, accumulate_into)
+
+
+def _widened_or_added(dw: Tensor, out_dtype: torch.dtype, accumulate_into: Optional[Tensor]) -> Optional[Tensor]:
+    """``dw`` widened to ``out_dtype``, or added into ``accumulate_into`` (None returned)."""
+    if accumulate_into is None:
+        return widened(dw, out_dtype)
+    accumulate_widened_(accumulate_into, dw)
+    return None

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lightning_moe.nn.compute_weights import accumulation_grad, in_place_accumulation_target
 from lightning_moe.precision.autocast import compute_dtype, no_autocast
 from lightning_moe.precision.delayed import DelayedState, fresh_amax_group
 from lightning_moe.precision.formats import E4M3
@@ -64,7 +65,8 @@ class _ScaledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
                 state: Optional[DelayedState], weight_key: Optional[Hashable],
-                cache: Optional[FP8WeightCache], needs_backward: bool) -> Tensor:
+                cache: Optional[FP8WeightCache], needs_backward: bool,
+                accumulate_into: tuple[Optional[Tensor]] = (None,)) -> Tensor:
         out_dtype = compute_dtype(x)
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
@@ -106,6 +108,9 @@ class _ScaledLinear(torch.autograd.Function):
         ctx.tensorwise, ctx.recipe, ctx.state, ctx.cache, ctx.weight_key = tensorwise, recipe, state, cache, weight_key
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
+        # A reference in a tuple, not an input: no second edge to the weight's AccumulateGrad.
+        (ctx.accumulate_into,) = accumulate_into
+        ctx.w_numel = weight.numel()
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -133,16 +138,22 @@ class _ScaledLinear(torch.autograd.Function):
                 qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
                 qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
             dx = scaled_mm_rows(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=recipe.fast("dgrad"))
-            dw = scaled_mm_rows(pad_fp8(qdy_t), sdy_t, pad_fp8(qx_t), sx_t, ctx.w_dtype, fast=recipe.fast("wgrad"))
+            # Added into the weight's fp32 .grad where `in_place_accumulation_target` chose it and it
+            # has one (then None for autograd), else returned.
+            dw = scaled_mm_rows(pad_fp8(qdy_t), sdy_t, pad_fp8(qx_t), sx_t, ctx.w_dtype, fast=recipe.fast("wgrad"),
+                                accumulate_into=accumulation_grad(ctx.accumulate_into, ctx.w_numel))
             db = None if ctx.bias_dtype is None else dy2.float().sum(0).to(ctx.bias_dtype)
-        return dx.reshape(ctx.x_shape), dw, db, None, None, None, None, None
+        return dx.reshape(ctx.x_shape), dw, db, None, None, None, None, None, None
 
 
 def scaled_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: FP8Recipe,
                   state: Optional[DelayedState], weight_key: Optional[Hashable] = None) -> Tensor:
-    """FP8 ``x @ weight.T (+ bias)``; ``weight_key`` names the weight for an active `FP8WeightCache`."""
+    """FP8 ``x @ weight.T (+ bias)``; ``weight_key`` names the weight for an active `FP8WeightCache`.
+    Under in-place gradient accumulation (`in_place_accumulation_target`: the strategy's
+    ``accumulate_grads_in_place``) the backward adds the weight gradient into the weight's fp32
+    ``.grad`` once it has one, and hands autograd none."""
     return _ScaledLinear.apply(x, weight, bias, recipe, state, weight_key, training_cache(weight),
-                               needs_backward(x, weight))
+                               needs_backward(x, weight), (in_place_accumulation_target(weight),))
 
 
 # The attribute of fc1's output that carries its `_SwiGLUGradHandoff` to fc2's call.
@@ -225,6 +236,8 @@ class _GroupedCall:
         probabilities ``probs [T, K]`` and the output rows are summed per token (an unweighted
         combine, ``[T, N]``), so the backward's gradient cast gathers the token gradients itself.
     handoff: fc1's output gradient handed over already cast (`_SwiGLUGradHandoff`), opt-in.
+    accumulate_into: the parameter into whose fp32 ``.grad`` the backward adds the weight gradient
+        once it has one, handing autograd none (`in_place_accumulation_target`), or None.
     """
 
     recipe: FP8Recipe
@@ -237,6 +250,7 @@ class _GroupedCall:
     gather: Any = None
     combine: Any = None
     handoff: Optional[_SwiGLUGradHandoff] = None
+    accumulate_into: Optional[Tensor] = None
 
 
 class _ForwardOperands(NamedTuple):
@@ -420,8 +434,11 @@ class _ScaledGroupedMM(torch.autograd.Function):
             qdy, sdy_R, qdy_t, sdy_t, qx_t, sx_t, qw, sw_EK, aligned_ends = backward_operands(ctx, saved, dy, handed)
             dx = group_gemm(qdy, sdy_R, qw.view(experts, k, n), sw_EK.view(experts, k), offsets, ctx.ends,
                             fast=recipe.fast("dgrad"), triton=ctx.triton_dgrad)
+            # Added into the weight's fp32 .grad where the call chose it and it has one (None for
+            # autograd then; our Triton kernel adds in its epilogue), else returned.
             dw = group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ctx.ends,
-                                       fast=recipe.fast("wgrad"), aligned_ends=aligned_ends, out_dtype=ctx.w_dtype)
+                                       fast=recipe.fast("wgrad"), aligned_ends=aligned_ends, out_dtype=ctx.w_dtype,
+                                       accumulate_into=accumulation_grad(call.accumulate_into, experts * k * n))
             dx = dx.to(ctx.x_dtype)
             grad_probs = None
             if ctx.handoff is not None and call.input_swiglu and ctx.needs_input_grad[0]:
@@ -531,7 +548,7 @@ def _first_projection(x: Tensor, w: Tensor, offsets: Tensor, recipe: FP8Recipe, 
     forward armed it."""
     handoff = _SwiGLUGradHandoff() if recipe.fuse_swiglu_backward else None
     call = _GroupedCall(recipe, state, weight_key, training_cache(w), needs_backward(x, w), prefetched=prefetched,
-                        gather=gather, handoff=handoff)
+                        gather=gather, handoff=handoff, accumulate_into=in_place_accumulation_target(w))
     h = _ScaledGroupedMM.apply(x, w, offsets, None, call)
     if handoff is not None and handoff.armed:
         setattr(h, _HANDOFF_ATTR, handoff)
@@ -576,5 +593,5 @@ def scaled_grouped_mm_swiglu(h: Tensor, w: Tensor, offsets: Tensor, recipe: FP8R
     backward casts ``h``'s gradient straight into that GEMM's FP8 copies (no bf16 ``grad_h``)."""
     call = _GroupedCall(recipe, state, weight_key, training_cache(w), needs_backward(h, w), input_swiglu=True,
                         prefetched=prefetched, combine=None if combine is None else combine.plan,
-                        handoff=getattr(h, _HANDOFF_ATTR, None))
+                        handoff=getattr(h, _HANDOFF_ATTR, None), accumulate_into=in_place_accumulation_target(w))
     return _ScaledGroupedMM.apply(h, w, offsets, None if combine is None else combine.probs_TK, call)

@@ -1,7 +1,8 @@
 """The delayed FP8 tile cast under Triton's interpreter on CPU (`_interpreted_casts.py`): the
 library's launch shape and others against a 16 x 16 reference launch and against the plain cast,
 per operand kind (and the fused SwiGLU-backward cast against the backward then the cast), and the FP8
-weight-gradient kernel's TMA-stored tiles against its plain stores (`_interpreted_wgrad.py`), the
+weight-gradient kernel's TMA-stored tiles against its plain stores and its in-place accumulation into
+an fp32 gradient against autograd's adds (`_interpreted_wgrad.py`), the
 cross-entropy kernel against autograd (`_interpreted_cross_entropy.py`), the per-head norm + rotary
 kernel against the eager formulation, alone and in a decoder (`_interpreted_rotary.py`), and delayed
 scaling's update kernel against the torch update (`_interpreted_scale_update.py`). Where
@@ -60,6 +61,9 @@ def test_weight_gradient_tiles_stored_by_tma_match_the_plain_stores():
     result = _interpreted("_interpreted_wgrad.py")
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("wgrad tma")]
+    assert len(lines) == 3 and all(line.endswith("equal") for line in lines), result.stdout
+    # the gradient added into an existing fp32 one by the kernel: the bits of autograd's adds
+    lines = [line for line in result.stdout.splitlines() if line.startswith("wgrad accumulate")]
     assert len(lines) == 3 and all(line.endswith("equal") for line in lines), result.stdout
 
 
