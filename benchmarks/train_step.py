@@ -552,7 +552,8 @@ def main(argv=None) -> None:
                         help="MegatronMoEStrategy(cache_weight_casts=...): bf16 weight casts once per optimizer step")
     parser.add_argument("--accumulate-grads-in-place", choices=["on", "off"], default="on",
                         help="on: MegatronMoEStrategy(accumulate_grads_in_place=None), the default; off: False "
-                             "(micro-batches after the first add their weight gradients into .grad in one pass)")
+                             "(micro-batches after the first add their weight gradients into .grad in one pass: "
+                             "the bf16 casts' and, under --precision, the FP8 GEMMs')")
     parser.add_argument("--fused-cross-entropy", choices=["on", "off"], default="on",
                         help="off: the LM loss through F.cross_entropy on fp32 logits (nn.cross_entropy.FUSED_KERNEL)")
     parser.add_argument("--fused-rotary", choices=["on", "off"], default="on",

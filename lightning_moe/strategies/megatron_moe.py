@@ -101,8 +101,11 @@ class MegatronMoEStrategy(ModelParallelStrategy):
             of a window add each cast weight's bf16 gradient into its fp32 ``.grad`` in one pass
             (Megatron-Core's gradient-accumulation fusion: 10 bytes an element instead of 18). The
             same gradients. Parameters with ``register_hook`` hooks keep autograd's accumulation
-            (their hooks see every gradient); post-accumulate-grad hooks run either way. None
-            (default): on wherever ``cache_weight_casts`` is; True without it is refused.
+            (their hooks see every gradient); post-accumulate-grad hooks run either way. Under
+            `FP8Precision` the FP8 GEMMs' weight gradients take the same switch: added into the
+            fp32 ``.grad`` by the weight-gradient GEMM itself (the Triton grouped kernel's epilogue)
+            or right after it, with no ``AccumulateGrad`` add. None (default): on wherever
+            ``cache_weight_casts`` is; True without it is refused.
         pipeline_schedule: "1f1b" (default; one stage per rank), "interleaved_1f1b" (with
             ``virtual_pipeline_size`` chunks per rank, Megatron's virtual stages) or "gpipe".
         virtual_pipeline_size: chunks per pipeline rank (default 1); > 1 needs "interleaved_1f1b".
