@@ -32,10 +32,11 @@ import os
 import sys
 import time
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: cuBLAS under deterministic mode
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import torch  # noqa: E402
+
+from _deterministic import deterministic_algorithms  # noqa: E402  (sets cuBLAS's workspace before CUDA starts)
 
 from lightning_moe.models import MoEDecoder, causal_lm_loss, get_preset  # noqa: E402
 
@@ -82,20 +83,6 @@ def _fp8_run(every):
         plugin.update_delayed_scaling()
     torch.cuda.synchronize()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-@contextlib.contextmanager
-def _deterministic():
-    from torch.utils import deterministic
-
-    fill = deterministic.fill_uninitialized_memory
-    deterministic.fill_uninitialized_memory = False
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-        deterministic.fill_uninitialized_memory = fill
 
 
 @contextlib.contextmanager
@@ -160,7 +147,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, SDPA flash "
           f"{torch.backends.cuda.flash_sdp_enabled()}, cuDNN SDPA {torch.backends.cuda.cudnn_sdp_enabled()}")
     start = time.perf_counter()
-    settings = {"default": contextlib.nullcontext, "deterministic": _deterministic, "sdpa_math": _sdpa_math,
+    settings = {"default": contextlib.nullcontext, "deterministic": deterministic_algorithms, "sdpa_math": _sdpa_math,
                 "no_fused_rotary": _no_fused_rotary}
     kinds = {"bf16": _bf16_run}
     if torch.cuda.get_device_capability() >= (9, 0):

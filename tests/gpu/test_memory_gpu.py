@@ -3,8 +3,7 @@ autocast, fp32 master weights, bit for bit under deterministic algorithms), a lo
 allocated memory, no host sync in the offload's copies, and FP8 delayed (native) recompute keeping
 the plain gradients."""
 
-import os
-
+import _deterministic
 import pytest
 import torch
 
@@ -13,26 +12,13 @@ from lightning_moe.models import MoEDecoder, causal_lm_loss, get_preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-# cuBLAS under deterministic algorithms (read when an operation checks it; set before any runs here)
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
 
 @pytest.fixture
 def deterministic_algorithms():
-    """Bit-for-bit comparisons need deterministic kernels: by default the flash-attention backward
-    adds the query gradient's blocks with atomics, so even two plain runs differ in the last bits
-    (measured on an H100: 21 of 39 gradients, up to 1.2e-4, plain against plain in bf16; none under
-    deterministic algorithms or with the math attention backend)."""
-    from torch.utils import deterministic
-
-    fill = deterministic.fill_uninitialized_memory
-    deterministic.fill_uninitialized_memory = False  # keep the peaks those of the plain allocations
-    torch.use_deterministic_algorithms(True)
-    try:
+    """Bit-for-bit comparisons need deterministic kernels (`_deterministic`)."""
+    with _deterministic.deterministic_algorithms():
         yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-        deterministic.fill_uninitialized_memory = fill
+
 
 SEQ, BATCH = 1024, 2
 
