@@ -472,8 +472,9 @@ class DecoderChunk(nn.Module):
 
 def causal_lm_loss(logits_BSV: Tensor, labels_BS: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Mean fp32 cross-entropy over non-ignored tokens; 0 (not NaN) when every label is ignored
-    (`lightning_moe.nn.cross_entropy.cross_entropy_mean`: one kernel for the loss and its gradient
-    on a GPU). The token count stays on the device (no host sync).
+    (`lightning_moe.nn.cross_entropy.cross_entropy_mean`: on a GPU, the loss in one read of the
+    logits and their gradient in the backward in one more read and one write). The token count
+    stays on the device (no host sync).
     """
     if logits_BSV.shape[:-1] != labels_BS.shape:
         raise ValueError(f"labels {tuple(labels_BS.shape)} do not match logits {tuple(logits_BSV.shape[:-1])}.")

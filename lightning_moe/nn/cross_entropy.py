@@ -2,10 +2,16 @@
 
 `cross_entropy_mean` is ``F.cross_entropy(logits.float(), labels, ignore_index, reduction="sum")``
 divided by the number of kept labels (0, not NaN, when there are none). In training on a GPU with
-Triton, one kernel computes the loss and its gradient together
-(`kernels.cross_entropy_triton`): no fp32 copy of the logits, no saved log-softmax, and the
-backward only scales the stored gradient. Elsewhere (CPU, no gradient, tensor subclasses) the
-autograd formulation runs.
+Triton, two kernels (`kernels.cross_entropy_triton`) replace it: the forward reads the logits once
+for each row's log-sum-exp and the loss, and keeps the logits (the tensor the caller passed, not a
+copy), the labels, the ``[N]`` fp32 log-sum-exps and the kept count; the backward reads the logits
+once more and writes their gradient, ``(softmax - onehot) * grad_loss / kept``, once, into a new
+tensor in the logits' dtype, reading ``grad_loss`` on the device. No fp32 copy of the logits, no
+saved log-softmax and no gradient buffer is held from the forward to the backward: what is held is
+the logits themselves (a language-model head's logits, which nothing else keeps, then live until
+the backward instead of a gradient of their size; where the caller keeps the logits anyway, that
+gradient's memory is saved). Elsewhere (CPU, no gradient, tensor subclasses) the autograd
+formulation runs.
 """
 
 from __future__ import annotations
@@ -23,23 +29,27 @@ FUSED_KERNEL = True
 
 
 class _FusedCrossEntropyMean(torch.autograd.Function):
-    """The loss and its gradient from one kernel; the backward scales the gradient in place (it
-    runs once: first order only)."""
+    """The loss from one read of the logits; the backward computes their gradient from the saved
+    logits and log-sum-exps (it runs once: first order only)."""
 
     @staticmethod
     def forward(ctx, logits_NV: Tensor, labels_N: Tensor, ignore_index: int) -> Tensor:
-        from lightning_moe.kernels.cross_entropy_triton import cross_entropy_mean_and_grad
+        from lightning_moe.kernels.cross_entropy_triton import cross_entropy_forward
 
-        loss, grad_NV = cross_entropy_mean_and_grad(logits_NV, labels_N, ignore_index)
-        ctx.save_for_backward(grad_NV)
+        loss, lse_N, kept = cross_entropy_forward(logits_NV, labels_N, ignore_index)
+        ctx.save_for_backward(logits_NV, labels_N, lse_N, kept)
+        ctx.ignore_index = ignore_index
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: Tensor) -> tuple[Optional[Tensor], None, None]:
-        (grad_NV,) = ctx.saved_tensors
-        # In the logits' dtype: a power-of-two factor (1 / accumulation steps) scales exactly.
-        return grad_NV.mul_(grad_loss), None, None
+        from lightning_moe.kernels.cross_entropy_triton import cross_entropy_backward
+
+        logits_NV, labels_N, lse_N, kept = ctx.saved_tensors
+        # grad_loss / kept in fp32 before the one rounding to the logits' dtype (a power-of-two
+        # grad_loss, 1 / accumulation steps, gives the bits of scaling the rounded gradient)
+        return cross_entropy_backward(logits_NV, labels_N, lse_N, kept, grad_loss, ctx.ignore_index), None, None
 
 
 def _fused(logits_NV: Tensor) -> bool:
