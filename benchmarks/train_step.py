@@ -427,7 +427,9 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
 
     from lightning_moe import MegatronMoEStrategy
 
-    torch.manual_seed(0)
+    # Lightning's seed as well as torch's: the strategy's setup re-seeds from PL_GLOBAL_SEED when a
+    # seed_everything() before (in this process) left one, and the model is built after it.
+    L.seed_everything(0, verbose=False)
     module = build_module(args)
     times: list[float] = []
     losses: list[float] = []

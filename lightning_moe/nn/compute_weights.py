@@ -138,7 +138,7 @@ def accumulation_grad(param: Optional[Tensor], numel: int) -> Optional[Tensor]:
     is None, has ``register_hook`` hooks (they must see every gradient), has no ``.grad`` yet (the
     first micro-batch of a window: autograd takes the fresh gradient as it is), or a ``.grad`` that
     is not a plain contiguous fp32 tensor of ``numel`` elements. The one test of `_MasterWeightCast`
-    and of the FP8 GEMMs' weight gradients (`lightning_moe.precision`)."""
+    and of the FP8 GEMMs' weight gradients (which the precision package runs)."""
     main_grad = None if param is None or _has_gradient_hooks(param) else param.grad
     if (main_grad is not None and type(main_grad) is Tensor and main_grad.dtype == torch.float32
             and main_grad.is_contiguous() and main_grad.numel() == numel):
