@@ -117,3 +117,26 @@ def cross_entropy_backward(logits_NV: Tensor, labels_N: Tensor, lse_N: Tensor, k
         launch(_cross_entropy_backward_kernel, (rows,), logits_NV, grad_NV, labels_N, lse_N, kept, grad_loss,
                vocab, logits_NV.stride(0), grad_NV.stride(0), ignore_index, BLOCK_V=BLOCK_V, num_warps=8)
     return grad_NV
+
+
+def cross_entropy_rows_and_grad_(logits_NV: Tensor, labels_N: Tensor, loss_N: Tensor, kept: Tensor,
+                                 ignore_index: int) -> Tensor:
+    """One chunk of a chunked linear + cross-entropy (`nn.linear_cross_entropy`): each row's fp32
+    loss ``lse - x[label]`` (0 for ignored rows) into ``loss_N`` (a contiguous ``[N]`` slice of the
+    caller's buffer), and the logits overwritten, in place, with their gradient for a unit gradient
+    of the mean loss, ``(softmax - onehot) / kept``, in their dtype (zeros in ignored rows).
+    ``kept``: the 0-dim device count of kept labels over all chunks (read by the kernel: no host
+    sync). The two kernels are `cross_entropy_forward`'s and `cross_entropy_backward`'s (the same
+    fp32 arithmetic and bits); each backward program reads a block of its row before it writes that
+    block, so the gradient can take the logits' memory. Returns the logits tensor."""
+    rows, vocab = logits_NV.shape
+    if logits_NV.stride(1) != 1 or not loss_N.is_contiguous():
+        raise ValueError("cross_entropy_rows_and_grad_ needs logits with unit column stride and a contiguous loss_N")
+    if rows:
+        lse_N = torch.empty(rows, dtype=torch.float32, device=logits_NV.device)
+        unit = torch.ones((), dtype=torch.float32, device=logits_NV.device)
+        launch(_cross_entropy_forward_kernel, (rows,), logits_NV, labels_N, loss_N, lse_N, vocab,
+               logits_NV.stride(0), ignore_index, BLOCK_V=BLOCK_V, num_warps=8)
+        launch(_cross_entropy_backward_kernel, (rows,), logits_NV, logits_NV, labels_N, lse_N, kept, unit,
+               vocab, logits_NV.stride(0), logits_NV.stride(0), ignore_index, BLOCK_V=BLOCK_V, num_warps=8)
+    return logits_NV

@@ -72,6 +72,17 @@ class ModelConfig:
             what they cover is in `lightning_moe.models.recompute`. None: nothing recomputed.
         recompute_every_n_layers: recompute whole blocks ``0, N, 2N, ...`` in backward (N = 1: every
             block; Megatron's full recompute); None: none. The selective names apply to the others.
+        lm_head_chunk_tokens: the training loss's output projection and cross-entropy run this many
+            tokens at a time (`lightning_moe.nn.linear_cross_entropy`): at most ``chunk x vocab_size``
+            logits exist at once instead of ``tokens x vocab_size`` kept until the backward plus a
+            gradient of that size (qwen3's 151,936 words at 8,192 tokens: 2.5 GB each in bf16), for the
+            same GEMMs and an fp32 ``[vocab_size, hidden_size]`` weight gradient held from the forward to
+            the backward. Default 2048 (at most ``2048 x V`` logits: 0.6 GB at qwen3's vocabulary, GEMMs of
+            2048 rows). It applies where the output projection is a plain weight on this process (single
+            device, DDP, FSDP, expert / context parallelism, tied embeddings); the unchunked head (logits,
+            then `causal_lm_loss`) stays where it cannot: tensor parallelism (a vocabulary-parallel
+            DTensor head), pipeline stages, an FP8-converted or otherwise replaced head, a head with
+            forward hooks. ``model(ids)`` returns logits either way. None: always the unchunked head.
     """
 
     vocab_size: int
@@ -101,6 +112,7 @@ class ModelConfig:
     v_head_dim: Optional[int] = None
     recompute: Optional[list[str]] = None
     recompute_every_n_layers: Optional[int] = None
+    lm_head_chunk_tokens: Optional[int] = 2048
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_seq_length"):
@@ -134,6 +146,8 @@ class ModelConfig:
         self._resolve_moe()
         self._validate_layer_pattern()
         self._validate_recompute()
+        if self.lm_head_chunk_tokens is not None:
+            _check_positive_int("lm_head_chunk_tokens", self.lm_head_chunk_tokens)
 
     def _validate_recompute(self) -> None:
         from lightning_moe.models.recompute import RECOMPUTE_MODULES

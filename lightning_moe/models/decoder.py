@@ -42,6 +42,7 @@ from lightning_moe.models.rotary import norm_rotary
 from lightning_moe.models.recompute import checkpointed
 from lightning_moe.nn.compute_weights import autocast_dtype, compute_weight
 from lightning_moe.nn.cross_entropy import cross_entropy_mean
+from lightning_moe.nn.linear_cross_entropy import linear_cross_entropy_mean, linear_cross_entropy_supported
 from lightning_moe.nn.moe_layer import MoELayer
 from lightning_moe.nn.saved_tensors import OutputRecompute
 
@@ -252,14 +253,65 @@ class MoEDecoder(nn.Module):
         return self.norm(_run_layers(self.layers.values(), self.embed_tokens(input_ids), cos, sin, documents))
 
     def forward(
-        self, input_ids: Tensor, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None
+        self,
+        input_ids: Tensor,
+        position_ids: Optional[Tensor] = None,
+        document_ids: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None,
     ) -> Tensor:
         """Logits ``[B, S, V]`` for ``input_ids`` ``[B, S]``; ``position_ids`` ``[S]`` or ``[B, S]``
-        (default ``0..S-1``, or restarting at each document of ``document_ids [B, S]``)."""
+        (default ``0..S-1``, or restarting at each document of ``document_ids [B, S]``).
+
+        With ``labels`` ``[B, S]``: the mean cross-entropy instead (what `loss` returns), the output
+        projection and the loss chunked over tokens where ``config.lm_head_chunk_tokens`` applies
+        (no ``[B, S, V]`` logits; `lightning_moe.nn.linear_cross_entropy`). It runs inside
+        ``forward``, so that wrappers which gather parameters around it (FSDP) hold the head's weight."""
         h_BSD = self.hidden_states(input_ids, position_ids, document_ids)
+        if labels is not None:
+            return self.head_loss(h_BSD, labels)
+        return self._project(h_BSD)
+
+    def _project(self, h_BSD: Tensor) -> Tensor:
         if self.lm_head is None:
             return F.linear(h_BSD, compute_weight(self.embed_tokens.weight, autocast_dtype(h_BSD)))
         return self.lm_head(h_BSD)
+
+    def head_loss(self, h_BSD: Tensor, labels_BS: Tensor) -> Tensor:
+        """Mean cross-entropy of the output projection of the final hidden states ``h_BSD`` against
+        ``labels_BS``: chunked (`linear_cross_entropy_mean`) where `chunked_head_weight` gives a
+        weight, else `causal_lm_loss` of the logits."""
+        weight = self.chunked_head_weight(h_BSD)
+        if weight is None:
+            return causal_lm_loss(self._project(h_BSD), labels_BS)
+        if h_BSD.shape[:-1] != labels_BS.shape:
+            raise ValueError(f"labels {tuple(labels_BS.shape)} do not match logits {tuple(h_BSD.shape[:-1])}.")
+        # A tied embedding's weight also gets the lookup's gradient: autograd accumulates their sum.
+        return linear_cross_entropy_mean(h_BSD, weight, labels_BS, IGNORE_INDEX, self.config.lm_head_chunk_tokens,
+                                         accumulate_in_place=self.lm_head is not None)
+
+    def chunked_head_weight(self, h_BSD: Tensor) -> Optional[Tensor]:
+        """The ``[V, D]`` weight the chunked loss multiplies ``h_BSD`` with (`compute_weight` of the
+        output projection's or tied embedding's parameter), or None where the unchunked head stays:
+        ``lm_head_chunk_tokens`` None; a head that is not this package's plain ``Linear`` forward
+        (FP8-converted, Transformer Engine, a bias), has forward hooks or is its own FSDP unit (its
+        weight is gathered in its own forward); a tensor subclass weight or input (tensor
+        parallelism's DTensors)."""
+        from lightning_moe.nn.compute_weights import CachedCastLinear
+
+        if self.config.lm_head_chunk_tokens is None or type(h_BSD) is not Tensor:
+            return None
+        head: nn.Module = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.lm_head is not None and (
+            not isinstance(head, CachedCastLinear) or type(head).forward is not CachedCastLinear.forward
+            or getattr(head, "is_fp8_linear", False) or head.bias is not None):
+            return None
+        if head._forward_hooks or head._forward_pre_hooks or _is_fsdp_unit(head):
+            return None
+        param = head.weight
+        if type(param) is not nn.Parameter and type(param) is not Tensor or type(param.data) is not Tensor:
+            return None
+        weight = compute_weight(param, autocast_dtype(h_BSD))
+        return weight if linear_cross_entropy_supported(h_BSD, weight) else None
 
     def loss(
         self,
@@ -271,13 +323,15 @@ class MoEDecoder(nn.Module):
         """Mean cross-entropy over the tokens whose label is not -100 (router losses excluded:
         their gradients reach the routers by themselves). In a packed batch the data module sets
         the label of each document's last token to -100: it does not predict the next document.
+        The output projection and the loss run ``config.lm_head_chunk_tokens`` tokens at a time
+        where that applies (`head_loss`): no ``[B, S, V]`` logits.
 
         Under pipeline parallelism (``pipeline_runner`` set by the strategy) the batch runs through
         the pipeline schedule instead (forward and backward in training), and the returned loss is
         the batch's token mean, detached, on every rank."""
         if self.pipeline_runner is not None:
             return self.pipeline_runner(input_ids, labels=labels, position_ids=position_ids, document_ids=document_ids)
-        return causal_lm_loss(self(input_ids, position_ids, document_ids), labels)
+        return self(input_ids, position_ids, document_ids, labels=labels)
 
     def _check_whole(self) -> None:
         if self.pipeline_pruned:
@@ -404,6 +458,14 @@ class MoEDecoder(nn.Module):
             plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
             plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel(output_layouts=residual)
         return plan
+
+
+def _is_fsdp_unit(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def _rotary_and_documents(

@@ -4,7 +4,8 @@ per operand kind (and the fused SwiGLU-backward cast against the backward then t
 weight-gradient kernel's TMA-stored tiles against its plain stores and its in-place accumulation into
 an fp32 gradient against autograd's adds (`_interpreted_wgrad.py`), the
 cross-entropy kernels against autograd and the previous formulation's gradient bits
-(`_interpreted_cross_entropy.py`), the per-head norm + rotary
+(`_interpreted_cross_entropy.py`), the chunked linear + cross-entropy through those kernels against
+its eager path (`_interpreted_linear_cross_entropy.py`), the per-head norm + rotary
 kernel against the eager formulation, alone and in a decoder (`_interpreted_rotary.py`), and delayed
 scaling's update kernel against the torch update (`_interpreted_scale_update.py`). Where
 Triton is not installed these skip; CI installs it (see ``.ci/run``)."""
@@ -74,6 +75,14 @@ def test_cross_entropy_kernel_matches_autograd():
     lines = [line for line in result.stdout.splitlines() if line.startswith("cross_entropy")]
     # 5 cases x grad_loss 1, 0.125, 0.3
     assert len(lines) == 15 and all(line.endswith("equal") for line in lines), result.stdout
+
+
+def test_chunked_linear_cross_entropy_through_the_kernels_matches_the_eager_path():
+    # nn.linear_cross_entropy on its GPU path (the kernels write each chunk's gradient over its logits)
+    result = _interpreted("_interpreted_linear_cross_entropy.py")
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("linear_cross_entropy")]
+    assert len(lines) == 3 and all(line.endswith("equal") for line in lines), result.stdout
 
 
 def test_norm_rotary_kernel_matches_the_eager_formulation():
