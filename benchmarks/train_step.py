@@ -314,6 +314,14 @@ def memory_callbacks(args) -> list:
     return callbacks + [ActivationOffload(args.offload, keep_last_layers=args.offload_keep_last_layers)]
 
 
+def _default_lm_head_chunk() -> int:
+    from dataclasses import fields
+
+    from lightning_moe.models import ModelConfig
+
+    return next(f.default for f in fields(ModelConfig) if f.name == "lm_head_chunk_tokens")
+
+
 def build_module(args):
     from lightning_moe.models.lightning_module import MoELanguageModel
 
@@ -321,6 +329,7 @@ def build_module(args):
     # FP8 grouped GEMMs (torch and TE kernels) need every expert's token group padded.
     overrides["moe"]["expert_alignment"] = expert_alignment(args.precision)
     overrides.update(memory_overrides(args))
+    overrides["lm_head_chunk_tokens"] = args.lm_head_chunk_tokens or None  # 0: the unchunked head
     return MoELanguageModel(args.preset, overrides=overrides, learning_rate=1e-4, warmup_steps=10, max_steps=10_000)
 
 
@@ -558,6 +567,10 @@ def main(argv=None) -> None:
                              "the bf16 casts' and, under --precision, the FP8 GEMMs')")
     parser.add_argument("--fused-cross-entropy", choices=["on", "off"], default="on",
                         help="off: the LM loss through F.cross_entropy on fp32 logits (nn.cross_entropy.FUSED_KERNEL)")
+    parser.add_argument("--lm-head-chunk-tokens", type=int, default=_default_lm_head_chunk(), metavar="N",
+                        help="ModelConfig.lm_head_chunk_tokens: the training loss's LM head and cross-entropy N tokens "
+                             "at a time, no [tokens, vocab] logits (default: the ModelConfig default); 0: off, the "
+                             "unchunked head (logits, then the fused cross-entropy)")
     parser.add_argument("--fused-rotary", choices=["on", "off"], default="on",
                         help="off: per-head qk-norm and rotary embedding through the eager fp32 ops instead of "
                              "one Triton kernel each way (models.rotary.FUSED_KERNEL)")
@@ -604,6 +617,8 @@ def main(argv=None) -> None:
         import lightning_moe.nn.cross_entropy as cross_entropy
 
         cross_entropy.FUSED_KERNEL = False
+    if args.lm_head_chunk_tokens < 0:
+        raise SystemExit(f"--lm-head-chunk-tokens {args.lm_head_chunk_tokens}: give a positive chunk, or 0 for off")
     if args.fused_rotary == "off":
         import lightning_moe.models.rotary as rotary
 

@@ -36,12 +36,45 @@ def test_memory_flags_configure_the_lightning_run(tmp_path):
     assert result["results"]["lightning"]["activation_gib"] is None
 
 
+@pytest.mark.timeout(240)
+def test_lm_head_chunk_flag_configures_both_runs(tmp_path):
+    """``--lm-head-chunk-tokens N`` is ModelConfig.lm_head_chunk_tokens of the bare and the Lightning
+    run (0: None, the unchunked head), recorded in the JSON's config."""
+    for chunk, want in (("8", 8), ("0", 0)):
+        cmd = [sys.executable, SCRIPT, "--accelerator", "cpu", "--preset", "tiny", "--layers", "1", "--seq", "32",
+               "--micro-batch", "1", "--steps", "1", "--warmup", "1", "--tag", f"chunk{chunk}",
+               "--results-dir", str(tmp_path), "--lm-head-chunk-tokens", chunk]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(str(ROOT)), capture_output=True, text=True,
+                              timeout=200, check=False)
+        assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
+        result = json.loads((tmp_path / f"train_step_chunk{chunk}.json").read_text())
+        assert result["config"]["lm_head_chunk_tokens"] == want
+        assert set(result["results"]) == {"bare_torch", "lightning"}
+
+
+def test_lm_head_chunk_flag_defaults_to_the_model_config():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.train_step import _default_lm_head_chunk, build_module
+    from lightning_moe.models import ModelConfig
+
+    assert _default_lm_head_chunk() == ModelConfig.lm_head_chunk_tokens == 2048
+
+    class Args:
+        layers, seq, expert_backend, precision, preset = 1, 32, "auto", "bf16", "tiny"
+        recompute = recompute_layers = None
+
+    for chunk, want in ((0, None), (16, 16)):
+        Args.lm_head_chunk_tokens = chunk
+        assert build_module(Args).model_config.lm_head_chunk_tokens == want
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (("--recompute", "moe_act"), "add --skip-bare"),
         (("--offload", "moe_act", "--skip-bare", "--cuda-graph", "moe"), "--offload cannot run with --cuda-graph"),
         (("--recompute", "attention", "--skip-bare"), "invalid choice"),
+        (("--lm-head-chunk-tokens", "-1"), "give a positive chunk, or 0 for off"),
     ],
 )
 def test_memory_flags_are_refused_before_any_run(tmp_path, flags, message):
