@@ -190,19 +190,26 @@ def _eager_rows_and_grad(logits_CV: Tensor, labels_C: Tensor, loss_C: Tensor, in
 
 
 def _accumulate_fp32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` with fp32 ``acc``: on CUDA a bf16 / fp16 GEMM with an fp32 output (no rounding
-    of the chunk's product to 16 bits), else the product of the fp32 operands."""
+    """``acc += a @ b`` with fp32 ``acc``: on CUDA a bf16 / fp16 GEMM with an fp32 output added into
+    ``acc`` by cuBLAS (no rounding of the chunk's product to 16 bits; where this torch lacks the
+    in-place form, an fp32-output product then an add), else the product of the fp32 operands."""
     global _FP32_OUT_GEMM
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
         return
-    if a.is_cuda and _FP32_OUT_GEMM is not False:
+    if a.is_cuda:
+        if _FP32_OUT_GEMM is not False:
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                _FP32_OUT_GEMM = True
+                return
+            except (RuntimeError, TypeError):
+                if _FP32_OUT_GEMM:
+                    raise
+                _FP32_OUT_GEMM = False
         try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _FP32_OUT_GEMM = True
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
             return
         except (RuntimeError, TypeError):
-            if _FP32_OUT_GEMM:
-                raise
-            _FP32_OUT_GEMM = False
+            pass
     acc.addmm_(a.float(), b.float())
