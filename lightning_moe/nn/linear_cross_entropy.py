@@ -127,12 +127,11 @@ class _LinearCrossEntropyMean(torch.autograd.Function):
             grad_h = (dh_TD.float() * scale).to(ctx.h_dtype) if dh_TD.dtype != torch.float32 else dh_TD * scale
         grad_w = None
         if dw_VD is not None:
-            dw_VD = dw_VD.mul_(scale)  # the fp32 accumulator, not needed after this backward
             main_grad = accumulation_grad(ctx.accumulate_into, dw_VD.numel())
-            if main_grad is not None:
-                main_grad.add_(dw_VD.view(main_grad.shape))
-            else:
-                grad_w = dw_VD.to(ctx.w_dtype)
+            if main_grad is not None:  # autograd's bits: the scaled gradient, then .grad += it
+                main_grad.add_(dw_VD.mul_(scale).view(main_grad.shape))
+            else:  # scaled in fp32 and rounded to the weight's dtype in one pass
+                grad_w = torch.mul(dw_VD, scale, out=torch.empty(dw_VD.shape, dtype=ctx.w_dtype, device=dw_VD.device))
         return (grad_h, grad_w, *none)
 
 
@@ -148,7 +147,9 @@ def _chunked(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int, ch
     loss_T = torch.empty(tokens, dtype=torch.float32, device=device)
     grads = need_h or need_w
     dh_TD = torch.empty_like(h_TD, memory_format=torch.contiguous_format) if need_h else None
-    dw_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=device) if need_w else None
+    dw_VD = None
+    if need_w:  # the first chunk's product is written, not added (no fill, no read); no chunk: zeros
+        dw_VD = (torch.empty if tokens else torch.zeros)(w_VD.shape, dtype=torch.float32, device=device)
     fused = use_triton(h_TD) and h_TD.dtype in (torch.bfloat16, torch.float16, torch.float32)
     inv_kept = 1.0 / kept.clamp(min=1).to(torch.float32)  # the unchunked mean's division, as its backward scales
     w_t = w_VD.t()
@@ -167,7 +168,7 @@ def _chunked(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor, ignore_index: int, ch
             if need_h:
                 torch.mm(grad_c, w_VD, out=dh_TD[start:end])
             if need_w:
-                _accumulate_fp32_(dw_VD, grad_c.t(), h_c)
+                _accumulate_fp32_(dw_VD, grad_c.t(), h_c, first=start == 0)
             del grad_c
     loss = loss_T.sum() / kept.clamp(min=1)
     return loss, dh_TD, dw_VD
@@ -189,18 +190,20 @@ def _eager_rows_and_grad(logits_CV: Tensor, labels_C: Tensor, loss_C: Tensor, in
     return grad
 
 
-def _accumulate_fp32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+def _accumulate_fp32_(acc: Tensor, a: Tensor, b: Tensor, first: bool = False) -> None:
     """``acc += a @ b`` with fp32 ``acc``: on CUDA a bf16 / fp16 GEMM with an fp32 output added into
     ``acc`` by cuBLAS (no rounding of the chunk's product to 16 bits; where this torch lacks the
-    in-place form, an fp32-output product then an add), else the product of the fp32 operands."""
+    in-place form, an fp32-output product then an add), else the product of the fp32 operands.
+    ``first``: ``acc = a @ b`` (its contents are not read)."""
     global _FP32_OUT_GEMM
+    beta = 0 if first else 1
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
         return
     if a.is_cuda:
         if _FP32_OUT_GEMM is not False:
             try:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                torch.addmm(acc, a, b, out_dtype=torch.float32, beta=beta, out=acc)
                 _FP32_OUT_GEMM = True
                 return
             except (RuntimeError, TypeError):
@@ -208,8 +211,9 @@ def _accumulate_fp32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
                     raise
                 _FP32_OUT_GEMM = False
         try:
-            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+            product = torch.mm(a, b, out_dtype=torch.float32)
+            acc.copy_(product) if first else acc.add_(product)
             return
         except (RuntimeError, TypeError):
             pass
-    acc.addmm_(a.float(), b.float())
+    acc.addmm_(a.float(), b.float(), beta=beta)
