@@ -319,7 +319,8 @@ def _default_lm_head_chunk() -> int:
 
     from lightning_moe.models import ModelConfig
 
-    return next(f.default for f in fields(ModelConfig) if f.name == "lm_head_chunk_tokens")
+    default = next(f.default for f in fields(ModelConfig) if f.name == "lm_head_chunk_tokens")
+    return default or 0  # None (the unchunked head) is 0 on the command line
 
 
 def build_module(args):

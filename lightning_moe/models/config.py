@@ -77,8 +77,9 @@ class ModelConfig:
             logits exist at once instead of ``tokens x vocab_size`` kept until the backward plus a
             gradient of that size (qwen3's 151,936 words at 8,192 tokens: 2.5 GB each in bf16), for the
             same GEMMs and an fp32 ``[vocab_size, hidden_size]`` weight gradient held from the forward to
-            the backward. Default 2048 (at most ``2048 x V`` logits: 0.6 GB at qwen3's vocabulary, GEMMs of
-            2048 rows). It applies where the output projection is a plain weight on this process (single
+            the backward. 2048 is a good size (at most ``2048 x V`` logits: 0.6 GB at qwen3's vocabulary,
+            GEMMs of 2048 rows). Default None (the unchunked head) until its step time is measured on a
+            GPU against the unchunked head. It applies where the output projection is a plain weight on this process (single
             device, DDP, FSDP, expert / context parallelism, tied embeddings); the unchunked head (logits,
             then `causal_lm_loss`) stays where it cannot: tensor parallelism (a vocabulary-parallel
             DTensor head), pipeline stages, an FP8-converted or otherwise replaced head, a head with
@@ -112,7 +113,7 @@ class ModelConfig:
     v_head_dim: Optional[int] = None
     recompute: Optional[list[str]] = None
     recompute_every_n_layers: Optional[int] = None
-    lm_head_chunk_tokens: Optional[int] = 2048
+    lm_head_chunk_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_seq_length"):

@@ -57,7 +57,7 @@ def test_lm_head_chunk_flag_defaults_to_the_model_config():
     from benchmarks.train_step import _default_lm_head_chunk, build_module
     from lightning_moe.models import ModelConfig
 
-    assert _default_lm_head_chunk() == ModelConfig.lm_head_chunk_tokens == 2048
+    assert ModelConfig.lm_head_chunk_tokens is None and _default_lm_head_chunk() == 0  # the unchunked head
 
     class Args:
         layers, seq, expert_backend, precision, preset = 1, 32, "auto", "bf16", "tiny"
