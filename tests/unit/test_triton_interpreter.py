@@ -48,6 +48,13 @@ def _interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=500)
 
 
+def _equal_lines(result: subprocess.CompletedProcess, prefix: str, count: int) -> None:
+    """The script ran, and printed ``count`` lines starting with ``prefix``, each ending in "equal"."""
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith(prefix)]
+    assert len(lines) == count and all(line.endswith("equal") for line in lines), result.stdout
+
+
 @pytest.mark.parametrize("kind", ["plain", "gather", "swiglu", "swiglu_grad"])
 def test_delayed_cast_launch_shapes_write_the_same_bytes(kind):
     result = _interpreted("_interpreted_casts.py", kind, *OTHER_SHAPES)
@@ -61,46 +68,28 @@ def test_delayed_cast_launch_shapes_write_the_same_bytes(kind):
 
 def test_weight_gradient_tiles_stored_by_tma_match_the_plain_stores():
     result = _interpreted("_interpreted_wgrad.py")
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("wgrad tma")]
-    assert len(lines) == 3 and all(line.endswith("equal") for line in lines), result.stdout
+    _equal_lines(result, "wgrad tma", 3)
     # the gradient added into an existing fp32 one by the kernel: the bits of autograd's adds
-    lines = [line for line in result.stdout.splitlines() if line.startswith("wgrad accumulate")]
-    assert len(lines) == 3 and all(line.endswith("equal") for line in lines), result.stdout
+    _equal_lines(result, "wgrad accumulate", 3)
 
 
 def test_cross_entropy_kernel_matches_autograd():
-    result = _interpreted("_interpreted_cross_entropy.py")
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("cross_entropy")]
     # 5 cases x grad_loss 1, 0.125, 0.3
-    assert len(lines) == 15 and all(line.endswith("equal") for line in lines), result.stdout
+    _equal_lines(_interpreted("_interpreted_cross_entropy.py"), "cross_entropy", 15)
 
 
 def test_chunked_linear_cross_entropy_through_the_kernels_matches_the_eager_path():
     # nn.linear_cross_entropy on its GPU path (the kernels write each chunk's gradient over its logits)
-    result = _interpreted("_interpreted_linear_cross_entropy.py")
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("linear_cross_entropy")]
-    assert len(lines) == 3 and all(line.endswith("equal") for line in lines), result.stdout
+    _equal_lines(_interpreted("_interpreted_linear_cross_entropy.py"), "linear_cross_entropy", 3)
 
 
 def test_norm_rotary_kernel_matches_the_eager_formulation():
-    result = _interpreted("_interpreted_rotary.py", "kernel")
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("rotary")]
-    assert len(lines) == 6 and all(line.endswith("equal") for line in lines), result.stdout
+    _equal_lines(_interpreted("_interpreted_rotary.py", "kernel"), "rotary", 6)
 
 
 def test_decoder_with_the_fused_norm_rotary_matches_the_eager_decoder():
-    result = _interpreted("_interpreted_rotary.py", "model")
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("model")]
-    assert len(lines) == 4 and all(line.endswith("equal") for line in lines), result.stdout
+    _equal_lines(_interpreted("_interpreted_rotary.py", "model"), "model", 4)
 
 
 def test_delayed_scaling_update_kernel_matches_the_torch_update():
-    result = _interpreted("_interpreted_scale_update.py")
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("update")]
-    assert len(lines) == 12 and all(line.endswith("equal") for line in lines), result.stdout
+    _equal_lines(_interpreted("_interpreted_scale_update.py"), "update", 12)
