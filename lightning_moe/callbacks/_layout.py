@@ -12,3 +12,10 @@ def pipeline_parallel_size(trainer: Trainer) -> int:
     except (AttributeError, RuntimeError):
         return 1
     return getattr(layout, "pipeline_parallel_size", 1)
+
+
+def refuse_pipeline_parallelism(trainer: Trainer, callback: str, reason: str) -> None:
+    """Raise, naming the fix, when ``callback`` runs under pipeline parallelism (``reason``: why it cannot)."""
+    if pipeline_parallel_size(trainer) > 1:
+        raise ValueError(f"{callback} runs with pipeline_parallel_size=1: {reason}. Set pipeline_parallel_size=1, "
+                         "or drop the callback.")

@@ -69,7 +69,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_moe.callbacks._layout import pipeline_parallel_size
+from lightning_moe.callbacks._layout import refuse_pipeline_parallelism
 from lightning_moe.nn.experts import GroupedExperts
 from lightning_moe.nn.saved_tensors import (
     SavedTensorPolicy,
@@ -299,12 +299,8 @@ class ActivationOffload(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if pipeline_parallel_size(trainer) > 1:
-            raise ValueError(
-                "ActivationOffload runs with pipeline_parallel_size=1: its copies are grouped per layer, and a "
-                "pipeline schedule keeps several micro-batches of a layer in flight. Set pipeline_parallel_size=1, "
-                "or drop the callback."
-            )
+        refuse_pipeline_parallelism(trainer, "ActivationOffload", "its copies are grouped per layer, and a "
+                                    "pipeline schedule keeps several micro-batches of a layer in flight")
         graphs = [type(cb).__name__ for cb in trainer.callbacks if type(cb).__name__ == "CUDAGraphs"]
         if graphs:
             raise ValueError(

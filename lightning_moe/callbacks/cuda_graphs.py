@@ -86,7 +86,7 @@ from lightning_moe.callbacks._graph_targets import (
     normalize_scope,
     routed_method,
 )
-from lightning_moe.callbacks._layout import pipeline_parallel_size
+from lightning_moe.callbacks._layout import refuse_pipeline_parallelism
 from lightning_moe.cuda_graphs import CapturedModules, capture_modules
 
 
@@ -170,12 +170,8 @@ class CUDAGraphs(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if pipeline_parallel_size(trainer) > 1:
-            raise ValueError(
-                "CUDAGraphs runs with pipeline_parallel_size=1: a pipeline schedule keeps several micro-batches in "
-                "flight, and the graphs hold one micro-batch's activations. Set pipeline_parallel_size=1, or drop "
-                "the callback."
-            )
+        refuse_pipeline_parallelism(trainer, "CUDAGraphs", "a pipeline schedule keeps several micro-batches in "
+                                    "flight, and the graphs hold one micro-batch's activations")
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -297,6 +297,7 @@ class MoEDecoder(nn.Module):
         weight is gathered in its own forward); a tensor subclass weight or input (tensor
         parallelism's DTensors)."""
         from lightning_moe.nn.compute_weights import CachedCastLinear
+        from lightning_moe.parallel.fsdp import is_fsdp_managed
 
         if self.config.lm_head_chunk_tokens is None or type(h_BSD) is not Tensor:
             return None
@@ -305,7 +306,7 @@ class MoEDecoder(nn.Module):
             not isinstance(head, CachedCastLinear) or type(head).forward is not CachedCastLinear.forward
             or getattr(head, "is_fp8_linear", False) or head.bias is not None):
             return None
-        if head._forward_hooks or head._forward_pre_hooks or _is_fsdp_unit(head):
+        if head._forward_hooks or head._forward_pre_hooks or is_fsdp_managed(head):
             return None
         param = head.weight
         if type(param) is not nn.Parameter and type(param) is not Tensor or type(param.data) is not Tensor:
@@ -458,14 +459,6 @@ class MoEDecoder(nn.Module):
             plan[f"{prefix}.mlp.up_proj"] = ColwiseParallel()
             plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel(output_layouts=residual)
         return plan
-
-
-def _is_fsdp_unit(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
 
 
 def _rotary_and_documents(
