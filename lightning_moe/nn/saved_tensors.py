@@ -177,44 +177,98 @@ _PASS_THROUGH = ("ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "Res
 
 
 class _Recipe:
-    """One `OutputRecompute.run` call: the function, its inputs and the recomputed output, kept
-    from the first unpack until every claimed copy has been unpacked."""
+    """One `OutputRecompute.run` call: ``fn``, its inputs, and what the backward needs of it.
 
-    __slots__ = ("fn", "args", "autocast", "out_meta", "claims", "result")
+    ``fn`` runs in the forward with its autograd graph recorded as usual (so the backward sums
+    gradients in the plain run's order, bit for bit), but every tensor it saves for its own
+    backward (`pack_inside`) and every consumer's saved copy of its output (`OutputRecompute.pack`)
+    becomes a claim on this recipe. The first claim the backward unpacks runs ``fn`` once more on
+    the same inputs under the forward's autocast state (`_recompute`), capturing the tensors it
+    saves in the order the forward saved them, and its output; every claim is served from that one
+    run (Megatron-Core's output-discarding checkpoint; torch's checkpoint would run ``fn`` a
+    second time for its own saved tensors). What the run made is dropped once every claim has
+    been unpacked. ``fn`` must be deterministic and draw no random numbers (a norm, an activation)."""
 
-    def __init__(self, fn: Callable[..., Tensor], args: tuple, out: Tensor) -> None:
+    __slots__ = ("fn", "args", "autocast", "out_meta", "claims", "saved_count", "inside", "result", "tensor_ptrs")
+
+    def __init__(self, fn: Callable[..., Tensor], args: tuple) -> None:
         self.fn, self.args = fn, args
+        self.autocast: Optional[tuple] = None
+        self.out_meta: Optional[tuple] = None
+        self.claims = 0
+        self.saved_count = 0  # tensors ``fn`` saved in the forward, claimed or not (their order)
+        self.inside: Optional[dict[int, Tensor]] = None  # recomputed saved tensors by their index
+        self.result: Optional[Tensor] = None
+        self.tensor_ptrs = {_storage_ptr(a) for a in args if isinstance(a, Tensor)}
+
+    def run(self) -> Tensor:
+        """``fn(*args)`` in the forward, its own saved tensors claimed (no policy inside it)."""
+        with _checkpoint_phase(False), torch.autograd.graph.saved_tensors_hooks(self.pack_inside, self.unpack_inside):
+            out = self.fn(*self.args)
         device = out.device.type
         self.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         self.out_meta = (out.shape, out.stride(), out.dtype)
-        self.claims = 0
-        self.result: Optional[Tensor] = None
+        return out
+
+    def pack_inside(self, tensor: Tensor) -> Any:
+        index = self.saved_count
+        self.saved_count += 1
+        # An input or a weight is kept as it is: it lives on outside ``fn`` anyway.
+        if _storage_ptr(tensor) in self.tensor_ptrs or parameter_derived(tensor):
+            return tensor
+        self.claims += 1
+        return (self, index)
+
+    @staticmethod
+    def unpack_inside(payload: Any) -> Tensor:
+        if isinstance(payload, Tensor):
+            return payload
+        recipe, index = payload
+        return recipe._serve(lambda: recipe.inside.pop(index))
+
+    def output_claim(self) -> None:
+        self.claims += 1
 
     def output(self) -> Tensor:
-        if self.result is None:
-            device, enabled, dtype = self.autocast
-            # A recomputation like the checkpoint's: `recomputing()` is True, so code with side effects
-            # (FP8 amax records, router token counts) leaves its state as the forward left it. ``fn`` runs
-            # twice in backward: here for the output, and in `checkpoint`'s recomputation for ``fn``'s own
-            # saved tensors (when its backward runs). Sharing one run would need the checkpoint's internal
-            # frame; for the cheap functions this is meant for (a norm, an activation) the second run is
-            # left as is.
-            with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), _checkpoint_phase(True):
-                result = self.fn(*self.args)
-            if (result.shape, result.stride(), result.dtype) != self.out_meta:
-                raise RuntimeError(
-                    f"OutputRecompute: the recomputed output is {tuple(result.shape)} {result.stride()} "
-                    f"{result.dtype}, "
-                    f"the forward's was {tuple(self.out_meta[0])} {self.out_meta[1]} {self.out_meta[2]}: the "
-                    "recomputed function must return the same layout."
-                )
-            self.result = result
-        return self.result
+        """The recomputed output, for a consumer's saved copy."""
+        return self._serve(lambda: self.result)
 
-    def release(self) -> None:
-        self.claims -= 1
-        if self.claims <= 0:
-            self.result = None
+    def _serve(self, take: Callable[[], Tensor]) -> Tensor:
+        if self.inside is None:
+            self._recompute()
+        try:
+            return take()
+        finally:
+            self.claims -= 1
+            if self.claims <= 0:
+                self.inside, self.result = None, None  # a second backward (retain_graph) runs it again
+
+    def _recompute(self) -> None:
+        device, enabled, dtype = self.autocast
+        captured: list[Tensor] = []
+
+        def capture(tensor: Tensor) -> None:
+            captured.append(tensor.detach())
+
+        def refuse(_: Any) -> Tensor:
+            raise RuntimeError("OutputRecompute: the recomputation's own graph is never run backward")
+
+        inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, Tensor) else a for a in self.args)
+        # Like the checkpoint's recomputation: `recomputing()` is True, so code with side effects (FP8
+        # amax records, router token counts) leaves its state as the forward left it. Recorded (grad
+        # on) only so that the ops save what they saved in the forward.
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), _checkpoint_phase(True), \
+                torch.autograd.graph.saved_tensors_hooks(capture, refuse):
+            result = self.fn(*inputs)
+        if (result.shape, result.stride(), result.dtype) != self.out_meta or len(captured) != self.saved_count:
+            raise RuntimeError(
+                f"OutputRecompute: the recomputation made a {tuple(result.shape)} {result.stride()} {result.dtype} "
+                f"output and saved {len(captured)} tensors; the forward made {tuple(self.out_meta[0])} "
+                f"{self.out_meta[1]} {self.out_meta[2]} and saved {self.saved_count}: the recomputed function "
+                "must be deterministic."
+            )
+        self.inside = dict(enumerate(captured))
+        self.result = result.detach()
 
 
 class OutputRecompute(SavedTensorPolicy):
@@ -229,7 +283,9 @@ class OutputRecompute(SavedTensorPolicy):
     A saved tensor is claimed where it shares ``n_BSD``'s storage (a view of it), or is a dtype
     cast of it or of a reshape of it (autocast's cast before a GEMM). Its unpack recomputes
     ``fn(*args)`` once under the forward's autocast state and rebuilds the view or the cast,
-    which reproduces the saved values bit for bit for a deterministic ``fn``. ``enabled=False``, or
+    which reproduces the saved values bit for bit for a deterministic ``fn``; the tensors ``fn``
+    saves for its own backward come from that same run (`_Recipe`), so ``fn`` runs once per
+    backward, and only its inputs are kept from the forward. ``enabled=False``, or
     where `policies_allowed` is False (inside a checkpointed region, during a recomputation),
     `run` just calls ``fn``.
     """
@@ -257,24 +313,22 @@ class OutputRecompute(SavedTensorPolicy):
     def run(self, fn: Callable[..., Tensor], *args: Any) -> Tensor:
         if not self._installed:
             return fn(*args)
-        out = checkpoint(fn, *args)
-        self._outputs.append((out, _Recipe(fn, args, out)))
+        recipe = _Recipe(fn, args)
+        out = recipe.run()
+        self._outputs.append((out, recipe))
         return out
 
     def pack(self, tensor: Tensor) -> Optional[Any]:
         for out, recipe in self._outputs:
             rebuild = _rebuild_from(tensor, out)
             if rebuild is not None:
-                recipe.claims += 1
+                recipe.output_claim()
                 return recipe, rebuild
         return None
 
     def unpack(self, payload: Any) -> Tensor:
         recipe, rebuild = payload
-        try:
-            return rebuild(recipe.output())
-        finally:
-            recipe.release()
+        return rebuild(recipe.output())
 
 
 def _storage_ptr(t: Tensor) -> Optional[int]:
