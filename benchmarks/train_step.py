@@ -238,16 +238,19 @@ def memory_overrides(args) -> dict:
 
 class ActivationMemory:
     """Activation memory of a run: the peak of allocated CUDA memory over the measured steps minus
-    the memory allocated when they start (parameters, gradients, optimizer states, weight-cast
-    caches: what stays from one step to the next). `measured_start` resets the peak statistics
-    there and keeps the warm-up's peak, so that `run_peak` is still the peak of the whole run.
-    With ``--warmup 0`` the optimizer states, made in the first step, count as activations. Off
-    CUDA (or before CUDA starts) every figure is None."""
+    the static memory (``static_gib``): what is allocated just before each measured optimizer
+    step, when the backward is done and the activations are gone, but the parameters, gradients,
+    optimizer states and the step's weight-cast caches (bf16 casts and FP8 weights, made again in
+    every step's first forward and kept to its optimizer step) are all there. Taken at the step's
+    start instead, the caches (2 bytes a parameter) would count as activations. `measured_start`
+    resets the peak statistics and keeps the warm-up's peak, so that `run_peak` is still the peak
+    of the whole run. Off CUDA (or before CUDA starts) every figure is None."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
+        self.started = False
         self.static: Optional[int] = None
         self.measured_peak: Optional[int] = None
         self.warmup_peak = 0
@@ -262,7 +265,13 @@ class ActivationMemory:
             return
         self.warmup_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        self.static = torch.cuda.memory_allocated()
+        self.started = True
+
+    def before_optimizer_step(self) -> None:
+        """After a measured step's last backward, before its optimizer step (allocator statistics
+        only, no host sync): the static bytes, the largest over the measured steps."""
+        if self.started:
+            self.static = max(self.static or 0, torch.cuda.memory_allocated())
 
     def measured_end(self) -> None:
         if self.static is not None:
@@ -296,6 +305,9 @@ def activation_memory_callback(args, tracker: Optional[ActivationMemory] = None)
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == args.warmup * args.accumulate:
                 tracker.measured_start()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            tracker.before_optimizer_step()
 
         def on_train_end(self, trainer, pl_module):
             tracker.measured_end()
@@ -399,6 +411,7 @@ def bare_loop(args) -> list[float]:
                 loss = batch_loss(module.model, batch) / args.accumulate
             loss.backward()
             window_loss = window_loss + loss.detach()
+        ACTIVATION_MEMORY.before_optimizer_step()
         if args.clip:
             torch.nn.utils.clip_grad_norm_(module.model.parameters(), args.clip)
         optimizer.step()

@@ -1,7 +1,8 @@
 """`benchmarks/train_step.py`'s activation memory (`ActivationMemory`): the measured steps' peak of
-allocated CUDA memory minus what was allocated when they started, marked by the Lightning callback
-at the first micro-batch after the warm-up, the run's peak still covering the warm-up. The CUDA
-allocator statistics are simulated here; on CPU the figures are None."""
+allocated CUDA memory minus the static memory, what is allocated just before each measured
+optimizer step (weight-cast caches made in a step's first forward included), marked by the
+Lightning callback from the first micro-batch after the warm-up, the run's peak still covering the
+warm-up. The CUDA allocator statistics are simulated here; on CPU the figures are None."""
 
 from __future__ import annotations
 
@@ -52,15 +53,32 @@ def test_activation_memory_is_the_measured_peak_over_the_static_memory(monkeypat
     alloc.allocate(20 * GIB)  # gradients and optimizer states, made in the warm-up
     tracker.measured_start()
     for _ in range(3):
+        alloc.allocate(2 * GIB)  # the step's weight casts, made in its first forward
         alloc.step(3 * GIB)
+        tracker.before_optimizer_step()
+        alloc.free(2 * GIB)  # dropped at the optimizer step
     tracker.measured_end()
     figures = tracker.figures()
-    assert figures == {"static_gib": 30.0, "measured_peak_gib": 33.0, "activation_gib": 3.0}
-    assert tracker.run_peak() == 33 * GIB  # the warm-up's 17 GiB stays below
+    # static: 30 GiB of states and 2 of casts; not the 30 allocated when the steps started
+    assert figures == {"static_gib": 32.0, "measured_peak_gib": 35.0, "activation_gib": 3.0}
+    assert tracker.run_peak() == 35 * GIB  # the warm-up's 17 GiB stays below
     alloc.step(40 * GIB)  # after the measured steps: the run's peak, not the measured one
     assert tracker.run_peak() == 70 * GIB and tracker.figures()["activation_gib"] == 3.0
     tracker.reset()
     assert tracker.figures()["activation_gib"] is None
+
+
+def test_the_warm_up_optimizer_steps_set_no_static_memory(monkeypatch):
+    alloc = FakeAllocator(monkeypatch)
+    tracker = ActivationMemory()
+    alloc.allocate(9 * GIB)
+    tracker.before_optimizer_step()  # a warm-up step: not measured
+    alloc.free(8 * GIB)
+    tracker.measured_start()
+    alloc.step(GIB)
+    tracker.before_optimizer_step()
+    tracker.measured_end()
+    assert tracker.figures() == {"static_gib": 1.0, "measured_peak_gib": 2.0, "activation_gib": 1.0}
 
 
 def test_the_callback_marks_the_first_micro_batch_after_the_warm_up(monkeypatch):
@@ -74,6 +92,8 @@ def test_the_callback_marks_the_first_micro_batch_after_the_warm_up(monkeypatch)
         if batch_idx == args.warmup * args.accumulate - 1:
             alloc.allocate(GIB)  # optimizer states, in the last warm-up micro-batch
         alloc.step(2 * GIB if batch_idx < args.warmup * args.accumulate else GIB)
+        if batch_idx % args.accumulate == args.accumulate - 1:
+            callback.on_before_optimizer_step(None, None, None)
     callback.on_train_end(None, None)
     assert tracker.figures() == {"static_gib": 6.0, "measured_peak_gib": 7.0, "activation_gib": 1.0}
     assert tracker.run_peak() == 8 * GIB
