@@ -335,6 +335,13 @@ def _default_lm_head_chunk() -> int:
     return default or 0  # None (the unchunked head) is 0 on the command line
 
 
+def experts_only(name: str, module) -> bool:
+    """`FP8Precision` module filter of ``--fp8-modules experts``: the routed experts alone in FP8."""
+    from lightning_moe.nn import GroupedExperts
+
+    return isinstance(module, GroupedExperts)
+
+
 def build_module(args):
     from lightning_moe.models.lightning_module import MoELanguageModel
 
@@ -524,7 +531,9 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
         fast = None if args.fast_accumulation is None else tuple(args.fast_accumulation)
         recipe = FP8Recipe(args.precision, fast_accumulation=fast, graph_weight_casts=args.graph_weight_casts)
         cache = {"auto": None, "on": True, "off": False}[args.cache_fp8_weights]
-        plugin = FP8Precision(recipe=recipe, backend=args.fp8_backend, cache_fp8_weights=cache)
+        module_filter = None if args.fp8_modules == "all" else experts_only
+        plugin = FP8Precision(recipe=recipe, backend=args.fp8_backend, cache_fp8_weights=cache,
+                              module_filter=module_filter)
         precision = {"plugins": [plugin]}
     strategy = MegatronMoEStrategy(
         tensor_parallel_size=args.tensor_parallel, expert_parallel_size=args.expert_parallel,
@@ -572,6 +581,9 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-fp8-weights", choices=["auto", "on", "off"], default="auto",
                         help="FP8Precision(cache_fp8_weights=None / True / False); auto: the plugin's default")
     parser.add_argument("--graph-weight-casts", action="store_true", help="FP8Recipe(graph_weight_casts=True)")
+    parser.add_argument("--fp8-modules", choices=["all", "experts"], default="all",
+                        help="all: FP8Precision's default conversion; experts: a module_filter keeping every "
+                             "module but the routed experts in bf16 (what the dense linears' FP8 costs or gains)")
     parser.add_argument("--expert-backend", default="auto", help="grouped GEMM backend: auto, grouped_mm, te")
     parser.add_argument("--cache-weight-casts", choices=["on", "off"], default="on",
                         help="MegatronMoEStrategy(cache_weight_casts=...): bf16 weight casts once per optimizer step")
