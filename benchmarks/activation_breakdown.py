@@ -6,7 +6,8 @@
 Runs one forward of `train_step.py`'s model (same preset, overrides, bf16 autocast over fp32
 master weights, weight casts shared as the strategy shares them) under saved-tensor hooks, and
 charges each saved tensor's storage to the innermost module running when it was saved (a storage
-saved twice counts once, for its first saver; parameters are left out). Layer indices are folded,
+saved twice counts once, for its first saver; parameters and their compute-dtype casts are left
+out, the LM head's part counts under the model: a hooked head is not chunked). Layer indices are folded,
 so a row is one part of a layer summed over the layers. Next to the saved bytes: the bytes the
 forward left allocated (saved tensors + the weight-cast caches + what the loss keeps outside
 autograd, such as a chunked LM head's weight-gradient accumulator) and the forward's peak, both
@@ -22,6 +23,7 @@ import json
 import os
 import re
 import sys
+import weakref
 from collections import defaultdict
 
 import torch
@@ -30,7 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.train_step import batch_loss, batches, build_module  # noqa: E402
 from lightning_moe.models.recompute import RECOMPUTE_MODULES  # noqa: E402
+from lightning_moe.nn.saved_tensors import parameter_derived  # noqa: E402
 
+WEIGHT_CASTS = "(weight casts, not activations)"
 _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -42,14 +46,18 @@ def folded(name: str) -> str:
 class SavedTensorLedger:
     """Saved-for-backward storages by the innermost module running when they were saved."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, device: str = "cuda") -> None:
+        self.device = device
         self.stack: list[str] = []
         self.by_module: dict[str, int] = defaultdict(int)
         self.shapes: dict[str, set] = defaultdict(set)
         self.seen: set[int] = set()
+        self.entries: list[tuple[weakref.ref, str]] = []
         self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.handles = []
         for name, module in model.named_modules():
+            if name.split(".")[-1] == "lm_head":
+                continue  # a hooked LM head is never chunked: its tensors count under the model
             self.handles.append(module.register_forward_pre_hook(self._enter(name)))
             self.handles.append(module.register_forward_hook(self._leave(name), always_call=True))
 
@@ -67,14 +75,26 @@ class SavedTensorLedger:
         return hook
 
     def pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.seen and ptr not in self.parameter_ptrs and t.device.type != "cpu":
+        if t.device.type == self.device:
+            # a weight's compute-dtype cast lives with the weights (the cast cache), not the activations
+            owner = WEIGHT_CASTS if parameter_derived(t) else folded(self.stack[-1]) if self.stack else "(top)"
+            self.entries.append((weakref.ref(t), owner))
+        return t
+
+    def tally(self) -> None:
+        """Charge the storages still saved (a graph made and dropped inside the forward, such as an
+        eager loss's inner backward, leaves none): each once, for its first saver."""
+        for ref, owner in self.entries:
+            t = ref()
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in self.seen or ptr in self.parameter_ptrs:
+                continue
             self.seen.add(ptr)
-            owner = folded(self.stack[-1]) if self.stack else "(top)"
             self.by_module[owner] += storage.nbytes()
             self.shapes[owner].add(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}")
-        return t
 
     def close(self) -> None:
         for h in self.handles:
@@ -119,10 +139,12 @@ def main(argv=None) -> None:
     forward_peak = torch.cuda.max_memory_allocated() - before
     cast_bytes = sum(entry[2].untyped_storage().nbytes() for entry in casts._casts.values())
     ledger.close()
+    ledger.tally()
     loss.backward()
     del loss
     torch.cuda.synchronize()
 
+    weight_casts = ledger.by_module.pop(WEIGHT_CASTS, 0)
     saved = sum(ledger.by_module.values())
     gib = 2**30
     rows = sorted(ledger.by_module.items(), key=lambda kv: -kv[1])
@@ -133,7 +155,8 @@ def main(argv=None) -> None:
     for name, nbytes in rows:
         shapes = ", ".join(sorted(ledger.shapes[name])[:4])
         print(f"{name[:58]:58s} {nbytes / gib:7.3f} {nbytes / saved:6.1%}  {shapes}")
-    print(f"{'saved for backward':58s} {saved / gib:7.3f}")
+    print(f"{'saved for backward (activations)':58s} {saved / gib:7.3f}")
+    print(f"{'saved weight casts (in the caches below)':58s} {weight_casts / gib:7.3f}")
     print(f"{'weight-cast caches':58s} {cast_bytes / gib:7.3f}")
     print(f"{'allocated after the forward (over before it)':58s} {after_forward / gib:7.3f}")
     print(f"{'peak of the forward (over before it)':58s} {forward_peak / gib:7.3f}")
