@@ -149,6 +149,23 @@ def global_grad_norm(
 
 
 @torch.no_grad()
+def clip_coefficient(
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pipeline_group: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
+    exclude_from_norm: Iterable[torch.nn.Parameter] = (),
+) -> tuple[Tensor, Tensor]:
+    """(the global gradient norm, ``min(1, max_norm / norm)``) over ``params`` (every pipeline
+    stage's with ``pipeline_group``; ``exclude_from_norm`` left out: a copy of a parameter another
+    stage holds and counts), both on the device: no host sync."""
+    skip = {id(p) for p in exclude_from_norm}
+    total = global_grad_norm([p for p in params if id(p) not in skip], norm_type, pipeline_group, device)
+    return total, (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
 def clip_grads_by_global_norm(
     params: Iterable[torch.nn.Parameter],
     max_norm: float,
@@ -164,9 +181,7 @@ def clip_grads_by_global_norm(
     The clip coefficient is applied on the device (``clamp``), so clipping needs no host sync.
     """
     params = list(params)
-    skip = {id(p) for p in exclude_from_norm}
-    total = global_grad_norm([p for p in params if id(p) not in skip], norm_type, pipeline_group, device)
-    coeff = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    total, coeff = clip_coefficient(params, max_norm, norm_type, pipeline_group, device, exclude_from_norm)
     grads = [_local(g) for g in grads_of(params)]
     if grads:
         torch._foreach_mul_(grads, coeff.to(grads[0].device))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from lightning.pytorch.plugins import precision as lightning_precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
@@ -23,7 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_moe.parallel.gradients import clip_grads_by_global_norm
+from lightning_moe.parallel.gradients import clip_coefficient, clip_grads_by_global_norm
 
 
 class GlobalNormClipping(lightning_precision.Precision):
@@ -31,6 +32,12 @@ class GlobalNormClipping(lightning_precision.Precision):
 
     ``clip_grad_by_norm`` scales the gradients with :func:`clip_grads_by_global_norm` and keeps
     the norm before clipping in ``last_grad_norm`` (a tensor; reading it syncs with the device).
+    For torch's fused Adam / AdamW (``fused=True``, no GradScaler) the scaling is left to the step
+    itself (`scales_in_step`): the optimizer's fused kernel divides each gradient by
+    ``1 / coefficient`` as it reads it, which saves a read and a write of every gradient (a
+    division instead of a multiplication: the same update within a rounding of the gradient; no
+    change at all while the norm is under ``clip_val``). ``.grad`` then holds the unclipped
+    gradients until the step.
     Mixed precision without a GradScaler (bf16 autocast) also clips for optimizers that unscale
     gradients themselves (fused AdamW): Lightning refuses those because of fp16's GradScaler,
     but without one the gradients are final, and clipping them is what the user asked for.
@@ -59,8 +66,41 @@ class GlobalNormClipping(lightning_precision.Precision):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         device = params[0].device if params else None
         skip = self.pipeline_norm_skip() if self.pipeline_norm_skip is not None else ()
+        if params and scales_in_step(optimizer, getattr(self, "scaler", None)):
+            self.last_grad_norm, coeff = clip_coefficient(params, float(clip_val), pipeline_group=self.pipeline_group,
+                                                          device=device, exclude_from_norm=skip)
+            scale_in_next_step(optimizer, coeff)
+            return
         self.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val), pipeline_group=self.pipeline_group,
                                                         device=device, exclude_from_norm=skip)
+
+
+def scales_in_step(optimizer: Optimizer, scaler: object = None) -> bool:
+    """Whether ``optimizer``'s step can apply the clip coefficient itself: torch's Adam or AdamW
+    with ``fused=True`` in every group (the fused kernels read a ``grad_scale`` to divide the
+    gradients by), with no GradScaler (which hands the step its own ``grad_scale``) and none set."""
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and scaler is None
+            and all(group.get("fused") for group in optimizer.param_groups)
+            and (getattr(optimizer, "grad_scale", None) is None or _DEFERRED_CLIP in optimizer.__dict__))
+
+
+def scale_in_next_step(optimizer: Optimizer, coeff: Tensor) -> None:
+    """Let ``optimizer``'s next step divide the gradients by ``1 / coeff`` (its ``grad_scale``),
+    dropped again by a step post-hook."""
+    first = next(p for group in optimizer.param_groups for p in group["params"])
+    optimizer.grad_scale = (1.0 / coeff).to(device=first.device, dtype=torch.float32)
+    if _DEFERRED_CLIP in optimizer.__dict__:
+        return  # clipped again before the step: the new coefficient (of the same unscaled gradients) replaces the old
+
+    def drop(opt: Optimizer, args: object, kwargs: object) -> None:
+        opt.__dict__.pop("grad_scale", None)
+        opt.__dict__.pop(_DEFERRED_CLIP, None).remove()
+
+    optimizer.__dict__[_DEFERRED_CLIP] = optimizer.register_step_post_hook(drop)
+
+
+# The step post-hook handle of a clip coefficient left to the next step (`scale_in_next_step`).
+_DEFERRED_CLIP = "_lightning_moe_deferred_clip"
 
 
 class Precision(GlobalNormClipping):

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe import MegatronMoEStrategy
 from lightning_moe.models.lightning_module import MoELanguageModel
+from lightning_moe.parallel.gradients import clip_grads_by_global_norm
 from lightning_moe.precision.clipping import GlobalNormClipping, with_global_norm_clipping
 
 _LIGHTNING_CLASSES = (
@@ -137,8 +138,58 @@ def test_bf16_clips_for_fused_optimizers_and_fp16_still_refuses():
     model, optimizer = _model_and_optimizer(fused=True)
     bf16 = with_global_norm_clipping(lightning_precision.MixedPrecision("bf16-mixed", "cpu"))
     bf16.clip_gradients(optimizer, 1e-3)  # no GradScaler: the gradients are final
-    assert bf16.last_grad_norm is not None
-    assert max(float(p.grad.norm()) for p in model.parameters()) <= 1e-3 + 1e-6
+    assert bf16.last_grad_norm is not None and optimizer.grad_scale is not None  # applied by the step
     fp16 = with_global_norm_clipping(lightning_precision.MixedPrecision("16-mixed", "cpu"))
     with pytest.raises(RuntimeError, match="unscaling"):
         fp16.clip_gradients(optimizer, 1e-3)
+
+
+def _stepped(clip, clip_val: float, fused: bool = True, times: int = 1):
+    torch.manual_seed(0)
+    model, optimizer = _model_and_optimizer(fused=fused)
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = None
+    for _ in range(times):
+        norm = clip(model, optimizer, clip_val)
+    untouched = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    optimizer.step()
+    return model, optimizer, untouched, norm
+
+
+def _plugin_clip(model, optimizer, clip_val):
+    plugin = with_global_norm_clipping(lightning_precision.MixedPrecision("bf16-mixed", "cpu"))
+    plugin.clip_gradients(optimizer, clip_val)
+    return plugin.last_grad_norm
+
+
+def _scaling_clip(model, optimizer, clip_val):
+    return clip_grads_by_global_norm(list(model.parameters()), clip_val)
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_fused_adamw_takes_the_clip_coefficient_in_its_step(times):
+    """The fused step divides by 1 / coefficient instead of a pass scaling .grad first: the same
+    update within a rounding, .grad not touched before the step, the grad_scale gone after it;
+    clipping twice before the step is clipping once."""
+    model, optimizer, untouched, norm = _stepped(_plugin_clip, 1e-3, times=times)
+    expected, _, _, expected_norm = _stepped(_scaling_clip, 1e-3)
+    torch.testing.assert_close(norm, expected_norm)
+    assert untouched  # no pass over .grad before the step: the kernel divides as it reads
+    for p, q in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-9)
+    assert getattr(optimizer, "grad_scale", None) is None and not optimizer._optimizer_step_post_hooks
+    assert not torch.equal(model[0].weight, _stepped(lambda *a: None, 1e-3)[0][0].weight)  # the clip did act
+
+
+def test_fused_adamw_under_the_clip_value_steps_bit_for_bit_as_unclipped():
+    model, _, _, _ = _stepped(_plugin_clip, 1e6)
+    expected, _, _, _ = _stepped(lambda *a: None, 1e6)
+    for p, q in zip(model.parameters(), expected.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_unfused_optimizers_still_scale_the_gradients():
+    model, optimizer, untouched, _ = _stepped(_plugin_clip, 1e-3, fused=False)
+    assert not untouched
+    assert not hasattr(optimizer, "grad_scale") or optimizer.grad_scale is None
+    assert max(float(p.grad.norm()) for p in model.parameters()) <= 1e-3 + 1e-6
