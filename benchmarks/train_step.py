@@ -385,6 +385,18 @@ def batch_loss(model, batch: dict) -> torch.Tensor:
     return model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"), batch.get("document_ids"))
 
 
+def clip(model, optimizer, max_norm: float) -> None:
+    """Clip by norm as the strategy's precision plugin does (`GlobalNormClipping`): a fused Adam(W)
+    step takes the coefficient itself (no pass scaling the gradients first), else torch's clip."""
+    from lightning_moe.parallel.gradients import clip_coefficient
+    from lightning_moe.precision.clipping import scale_in_next_step, scales_in_step
+
+    if scales_in_step(optimizer):
+        scale_in_next_step(optimizer, clip_coefficient(list(model.parameters()), max_norm)[1])
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 def bare_loop(args) -> list[float]:
     """The same module, optimizer and schedule driven by a plain loop (no Lightning), on one GPU
     (or one CPU process with ``--accelerator cpu``: a plumbing check)."""
@@ -420,7 +432,7 @@ def bare_loop(args) -> list[float]:
             window_loss = window_loss + loss.detach()
         ACTIVATION_MEMORY.before_optimizer_step()
         if args.clip:
-            torch.nn.utils.clip_grad_norm_(module.model.parameters(), args.clip)
+            clip(module.model, optimizer, args.clip)
         optimizer.step()
         weight_casts.clear()
         scheduler.step()
