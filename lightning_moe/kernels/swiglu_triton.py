@@ -51,10 +51,15 @@ def _load_tile(h_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr, BF
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, out_ptr, end_ptr, R, F, HAS_END: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr):
+def _swiglu_fwd_kernel(h_ptr, p_ptr, out_ptr, end_ptr, R, F, HAS_END: tl.constexpr, HAS_P: tl.constexpr,
+                       BR: tl.constexpr, BF: tl.constexpr):
     if _block_live(R, end_ptr, BR, HAS_END):
         live, base, half, gate, up = _load_tile(h_ptr, end_ptr, R, F, HAS_END, BR, BF)
         out = gate * tl.sigmoid(gate) * up
+        if HAS_P:  # the weighted SwiGLU: the row's routing probability, in fp32 before the one rounding
+            rows = tl.program_id(0) * BR + tl.arange(0, BR)
+            p = tl.load(p_ptr + rows, mask=_live_rows(rows, R, end_ptr, HAS_END), other=0.0)
+            out = out * p[:, None]
         tl.store(out_ptr + half, out.to(out_ptr.dtype.element_ty), mask=live)
 
 
@@ -78,13 +83,14 @@ def _swiglu_bwd_kernel(h_ptr, g_ptr, grad_h_ptr, end_ptr, R, F, HAS_END: tl.cons
 
 
 @triton.jit
-def _weighted_swiglu_bwd_kernel(h_ptr, g_ptr, p_ptr, grad_h_ptr, grad_p_ptr, R, F, BR: tl.constexpr,
-                                BF: tl.constexpr):
+def _weighted_swiglu_bwd_kernel(h_ptr, g_ptr, p_ptr, grad_h_ptr, grad_p_ptr, end_ptr, R, F, HAS_END: tl.constexpr,
+                                BR: tl.constexpr, BF: tl.constexpr):
     # Gradients of ``p[r] * silu(gate) * up``. One program per row block walks the columns, so
     # each row's probability gradient ``sum_f g * silu(gate) * up`` is reduced in registers: no
-    # atomics, the same bits on every run.
+    # atomics, the same bits on every run. Rows past the end (``HAS_END``) are neither read nor
+    # written in ``grad_h``; their ``grad_p`` is 0.
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    row_ok = rows < R
+    row_ok = _live_rows(rows, R, end_ptr, HAS_END)
     p = tl.load(p_ptr + rows, mask=row_ok, other=0.0)
     grad_p = tl.zeros([BR], dtype=tl.float32)
     for f0 in range(0, F, BF):
@@ -101,7 +107,7 @@ def _weighted_swiglu_bwd_kernel(h_ptr, g_ptr, p_ptr, grad_h_ptr, grad_p_ptr, R, 
         d_gate, d_up = _swiglu_grads(gate, up, g * p[:, None], sig, silu)
         tl.store(grad_h_ptr + base, d_gate.to(grad_h_ptr.dtype.element_ty), mask=live)
         tl.store(grad_h_ptr + base + F, d_up.to(grad_h_ptr.dtype.element_ty), mask=live)
-    tl.store(grad_p_ptr + rows, grad_p, mask=row_ok)
+    tl.store(grad_p_ptr + rows, grad_p, mask=rows < R)
 
 
 _BR, _BF = 16, 128
@@ -120,8 +126,8 @@ class SwiGLUFunction(torch.autograd.Function):
         out = torch.empty(r, f, dtype=h_RF2.dtype, device=h_RF2.device)
         end = h_RF2 if rows_end is None else rows_end  # any pointer when unused
         if r:
-            launch(_swiglu_fwd_kernel, _grid(r, f), h_RF2, out, end, r, f, HAS_END=rows_end is not None, BR=_BR,
-                   BF=_BF, num_warps=4)
+            launch(_swiglu_fwd_kernel, _grid(r, f), h_RF2, h_RF2, out, end, r, f, HAS_END=rows_end is not None,
+                   HAS_P=False, BR=_BR, BF=_BF, num_warps=4)
         ctx.save_for_backward(h_RF2, *(() if rows_end is None else (rows_end,)))
         ctx.has_end = rows_end is not None
         return out
@@ -151,11 +157,13 @@ def swiglu_backward(h_RF2: Tensor, g_RF: Tensor, rows_end: Tensor | None = None)
     return grad_h
 
 
-def weighted_swiglu_backward(h_RF2: Tensor, g_RF: Tensor, p_R: Tensor) -> tuple[Tensor, Tensor]:
+def weighted_swiglu_backward(h_RF2: Tensor, g_RF: Tensor, p_R: Tensor,
+                             rows_end: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Gradients of the weighted SwiGLU ``p[r] * silu(gate) * up`` (Megatron-Core's
     ``weighted_bias_swiglu``: routing probabilities applied before the second projection) from
     its input ``h [R, 2F]``, its row weights ``p`` fp32 ``[R]`` and its output's gradient
-    ``g [R, F]``: ``(grad_h [R, 2F]`` in ``h``'s dtype, ``grad_p`` fp32 ``[R])``, math in fp32."""
+    ``g [R, F]``: ``(grad_h [R, 2F]`` in ``h``'s dtype, ``grad_p`` fp32 ``[R])``, math in fp32.
+    ``rows_end`` as in `swiglu` (the rows from it on: ``grad_h`` unwritten, ``grad_p`` 0)."""
     h_RF2 = h_RF2.contiguous()
     r, f2 = h_RF2.shape
     if p_R.dtype != torch.float32 or p_R.shape != (r,):
@@ -164,8 +172,45 @@ def weighted_swiglu_backward(h_RF2: Tensor, g_RF: Tensor, p_R: Tensor) -> tuple[
     grad_p = torch.empty(r, dtype=torch.float32, device=h_RF2.device)
     if r:
         launch(_weighted_swiglu_bwd_kernel, (cdiv(r, _BR),), h_RF2, g_RF.contiguous(), p_R.contiguous(),
-               grad_h, grad_p, r, f2 // 2, BR=_BR, BF=_BF, num_warps=4)
+               grad_h, grad_p, h_RF2 if rows_end is None else rows_end, r, f2 // 2, HAS_END=rows_end is not None,
+               BR=_BR, BF=_BF, num_warps=4)
     return grad_h, grad_p
+
+
+class WeightedSwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_RF2: Tensor, p_R: Tensor, rows_end: Tensor | None) -> Tensor:
+        h_RF2 = h_RF2.contiguous()
+        r, f2 = h_RF2.shape
+        if p_R.dtype != torch.float32 or p_R.shape != (r,):
+            raise ValueError(f"weighted_swiglu: p must be fp32 [{r}], got {p_R.dtype} {tuple(p_R.shape)}")
+        p_R = p_R.contiguous()
+        out = torch.empty(r, f2 // 2, dtype=h_RF2.dtype, device=h_RF2.device)
+        if r:
+            launch(_swiglu_fwd_kernel, _grid(r, f2 // 2), h_RF2, p_R, out, h_RF2 if rows_end is None else rows_end,
+                   r, f2 // 2, HAS_END=rows_end is not None, HAS_P=True, BR=_BR, BF=_BF, num_warps=4)
+        ctx.save_for_backward(h_RF2, p_R, *(() if rows_end is None else (rows_end,)))
+        ctx.has_end = rows_end is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, g_RF: Tensor):
+        saved = ctx.saved_tensors
+        rows_end = saved[2] if ctx.has_end else None
+        grad_h, grad_p = weighted_swiglu_backward(saved[0], g_RF, saved[1], rows_end)
+        if rows_end is not None and torch.is_anomaly_enabled():
+            from lightning_moe.kernels.tail_triton import zero_rows_from_triton
+
+            zero_rows_from_triton(grad_h, rows_end)  # anomaly mode checks the unwritten rows for NaN too
+        return grad_h, grad_p, None
+
+
+def weighted_swiglu(h_RF2: Tensor, p_R: Tensor, rows_end: Tensor | None = None) -> Tensor:
+    """``p[r] * silu(gate) * up`` of ``h = [gate | up]`` and fp32 row weights ``p [R]`` (the
+    routing probabilities of the permuted rows, so that the combine after the second projection
+    is an unweighted sum), computed in fp32 and rounded once; differentiable in ``h`` and ``p``.
+    ``rows_end`` as in `swiglu`."""
+    return WeightedSwiGLUFunction.apply(h_RF2, p_R, rows_end)
 
 
 def swiglu(h_RF2: Tensor, rows_end: Tensor | None = None) -> Tensor:

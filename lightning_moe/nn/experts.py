@@ -38,6 +38,12 @@ def activate(h: Tensor, activation: str) -> Tensor:
     raise ValueError(f"unknown activation {activation!r}")
 
 
+# The unquantized grouped path on CUDA weights the SwiGLU by the routing probabilities and sums
+# each token's rows after fc2 (`GroupedExperts.weighted_swiglu_combine`); False: the dispatcher's
+# weighted combine after the experts (a benchmark toggle).
+WEIGHTED_SWIGLU_COMBINE = True
+
+
 def _combined(y_RD: Tensor, combine: DeferredCombine | None) -> Tensor:
     """``y_RD``, or its combine where the dispatcher deferred it to the experts."""
     return y_RD if combine is None else combine.apply(y_RD)
@@ -266,9 +272,26 @@ class GroupedExperts(nn.Module):
         quantization = self.quantization
         # FSDP2 casting this module's inputs would cast the deferred probabilities (fp32, the
         # router's) too, and with them the router's gradient: then the dispatcher combines.
-        return (quantization is not None and self.activation == "swiglu"
-                and quantization.takes_deferred_combine(tokens_TD)
-                and not (self._fsdp_casts_inputs(tokens_TD.dtype) or self._fsdp_casts_inputs(torch.float32)))
+        if self.activation != "swiglu" or self._fsdp_casts_inputs(tokens_TD.dtype) or self._fsdp_casts_inputs(
+                torch.float32):
+            return False
+        if quantization is None:
+            return self.weighted_swiglu_combine(tokens_TD)
+        return quantization.takes_deferred_combine(tokens_TD)
+
+    def weighted_swiglu_combine(self, tokens_TD: Tensor) -> bool:
+        """Whether the unquantized path takes the combine (`WEIGHTED_SWIGLU_COMBINE`, the grouped
+        GEMMs on CUDA with Triton, SwiGLU, a training pass): the probabilities weight the SwiGLU's
+        rows (`kernels.swiglu_triton.weighted_swiglu`) and each token's rows are summed after the
+        second projection, as Megatron-Core's experts do; the combine then keeps no expert outputs
+        for its backward (the probabilities' gradient comes from the SwiGLU's)."""
+        return (WEIGHTED_SWIGLU_COMBINE and self.activation == "swiglu" and torch.is_grad_enabled()
+                and self.reads_only_grouped_rows(self._compute_dtype(tokens_TD)) and use_triton(tokens_TD))
+
+    @staticmethod
+    def _compute_dtype(tokens_TD: Tensor) -> torch.dtype:
+        device_type = tokens_TD.device.type
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else tokens_TD.dtype
 
     def declare_fsdp_input_cast(self, dtype: torch.dtype | None) -> None:
         """Declare the dtype FSDP2's mixed-precision policy casts this module's forward inputs to
@@ -334,8 +357,8 @@ class GroupedExperts(nn.Module):
             with memory_region(self, "expert_fc1"):
                 h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
         elif self.activation == "swiglu" and self.reads_only_grouped_rows(x_RD.dtype) and use_triton(x_RD):
-            return _combined(self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten),
-                             combine)
+            return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten,
+                                             combine=combine)
         else:
             with memory_region(self, "expert_fc1"):
                 h_RF = self._mm(x_RD, fc1, group_sizes_E, "fc1", offsets_E)
@@ -377,20 +400,28 @@ class GroupedExperts(nn.Module):
         return h_RF
 
     def _swiglu_covered_rows(self, x_RD: Tensor, fc1: Tensor, fc2: Tensor, group_sizes_E: Tensor,
-                             zero_tails: bool) -> Tensor:
+                             zero_tails: bool, combine: DeferredCombine | None = None) -> Tensor:
         """The bf16/fp32 grouped path on CUDA: the fused SwiGLU neither reads nor writes the
         padding rows after the last group, so the tensors on either side of it keep unwritten
-        tails; the block's own output and input gradient get zeroed tails when ``zero_tails``."""
-        from lightning_moe.kernels.swiglu_triton import swiglu
+        tails; the block's own output and input gradient get zeroed tails when ``zero_tails``.
+        With ``combine`` where `weighted_swiglu_combine` holds, the SwiGLU weights each row by its
+        probability and the rows are summed per token after fc2; else the combine runs after."""
+        from lightning_moe.kernels.swiglu_triton import swiglu, weighted_swiglu
         from lightning_moe.nn.grouped_gemm import covered_offsets, grouped_mm_covered
 
+        weighted = combine is not None and self.weighted_swiglu_combine(x_RD)
         offsets_E = covered_offsets(group_sizes_E, x_RD.shape[0])  # one set for both GEMMs and the SwiGLU
         with memory_region(self, "expert_fc1"):
             h_RF2 = grouped_mm_covered(x_RD, fc1, offsets_E, zero_output=False, zero_grad_input=zero_tails)
         with OutputRecompute(self.recompute_activation and torch.is_grad_enabled()) as outputs:
             with memory_region(self, "moe_act"):
-                a_RF = outputs.run(swiglu, h_RF2, offsets_E[-1])
-            return grouped_mm_covered(a_RF, fc2, offsets_E, zero_output=zero_tails, zero_grad_input=False)
+                if weighted:
+                    a_RF = outputs.run(weighted_swiglu, h_RF2, combine.row_probs(), offsets_E[-1])
+                else:
+                    a_RF = outputs.run(swiglu, h_RF2, offsets_E[-1])
+            y_RD = grouped_mm_covered(a_RF, fc2, offsets_E, zero_output=zero_tails and not weighted,
+                                      zero_grad_input=False)
+        return combine.apply_unweighted(y_RD) if weighted else _combined(y_RD, combine)
 
     def extra_repr(self) -> str:
         return (

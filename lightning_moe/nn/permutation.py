@@ -205,16 +205,22 @@ def _with_zero_row(x_ND: Tensor) -> Tensor:
     return torch.cat([x_ND, x_ND.new_zeros(1, x_ND.shape[1])])
 
 
+def _gather_token_rows(x_TD: Tensor, plan: PermutationPlan) -> Tensor:
+    """``[R, D]``: row ``r`` is token ``row_token[r]``'s, zeros for padding rows (rows past
+    ``plan.rows_end`` are left unwritten on the Triton path)."""
+    if plan.rows_end is not None and use_triton(x_TD):
+        from lightning_moe.kernels.permute_triton import gather_rows_until
+
+        return gather_rows_until(x_TD, plan.row_token_R, plan.rows_end)
+    source = x_TD if not plan.padding_rows else _with_zero_row(x_TD)
+    return source.index_select(0, plan.row_token_R)
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, plan: PermutationPlan) -> Tensor:
         ctx.plan = plan
-        if plan.rows_end is not None and use_triton(x_TD):
-            from lightning_moe.kernels.permute_triton import gather_rows_until
-
-            return gather_rows_until(x_TD, plan.row_token_R, plan.rows_end)
-        source = x_TD if not plan.padding_rows else _with_zero_row(x_TD)
-        return source.index_select(0, plan.row_token_R)
+        return _gather_token_rows(x_TD, plan)
 
     @staticmethod
     def backward(ctx, grad_RD: Tensor):
@@ -281,6 +287,26 @@ class _Unpermute(torch.autograd.Function):
         return grad_y, grad_probs_TK, None
 
 
+class _SumRows(torch.autograd.Function):
+    """Each token's rows summed, unweighted (the combine after experts that applied the routing
+    probabilities themselves); saves nothing: the backward hands each row its token's gradient."""
+
+    @staticmethod
+    def forward(ctx, y_RD: Tensor, plan: PermutationPlan) -> Tensor:
+        ctx.plan = plan
+        return permute_backward(y_RD, plan)
+
+    @staticmethod
+    def backward(ctx, grad_TD: Tensor):
+        return _gather_token_rows(grad_TD.contiguous(), ctx.plan), None
+
+
+def sum_rows(y_RD: Tensor, plan: PermutationPlan) -> Tensor:
+    """``out[t] = sum_k y[dest[t,k]]``: the combine of expert outputs already weighted by their
+    routing probabilities (`DeferredCombine.apply_unweighted`). [R, D] -> [T, D]."""
+    return _SumRows.apply(y_RD, plan)
+
+
 def permute(x_TD: Tensor, plan: PermutationPlan) -> Tensor:
     """Gather token rows into expert order: [T, D] -> [R, D] (padding rows are zero)."""
     return _Permute.apply(x_TD, plan)
@@ -337,3 +363,13 @@ class DeferredCombine:
     def apply(self, y_RD: Tensor) -> Tensor:
         """``[T, D]``: the combine of expert outputs, as `unpermute` makes it."""
         return unpermute(y_RD, self.probs_TK, self.plan)
+
+    def row_probs(self) -> Tensor:
+        """fp32 ``[R]``: each permuted row's routing probability (0 for padding rows),
+        differentiable into ``probs_TK``: the weights of a weighted activation."""
+        return row_probs(self.probs_TK, self.plan).float()
+
+    def apply_unweighted(self, y_RD: Tensor) -> Tensor:
+        """``[T, D]``: the combine of expert outputs whose rows the experts already weighted by
+        `row_probs` (a weighted SwiGLU before the second projection): each token's rows summed."""
+        return sum_rows(y_RD, self.plan)

@@ -99,3 +99,35 @@ def test_all_gather_buffer_tail_is_never_read(overrides, anomaly):
         torch.utils.deterministic.fill_uninitialized_memory = fill
         torch.use_deterministic_algorithms(False)
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute_moe_act"])
+def test_probabilities_in_the_swiglu_match_the_weighted_combine_and_keep_less(recompute, monkeypatch):
+    """bf16 on CUDA: the weighted SwiGLU + unweighted sum (the default) against the dispatcher's
+    weighted combine (`WEIGHTED_SWIGLU_COMBINE` off): the same function up to rounding, and the
+    combine's saved expert outputs ([T * K, D] bf16) gone from the memory kept for backward."""
+    from lightning_moe.nn import experts as experts_module
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=1024, ffn_hidden_size=512, num_experts=16, router_topk=4)
+    layer = MoELayer(cfg).cuda()
+    layer.experts.to(torch.bfloat16)
+    layer.experts.recompute_activation = recompute
+    x = torch.randn(8192, 1024, device="cuda").bfloat16()
+    runs = []
+    for weighted in (True, False):
+        monkeypatch.setattr(experts_module, "WEIGHTED_SWIGLU_COMBINE", weighted)
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = layer(xi)
+        kept = torch.cuda.memory_allocated() - before  # what the forward leaves for backward (and y)
+        y.backward(torch.ones_like(y))
+        runs.append((y.detach().float(), xi.grad.float(), layer.router.weight.grad.clone(),
+                     layer.experts.fc2_weight.grad.float(), kept))
+    (y1, gx1, gr1, gw1, kept1), (y0, gx0, gr0, gw0, kept0) = runs
+    assert _rel(y1, y0) < 1e-2 and _rel(gx1, gx0) < 1e-2 and _rel(gw1, gw0) < 1e-2
+    assert _rel(gr1, gr0) < 3e-2
+    expert_outputs = 8192 * cfg.router_topk * 1024 * 2
+    assert kept0 - kept1 >= 0.9 * expert_outputs, (kept0, kept1, expert_outputs)

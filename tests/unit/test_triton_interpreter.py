@@ -6,7 +6,8 @@ an fp32 gradient against autograd's adds (`_interpreted_wgrad.py`), the
 cross-entropy kernels against autograd and the previous formulation's gradient bits
 (`_interpreted_cross_entropy.py`), the chunked linear + cross-entropy through those kernels against
 its eager path (`_interpreted_linear_cross_entropy.py`), the per-head norm + rotary
-kernel against the eager formulation, alone and in a decoder (`_interpreted_rotary.py`), and delayed
+kernel against the eager formulation, alone and in a decoder (`_interpreted_rotary.py`), the weighted
+SwiGLU alone and as the MoE layer's combine (`_interpreted_weighted_swiglu.py`), and delayed
 scaling's update kernel against the torch update (`_interpreted_scale_update.py`). Where
 Triton is not installed these skip; CI installs it (see ``.ci/run``)."""
 
@@ -89,6 +90,14 @@ def test_norm_rotary_kernel_matches_the_eager_formulation():
 
 def test_decoder_with_the_fused_norm_rotary_matches_the_eager_decoder():
     _equal_lines(_interpreted("_interpreted_rotary.py", "model"), "model", 4)
+
+
+def test_weighted_swiglu_kernel_matches_the_eager_formulation():
+    _equal_lines(_interpreted("_interpreted_weighted_swiglu.py", "kernel"), "kernel", 12)
+
+
+def test_moe_layer_with_the_probabilities_in_the_swiglu_matches_the_weighted_combine():
+    _equal_lines(_interpreted("_interpreted_weighted_swiglu.py", "layer"), "layer", 6)
 
 
 def test_delayed_scaling_update_kernel_matches_the_torch_update():
