@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.train_step import batch_loss, batches, build_module  # noqa: E402
+from benchmarks.train_step import add_shape_arguments, batch_loss, batches, build_module  # noqa: E402
 from lightning_moe.models.recompute import RECOMPUTE_MODULES  # noqa: E402
 from lightning_moe.nn.saved_tensors import parameter_derived  # noqa: E402
 
@@ -103,10 +103,7 @@ class SavedTensorLedger:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3_30b_a3b")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--micro-batch", type=int, default=2)
+    add_shape_arguments(parser)
     parser.add_argument("--lm-head-chunk-tokens", type=int, default=0, help="0: the unchunked head")
     parser.add_argument("--recompute", nargs="+", default=None, choices=RECOMPUTE_MODULES)
     parser.add_argument("--recompute-layers", type=int, default=None)

@@ -573,12 +573,18 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
     return times[args.warmup :], [float(x) for x in losses]
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and micro-batch shape (`build_module`, `batches`), shared with the tools that
+    build the same model."""
     parser.add_argument("--preset", default="qwen3_30b_a3b")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=2)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_arguments(parser)
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)

@@ -136,13 +136,17 @@ class SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, g_RF: Tensor):
         saved = ctx.saved_tensors
         rows_end = saved[1] if ctx.has_end else None
-        grad_h = swiglu_backward(saved[0], g_RF, rows_end)
-        if rows_end is not None and torch.is_anomaly_enabled():
-            from lightning_moe.kernels.tail_triton import zero_rows_from_triton
+        return _tail_zeroed_for_anomaly_mode(swiglu_backward(saved[0], g_RF, rows_end), rows_end), None
 
-            # anomaly mode checks every gradient for NaN, the unwritten rows included
-            zero_rows_from_triton(grad_h, rows_end)
-        return grad_h, None
+
+def _tail_zeroed_for_anomaly_mode(grad_h: Tensor, rows_end: Tensor | None) -> Tensor:
+    """``grad_h`` with its unwritten rows (from ``rows_end`` on) zeroed under anomaly mode, which
+    checks every gradient for NaN, those rows included."""
+    if rows_end is not None and torch.is_anomaly_enabled():
+        from lightning_moe.kernels.tail_triton import zero_rows_from_triton
+
+        zero_rows_from_triton(grad_h, rows_end)
+    return grad_h
 
 
 def swiglu_backward(h_RF2: Tensor, g_RF: Tensor, rows_end: Tensor | None = None) -> Tensor:
@@ -198,11 +202,7 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         rows_end = saved[2] if ctx.has_end else None
         grad_h, grad_p = weighted_swiglu_backward(saved[0], g_RF, saved[1], rows_end)
-        if rows_end is not None and torch.is_anomaly_enabled():
-            from lightning_moe.kernels.tail_triton import zero_rows_from_triton
-
-            zero_rows_from_triton(grad_h, rows_end)  # anomaly mode checks the unwritten rows for NaN too
-        return grad_h, grad_p, None
+        return _tail_zeroed_for_anomaly_mode(grad_h, rows_end), grad_p, None
 
 
 def weighted_swiglu(h_RF2: Tensor, p_R: Tensor, rows_end: Tensor | None = None) -> Tensor:
