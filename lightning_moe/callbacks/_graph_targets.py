@@ -19,9 +19,11 @@ or by name (`fnmatch` patterns over the LightningModule's ``named_modules``). On
 of nested matches is captured (the inner ones are inside its graph).
 
 Recomputation (``ModelConfig.recompute``, ``recompute_every_n_layers``) is refused where a
-recomputed part lies inside a target or around one (``torch.utils.checkpoint`` saves the RNG
-state, which a capture cannot read); recomputed parts outside every target are fine (e.g.
-``"layernorm"`` with ``scope="attn"`` or ``"moe"``).
+recomputed part lies inside a target or around one: a captured module's tensors live in the
+graph's memory pool, so recomputing inside it frees nothing, and ``torch.utils.checkpoint`` (every
+setting but ``layernorm`` and ``moe_act``) saves the RNG state, which a capture cannot read;
+recomputed parts outside every target are fine (e.g. ``"layernorm"`` with ``scope="attn"`` or
+``"moe"``).
 """
 
 from __future__ import annotations
@@ -236,9 +238,10 @@ def check_targets(targets: Sequence[tuple[str, nn.Module]], root: nn.Module | No
 
 
 def _check_recompute(targets: Sequence[tuple[str, nn.Module]], root: nn.Module | None) -> None:
-    """Recomputation (torch.utils.checkpoint) inside a captured module, or around one, would save
-    and restore the CUDA RNG state inside the capture and run the forward again between backward
-    graphs: refused unless every recomputed part lies outside every target."""
+    """Recomputation inside a captured module frees nothing (the graph's pool keeps its tensors), and
+    around one (or through torch.utils.checkpoint inside it) would save and restore the CUDA RNG
+    state inside the capture and run the forward again between backward graphs: refused unless
+    every recomputed part lies outside every target."""
     if root is not None:
         recomputed = recomputed_parts(root)
     else:
@@ -251,8 +254,9 @@ def _check_recompute(targets: Sequence[tuple[str, nn.Module]], root: nn.Module |
                        else f"drop {setting!r} from ModelConfig.recompute")
                 raise ValueError(
                     f"CUDAGraphs: {part or 'the model'} is recomputed in backward ({setting!r}) and overlaps the "
-                    f"captured {name or 'model'} (torch.utils.checkpoint needs the RNG state, which a capture cannot "
-                    f"read): {fix}, or capture modules outside it (another scope)."
+                    f"captured {name or 'model'} (a graph's memory pool keeps what the recomputation would free, and "
+                    f"torch.utils.checkpoint needs the RNG state, which a capture cannot read): {fix}, or capture "
+                    "modules outside it (another scope)."
                 )
 
 

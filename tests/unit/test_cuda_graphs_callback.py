@@ -227,8 +227,9 @@ def test_te_fp8_and_packed_batches_are_refused_at_setup():
     ("full_iteration", {"recompute": ["moe_act"]}, "overlaps the captured model"),
 ])
 def test_recompute_inside_a_captured_module_is_refused(scope, overrides, refused):
-    """torch.utils.checkpoint saves the RNG state, which a capture cannot read: recomputed parts
-    inside a target, or around one, are refused at fit start; parts outside every target pass."""
+    """A graph's pool keeps what a recomputation would free, and torch.utils.checkpoint saves the RNG
+    state, which a capture cannot read: recomputed parts inside a target, or around one, are refused
+    at fit start; parts outside every target pass."""
     module = built(MoELanguageModel("tiny", overrides={
         "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 2, "num_query_groups": 1,
         "moe": {"ffn_hidden_size": 32}, **overrides}))
