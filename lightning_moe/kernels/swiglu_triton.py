@@ -118,25 +118,31 @@ def _grid(r: int, f: int):
 
 
 class SwiGLUFunction(torch.autograd.Function):
+    """`swiglu` (``p_R`` None) and `weighted_swiglu`: one forward kernel, the backward of each."""
+
     @staticmethod
-    def forward(ctx, h_RF2: Tensor, rows_end: Tensor | None) -> Tensor:
+    def forward(ctx, h_RF2: Tensor, p_R: Tensor | None, rows_end: Tensor | None) -> Tensor:
         h_RF2 = h_RF2.contiguous()
         r, f2 = h_RF2.shape
-        f = f2 // 2
-        out = torch.empty(r, f, dtype=h_RF2.dtype, device=h_RF2.device)
-        end = h_RF2 if rows_end is None else rows_end  # any pointer when unused
-        if r:
-            launch(_swiglu_fwd_kernel, _grid(r, f), h_RF2, h_RF2, out, end, r, f, HAS_END=rows_end is not None,
-                   HAS_P=False, BR=_BR, BF=_BF, num_warps=4)
-        ctx.save_for_backward(h_RF2, *(() if rows_end is None else (rows_end,)))
-        ctx.has_end = rows_end is not None
+        if p_R is not None:
+            if p_R.dtype != torch.float32 or p_R.shape != (r,):
+                raise ValueError(f"weighted_swiglu: p must be fp32 [{r}], got {p_R.dtype} {tuple(p_R.shape)}")
+            p_R = p_R.contiguous()
+        out = torch.empty(r, f2 // 2, dtype=h_RF2.dtype, device=h_RF2.device)
+        if r:  # unused pointers get h's
+            launch(_swiglu_fwd_kernel, _grid(r, f2 // 2), h_RF2, h_RF2 if p_R is None else p_R, out,
+                   h_RF2 if rows_end is None else rows_end, r, f2 // 2, HAS_END=rows_end is not None,
+                   HAS_P=p_R is not None, BR=_BR, BF=_BF, num_warps=4)
+        ctx.save_for_backward(h_RF2, p_R, rows_end)
         return out
 
     @staticmethod
     def backward(ctx, g_RF: Tensor):
-        saved = ctx.saved_tensors
-        rows_end = saved[1] if ctx.has_end else None
-        return _tail_zeroed_for_anomaly_mode(swiglu_backward(saved[0], g_RF, rows_end), rows_end), None
+        h_RF2, p_R, rows_end = ctx.saved_tensors
+        if p_R is None:
+            return _tail_zeroed_for_anomaly_mode(swiglu_backward(h_RF2, g_RF, rows_end), rows_end), None, None
+        grad_h, grad_p = weighted_swiglu_backward(h_RF2, g_RF, p_R, rows_end)
+        return _tail_zeroed_for_anomaly_mode(grad_h, rows_end), grad_p, None
 
 
 def _tail_zeroed_for_anomaly_mode(grad_h: Tensor, rows_end: Tensor | None) -> Tensor:
@@ -181,36 +187,12 @@ def weighted_swiglu_backward(h_RF2: Tensor, g_RF: Tensor, p_R: Tensor,
     return grad_h, grad_p
 
 
-class WeightedSwiGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h_RF2: Tensor, p_R: Tensor, rows_end: Tensor | None) -> Tensor:
-        h_RF2 = h_RF2.contiguous()
-        r, f2 = h_RF2.shape
-        if p_R.dtype != torch.float32 or p_R.shape != (r,):
-            raise ValueError(f"weighted_swiglu: p must be fp32 [{r}], got {p_R.dtype} {tuple(p_R.shape)}")
-        p_R = p_R.contiguous()
-        out = torch.empty(r, f2 // 2, dtype=h_RF2.dtype, device=h_RF2.device)
-        if r:
-            launch(_swiglu_fwd_kernel, _grid(r, f2 // 2), h_RF2, p_R, out, h_RF2 if rows_end is None else rows_end,
-                   r, f2 // 2, HAS_END=rows_end is not None, HAS_P=True, BR=_BR, BF=_BF, num_warps=4)
-        ctx.save_for_backward(h_RF2, p_R, *(() if rows_end is None else (rows_end,)))
-        ctx.has_end = rows_end is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, g_RF: Tensor):
-        saved = ctx.saved_tensors
-        rows_end = saved[2] if ctx.has_end else None
-        grad_h, grad_p = weighted_swiglu_backward(saved[0], g_RF, saved[1], rows_end)
-        return _tail_zeroed_for_anomaly_mode(grad_h, rows_end), grad_p, None
-
-
 def weighted_swiglu(h_RF2: Tensor, p_R: Tensor, rows_end: Tensor | None = None) -> Tensor:
     """``p[r] * silu(gate) * up`` of ``h = [gate | up]`` and fp32 row weights ``p [R]`` (the
     routing probabilities of the permuted rows, so that the combine after the second projection
     is an unweighted sum), computed in fp32 and rounded once; differentiable in ``h`` and ``p``.
     ``rows_end`` as in `swiglu`."""
-    return WeightedSwiGLUFunction.apply(h_RF2, p_R, rows_end)
+    return SwiGLUFunction.apply(h_RF2, p_R, rows_end)
 
 
 def swiglu(h_RF2: Tensor, rows_end: Tensor | None = None) -> Tensor:
@@ -220,4 +202,4 @@ def swiglu(h_RF2: Tensor, rows_end: Tensor | None = None) -> Tensor:
     written, in the output and in the gradient (the padding rows after the last group of a
     grouped GEMM that leaves them out: its consumers never read them either).
     """
-    return SwiGLUFunction.apply(h_RF2, rows_end)
+    return SwiGLUFunction.apply(h_RF2, None, rows_end)
