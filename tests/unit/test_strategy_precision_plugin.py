@@ -193,3 +193,49 @@ def test_unfused_optimizers_still_scale_the_gradients():
     assert not untouched
     assert not hasattr(optimizer, "grad_scale") or optimizer.grad_scale is None
     assert max(float(p.grad.norm()) for p in model.parameters()) <= 1e-3 + 1e-6
+
+
+class _AdamWModel(MoELanguageModel):
+    def __init__(self, fused: bool) -> None:
+        super().__init__("tiny", overrides={"num_layers": 1, "vocab_size": 64}, max_steps=1)
+        self.fused = fused
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
+
+
+def _fit_with_adamw(in_step: bool, monkeypatch) -> tuple[dict, int]:
+    """One clipped step of fused AdamW (one: a rounding's difference in the weights could move a
+    token to another expert in the next step); ``in_step`` False: the clip scales .grad first."""
+    from lightning.pytorch import Trainer
+
+    from lightning_moe.precision import clipping
+
+    deferred = []
+    real = clipping.scale_in_next_step
+    monkeypatch.setattr(clipping, "scale_in_next_step", lambda opt, coeff: deferred.append(1) or real(opt, coeff))
+    if not in_step:
+        monkeypatch.setattr(clipping, "scales_in_step", lambda optimizer, scaler=None: False)
+    torch.manual_seed(0)
+    module = _AdamWModel(fused=True)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=MegatronMoEStrategy(print_layout=False), precision="32-true",
+        max_steps=1, gradient_clip_val=1e-3, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module, DataLoader(_Tokens(6, 16), batch_size=2))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    optimizer = trainer.optimizers[0]
+    assert getattr(optimizer, "grad_scale", None) is None and not optimizer._optimizer_step_post_hooks
+    return {n: p.detach().clone() for n, p in module.named_parameters()}, len(deferred)
+
+
+def test_a_fit_with_fused_adamw_clips_in_the_step_as_a_scaling_pass_would(monkeypatch):
+    in_step, deferred = _fit_with_adamw(True, monkeypatch)
+    scaled, not_deferred = _fit_with_adamw(False, monkeypatch)
+    assert deferred == 1 and not_deferred == 0  # the clip left to the fused kernel
+    for name, value in in_step.items():
+        torch.testing.assert_close(value, scaled[name], rtol=1e-6, atol=1e-7, msg=name)
