@@ -115,7 +115,9 @@ def test_probabilities_in_the_swiglu_match_the_weighted_combine_and_keep_less(re
     layer.experts.recompute_activation = recompute
     x = torch.randn(8192, 1024, device="cuda").bfloat16()
     runs = []
-    for weighted in (True, False):
+    # A warm-up pass of each first: the first GEMMs' workspaces stay allocated, which would count
+    # against whichever run came first.
+    for weighted in (True, False, True, False):
         monkeypatch.setattr(experts_module, "WEIGHTED_SWIGLU_COMBINE", weighted)
         layer.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
@@ -126,7 +128,7 @@ def test_probabilities_in_the_swiglu_match_the_weighted_combine_and_keep_less(re
         y.backward(torch.ones_like(y))
         runs.append((y.detach().float(), xi.grad.float(), layer.router.weight.grad.clone(),
                      layer.experts.fc2_weight.grad.float(), kept))
-    (y1, gx1, gr1, gw1, kept1), (y0, gx0, gr0, gw0, kept0) = runs
+    (y1, gx1, gr1, gw1, kept1), (y0, gx0, gr0, gw0, kept0) = runs[2:]
     assert _rel(y1, y0) < 1e-2 and _rel(gx1, gx0) < 1e-2 and _rel(gw1, gw0) < 1e-2
     assert _rel(gr1, gr0) < 3e-2
     expert_outputs = 8192 * cfg.router_topk * 1024 * 2
