@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.kernels import use_triton
-from lightning_moe.nn.compute_weights import CachedCastLinear, compute_weight
+from lightning_moe.nn.compute_weights import CachedCastLinear, autocast_dtype, compute_weight
 from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
 from lightning_moe.nn.permutation import DeferredCombine, DeferredPermutation, PermutationPlan
 from lightning_moe.nn.saved_tensors import OutputRecompute, memory_region
@@ -286,12 +286,7 @@ class GroupedExperts(nn.Module):
         second projection, as Megatron-Core's experts do; the combine then keeps no expert outputs
         for its backward (the probabilities' gradient comes from the SwiGLU's)."""
         return (WEIGHTED_SWIGLU_COMBINE and self.activation == "swiglu" and torch.is_grad_enabled()
-                and self.reads_only_grouped_rows(self._compute_dtype(tokens_TD)) and use_triton(tokens_TD))
-
-    @staticmethod
-    def _compute_dtype(tokens_TD: Tensor) -> torch.dtype:
-        device_type = tokens_TD.device.type
-        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else tokens_TD.dtype
+                and self.reads_only_grouped_rows(autocast_dtype(tokens_TD)) and use_triton(tokens_TD))
 
     def declare_fsdp_input_cast(self, dtype: torch.dtype | None) -> None:
         """Declare the dtype FSDP2's mixed-precision policy casts this module's forward inputs to

@@ -86,9 +86,15 @@ def align_grad_placements(params: Iterable[torch.nn.Parameter]) -> None:
 
 
 @torch.no_grad()
-def scale_grads(params: Iterable[torch.nn.Parameter], factor: float) -> None:
+def scale_grads(params: Iterable[torch.nn.Parameter], factor: float | Tensor) -> None:
+    """Multiply every gradient of ``params`` (local shards, in place) by ``factor``: a Python
+    number (1.0 does nothing) or a device scalar (a clip coefficient: read on the device)."""
     grads = [_local(g) for g in grads_of(params)]
-    if grads and factor != 1.0:
+    if not grads:
+        return
+    if isinstance(factor, Tensor):
+        torch._foreach_mul_(grads, factor.to(grads[0].device))
+    elif factor != 1.0:
         torch._foreach_mul_(grads, factor)
 
 
@@ -182,7 +188,6 @@ def clip_grads_by_global_norm(
     """
     params = list(params)
     total, coeff = clip_coefficient(params, max_norm, norm_type, pipeline_group, device, exclude_from_norm)
-    grads = [_local(g) for g in grads_of(params)]
-    if grads:
-        torch._foreach_mul_(grads, coeff.to(grads[0].device))
+    scale_grads(params, coeff)
     return total
+

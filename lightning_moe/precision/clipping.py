@@ -24,13 +24,13 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_moe.parallel.gradients import clip_coefficient, clip_grads_by_global_norm
+from lightning_moe.parallel.gradients import clip_coefficient, scale_grads
 
 
 class GlobalNormClipping(lightning_precision.Precision):
     """Clip by norm with one norm of all gradients, whatever mesh each lives on.
 
-    ``clip_grad_by_norm`` scales the gradients with :func:`clip_grads_by_global_norm` and keeps
+    ``clip_grad_by_norm`` scales the gradients as :func:`clip_grads_by_global_norm` does and keeps
     the norm before clipping in ``last_grad_norm`` (a tensor; reading it syncs with the device).
     For torch's fused Adam / AdamW (``fused=True``, no GradScaler) the scaling is left to the step
     itself (`scales_in_step`): the optimizer's fused kernel divides each gradient by
@@ -66,13 +66,12 @@ class GlobalNormClipping(lightning_precision.Precision):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         device = params[0].device if params else None
         skip = self.pipeline_norm_skip() if self.pipeline_norm_skip is not None else ()
+        self.last_grad_norm, coeff = clip_coefficient(params, float(clip_val), pipeline_group=self.pipeline_group,
+                                                      device=device, exclude_from_norm=skip)
         if params and scales_in_step(optimizer, getattr(self, "scaler", None)):
-            self.last_grad_norm, coeff = clip_coefficient(params, float(clip_val), pipeline_group=self.pipeline_group,
-                                                          device=device, exclude_from_norm=skip)
             scale_in_next_step(optimizer, coeff)
-            return
-        self.last_grad_norm = clip_grads_by_global_norm(params, float(clip_val), pipeline_group=self.pipeline_group,
-                                                        device=device, exclude_from_norm=skip)
+        else:
+            scale_grads(params, coeff)
 
 
 def scales_in_step(optimizer: Optimizer, scaler: object = None) -> bool:
