@@ -385,16 +385,12 @@ def batch_loss(model, batch: dict) -> torch.Tensor:
     return model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"), batch.get("document_ids"))
 
 
-def clip(model, optimizer, max_norm: float) -> None:
-    """Clip by norm as the strategy's precision plugin does (`GlobalNormClipping`): a fused Adam(W)
-    step takes the coefficient itself (no pass scaling the gradients first), else torch's clip."""
-    from lightning_moe.parallel.gradients import clip_coefficient
-    from lightning_moe.precision.clipping import scale_in_next_step, scales_in_step
+def clip(optimizer, max_norm: float) -> None:
+    """Clip by norm as the strategy's precision plugin does (`GlobalNormClipping`: one norm; a fused
+    Adam(W) step takes the coefficient itself, with no pass scaling the gradients first)."""
+    from lightning_moe.precision.clipping import Precision
 
-    if scales_in_step(optimizer):
-        scale_in_next_step(optimizer, clip_coefficient(list(model.parameters()), max_norm)[1])
-    else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    Precision().clip_grad_by_norm(optimizer, max_norm)
 
 
 def bare_loop(args) -> list[float]:
@@ -432,7 +428,7 @@ def bare_loop(args) -> list[float]:
             window_loss = window_loss + loss.detach()
         ACTIVATION_MEMORY.before_optimizer_step()
         if args.clip:
-            clip(module.model, optimizer, args.clip)
+            clip(optimizer, args.clip)
         optimizer.step()
         weight_casts.clear()
         scheduler.step()
