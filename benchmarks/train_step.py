@@ -344,7 +344,9 @@ def experts_only(name: str, module) -> bool:
 
 def build_module(args):
     from lightning_moe.models.lightning_module import MoELanguageModel
+    from lightning_moe.nn import experts
 
+    experts.GATHERED_FIRST_PROJECTION = getattr(args, "gathered_fc1", "on") == "on"
     overrides = {"num_layers": args.layers, "max_seq_length": args.seq, "moe": {"expert_backend": args.expert_backend}}
     # FP8 grouped GEMMs (torch and TE kernels) need every expert's token group padded.
     overrides["moe"]["expert_alignment"] = expert_alignment(args.precision)
@@ -576,6 +578,9 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--gathered-fc1", choices=["on", "off"], default="on",
+                        help="off: the dispatcher permutes and the experts' fc1 keeps the permuted rows for backward "
+                             "(experts.GATHERED_FIRST_PROJECTION; on: it keeps the tokens and gathers again)")
 
 
 def main(argv=None) -> None:

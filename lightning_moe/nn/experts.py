@@ -11,7 +11,13 @@ from torch import Tensor, nn
 
 from lightning_moe.kernels import use_triton
 from lightning_moe.nn.compute_weights import CachedCastLinear, autocast_dtype, compute_weight
-from lightning_moe.nn.grouped_gemm import BACKENDS, resolve_backend, te_grouped_mm
+from lightning_moe.nn.grouped_gemm import (
+    BACKENDS,
+    gathered_grouped_mm_covered,
+    gathers_in_backward,
+    resolve_backend,
+    te_grouped_mm,
+)
 from lightning_moe.nn.permutation import DeferredCombine, DeferredPermutation, PermutationPlan
 from lightning_moe.nn.saved_tensors import OutputRecompute, memory_region
 
@@ -42,6 +48,11 @@ def activate(h: Tensor, activation: str) -> Tensor:
 # each token's rows after fc2 (`GroupedExperts.weighted_swiglu_combine`); False: the dispatcher's
 # weighted combine after the experts (a benchmark toggle).
 WEIGHTED_SWIGLU_COMBINE = True
+
+# The unquantized grouped path on CUDA takes the permutation into fc1's autograd node and keeps the
+# tokens, not the permuted rows, for the weight gradient (`GroupedExperts.gathers_first_projection`);
+# False: the dispatcher permutes and fc1 keeps the rows (a benchmark toggle).
+GATHERED_FIRST_PROJECTION = True
 
 
 def _combined(y_RD: Tensor, combine: DeferredCombine | None) -> Tensor:
@@ -260,8 +271,25 @@ class GroupedExperts(nn.Module):
         permutation inside the first projection's quantized input cast (FP8 delayed scaling on
         the native backend), so the permuted rows are never written in the tokens' dtype."""
         quantization = self.quantization
-        return (quantization is not None and quantization.takes_deferred_permutation(tokens_TD)
-                and not self._fsdp_casts_inputs(tokens_TD.dtype))
+        if self._fsdp_casts_inputs(tokens_TD.dtype):
+            return False
+        if quantization is None:
+            return self.gathers_first_projection(tokens_TD)
+        return quantization.takes_deferred_permutation(tokens_TD)
+
+    def gathers_first_projection(self, tokens_TD: Tensor) -> bool:
+        """Whether the unquantized path reads the permutation inside its first projection's
+        autograd node (`GATHERED_FIRST_PROJECTION`, the grouped SwiGLU path on CUDA with Triton,
+        16-byte rows, a training pass): fc1 then keeps the ``[T, D]`` tokens for its weight
+        gradient and gathers the ``[R, D]`` rows again in the backward, instead of keeping them
+        (`grouped_gemm.gathered_grouped_mm_covered`; K times fewer bytes, the same bits)."""
+        if not (GATHERED_FIRST_PROJECTION and self.activation == "swiglu" and torch.is_grad_enabled()):
+            return False
+        dtype = autocast_dtype(tokens_TD)
+        if not (self.reads_only_grouped_rows(dtype) and use_triton(tokens_TD)):
+            return False
+        fc1 = fc1_matrix(local_tensor(self.fc1_weight))
+        return gathers_in_backward(dtype, fc1.shape[-2], fc1.shape[-1])
 
     def takes_deferred_combine(self, tokens_TD: Tensor) -> bool:
         """Whether `forward` can end in a `DeferredCombine` with the combine fused into its own
@@ -320,7 +348,14 @@ class GroupedExperts(nn.Module):
         permuted = x_RD if isinstance(x_RD, DeferredPermutation) else None
         if permuted is not None and (tail_unwritten or not self.takes_deferred_permutation(permuted.tokens_TD)):
             x_RD, permuted = permuted.materialize(), None
-        if permuted is None:
+        if permuted is not None and self.quantization is None:
+            # the unquantized gathered path: the tokens in the GEMMs' dtype (autocast's cast,
+            # `_swiglu_covered_rows` permutes them inside fc1's node)
+            tokens_TD = permuted.tokens_TD
+            if torch.is_autocast_enabled(tokens_TD.device.type):
+                tokens_TD = tokens_TD.to(torch.get_autocast_dtype(tokens_TD.device.type))
+            x_RD = DeferredPermutation(tokens_TD, permuted.plan)
+        elif permuted is None:
             if tail_unwritten and not self.reads_only_grouped_rows(x_RD.dtype):
                 raise ValueError(
                     "tail_unwritten=True needs experts that read only the grouped rows (backend 'grouped_mm', no "
@@ -337,8 +372,9 @@ class GroupedExperts(nn.Module):
         if self.quantization is None:
             # The GEMMs' operands in the tokens' dtype (the quantization casts fp32 weights itself);
             # made once per optimizer step where a ComputeWeightCache is active.
-            fc1 = compute_weight(fc1, x_RD.dtype, source=self.fc1_weight)
-            fc2 = compute_weight(fc2, x_RD.dtype, source=self.fc2_weight)
+            dtype = x_RD.tokens_TD.dtype if isinstance(x_RD, DeferredPermutation) else x_RD.dtype
+            fc1 = compute_weight(fc1, dtype, source=self.fc1_weight)
+            fc2 = compute_weight(fc2, dtype, source=self.fc2_weight)
         if group_sizes_E.shape[0] != fc1.shape[0]:
             raise ValueError(f"got {group_sizes_E.shape[0]} token groups for {fc1.shape[0]} local experts")
         offsets_E = None
@@ -348,6 +384,8 @@ class GroupedExperts(nn.Module):
             # One offsets tensor for both projections: a quantized GEMM that needs the group
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0] if permuted is None else permuted.num_rows)
+        if isinstance(x_RD, DeferredPermutation):  # unquantized: `gathers_first_projection` held
+            return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=True, combine=combine)
         if permuted is not None:
             with memory_region(self, "expert_fc1"):
                 h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)
@@ -404,10 +442,15 @@ class GroupedExperts(nn.Module):
         from lightning_moe.kernels.swiglu_triton import swiglu, weighted_swiglu
         from lightning_moe.nn.grouped_gemm import covered_offsets, grouped_mm_covered
 
-        weighted = combine is not None and self.weighted_swiglu_combine(x_RD)
-        offsets_E = covered_offsets(group_sizes_E, x_RD.shape[0])  # one set for both GEMMs and the SwiGLU
+        gathered = isinstance(x_RD, DeferredPermutation)
+        tokens = x_RD.tokens_TD if gathered else x_RD
+        weighted = combine is not None and self.weighted_swiglu_combine(tokens)
+        offsets_E = covered_offsets(group_sizes_E, x_RD.num_rows if gathered else x_RD.shape[0])  # both GEMMs'
         with memory_region(self, "expert_fc1"):
-            h_RF2 = grouped_mm_covered(x_RD, fc1, offsets_E, zero_output=False, zero_grad_input=zero_tails)
+            if gathered:  # the permutation inside fc1's node: the tokens kept, not the rows
+                h_RF2 = gathered_grouped_mm_covered(x_RD.tokens_TD, x_RD.plan, fc1, offsets_E)
+            else:
+                h_RF2 = grouped_mm_covered(x_RD, fc1, offsets_E, zero_output=False, zero_grad_input=zero_tails)
         with OutputRecompute(self.recompute_activation and torch.is_grad_enabled()) as outputs:
             with memory_region(self, "moe_act"):
                 if weighted:

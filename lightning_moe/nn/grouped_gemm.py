@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lightning_moe.kernels import use_triton
 from lightning_moe.nn.compute_weights import compute_weight
+from lightning_moe.nn.permutation import PermutationPlan, gather_token_rows, permute_backward
 
 
 def group_offsets(group_sizes_E: Tensor, num_rows: int) -> Tensor:
@@ -133,6 +134,54 @@ def grouped_mm_covered(
     x_RK, w_EKN = padded_to_16_byte_rows(x_RK, w_EKN)
     y_RN = _GroupedMMCoveredRows.apply(x_RK, w_EKN, offsets_E, zero_output, zero_grad_input)
     return y_RN[:, :n] if y_RN.shape[1] != n else y_RN
+
+
+def gathered_grouped_mm_covered(x_TD: Tensor, plan: PermutationPlan, w_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+    """``grouped_mm_covered(permute(x_TD, plan), w_EKN, offsets_E, zero_output=False)`` keeping
+    only the unpermuted tokens ``x_TD`` for backward, not the ``[R, D]`` permuted rows: the
+    backward gathers them again for the weight gradient (one more read of ``x_TD`` and write of
+    the rows per layer, K times fewer bytes kept: 32 KB a token and layer fewer at qwen3's top-8
+    and width 2048). Same values and gradients, bit for bit, as the permutation followed by the
+    GEMM. ``x_TD`` and ``w_EKN`` of one dtype with 16-byte rows (`gathers_in_backward`); rows
+    after the last offset are left unwritten in the output, as ``zero_output=False`` leaves them."""
+    return _GatheredGroupedMMCoveredRows.apply(x_TD, w_EKN, offsets_E, plan)
+
+
+def gathers_in_backward(dtype: torch.dtype, k: int, n: int) -> bool:
+    """Whether `gathered_grouped_mm_covered` takes ``[T, k] @ [E, k, n]`` operands of ``dtype``:
+    a floating dtype other than float64, rows 16 bytes wide in both (no zero-padded copies)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    multiple = 16 // torch.empty((), dtype=dtype).element_size()
+    return k % multiple == 0 and n % multiple == 0
+
+
+class _GatheredGroupedMMCoveredRows(torch.autograd.Function):  # first-order only
+    """The permutation and the first expert GEMM as one node that saves the tokens, not the rows."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, w_EKN: Tensor, offsets_E: Tensor, plan: PermutationPlan) -> Tensor:
+        ctx.save_for_backward(x_TD, w_EKN, offsets_E)
+        ctx.plan = plan
+        x_RK = gather_token_rows(x_TD, plan)
+        return torch._grouped_mm(x_RK, w_EKN, offs=offsets_E)  # x_RK is freed here
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_RN: Tensor):
+        x_TD, w_EKN, offsets_E = ctx.saved_tensors
+        plan = ctx.plan
+        grad_RN = grad_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            # Rows after the last offset stay unwritten: the permutation's backward reads only the
+            # rows that hold tokens, all inside the groups.
+            grad_RK = torch._grouped_mm(grad_RN, w_EKN.transpose(-2, -1), offs=offsets_E)
+            grad_x = permute_backward(grad_RK, plan)
+        if ctx.needs_input_grad[1]:
+            x_RK = gather_token_rows(x_TD, plan)  # the forward's rows again, the same bits
+            grad_w = torch._grouped_mm(x_RK.transpose(-2, -1), grad_RN, offs=offsets_E)
+        return grad_x, grad_w, None, None
 
 
 def padded_to_16_byte_rows(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

@@ -205,7 +205,7 @@ def _with_zero_row(x_ND: Tensor) -> Tensor:
     return torch.cat([x_ND, x_ND.new_zeros(1, x_ND.shape[1])])
 
 
-def _gather_token_rows(x_TD: Tensor, plan: PermutationPlan) -> Tensor:
+def gather_token_rows(x_TD: Tensor, plan: PermutationPlan) -> Tensor:
     """``[R, D]``: row ``r`` is token ``row_token[r]``'s, zeros for padding rows (rows past
     ``plan.rows_end`` are left unwritten on the Triton path)."""
     if plan.rows_end is not None and use_triton(x_TD):
@@ -220,7 +220,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, plan: PermutationPlan) -> Tensor:
         ctx.plan = plan
-        return _gather_token_rows(x_TD, plan)
+        return gather_token_rows(x_TD, plan)
 
     @staticmethod
     def backward(ctx, grad_RD: Tensor):
@@ -298,7 +298,7 @@ class _SumRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TD: Tensor):
-        return _gather_token_rows(grad_TD.contiguous(), ctx.plan), None
+        return gather_token_rows(grad_TD.contiguous(), ctx.plan), None
 
 
 def sum_rows(y_RD: Tensor, plan: PermutationPlan) -> Tensor:
