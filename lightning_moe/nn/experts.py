@@ -348,13 +348,16 @@ class GroupedExperts(nn.Module):
         permuted = x_RD if isinstance(x_RD, DeferredPermutation) else None
         if permuted is not None and (tail_unwritten or not self.takes_deferred_permutation(permuted.tokens_TD)):
             x_RD, permuted = permuted.materialize(), None
-        if permuted is not None and self.quantization is None:
-            # the unquantized gathered path: the tokens in the GEMMs' dtype (autocast's cast,
-            # `_swiglu_covered_rows` permutes them inside fc1's node)
+        # the unquantized path taking the permutation (`gathers_first_projection`); quantized
+        # experts read it inside their first cast instead (`_gathered_first_projection`)
+        gathered = permuted is not None and self.quantization is None
+        if gathered:
+            # the tokens in the GEMMs' dtype (autocast's cast); `_swiglu_covered_rows` permutes
+            # them inside fc1's node
             tokens_TD = permuted.tokens_TD
             if torch.is_autocast_enabled(tokens_TD.device.type):
                 tokens_TD = tokens_TD.to(torch.get_autocast_dtype(tokens_TD.device.type))
-            x_RD = DeferredPermutation(tokens_TD, permuted.plan)
+            x_RD = permuted = DeferredPermutation(tokens_TD, permuted.plan)
         elif permuted is None:
             if tail_unwritten and not self.reads_only_grouped_rows(x_RD.dtype):
                 raise ValueError(
@@ -384,7 +387,7 @@ class GroupedExperts(nn.Module):
             # One offsets tensor for both projections: a quantized GEMM that needs the group
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0] if permuted is None else permuted.num_rows)
-        if isinstance(x_RD, DeferredPermutation):  # unquantized: `gathers_first_projection` held
+        if gathered:
             return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=True, combine=combine)
         if permuted is not None:
             with memory_region(self, "expert_fc1"):
