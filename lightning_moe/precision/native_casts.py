@@ -48,6 +48,28 @@ def dense_operand(t: Tensor, recipe: FP8Recipe, state: Optional[DelayedState], r
     return q, scale_inv_R[:1]  # every row has the tensor's scale
 
 
+def dense_delayed_backward_operands(x_RK: Tensor, dy_RN: Tensor, recipe: FP8Recipe, state: DelayedState
+                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A delayed dense linear's backward operands from the one-read Triton casts, as
+    ``(qdy, sdy, qdy_t, sdy_t, qx_t, sx_t)``: the output gradient's row copy (the recipe's gradient
+    format, its amax recorded), its transposed copy (the row copy's bytes transposed: a cast is
+    elementwise with one scale, so these are the bytes of casting the transposed gradient), and
+    the input's transposed copy ``[K, R]`` (rows padded to 16 with zeros) in one read of ``x`` by
+    the tile kernel (its amax is not recorded again: the forward's cast recorded it). The same
+    values and scales as `quantize_operand` on ``dy``, ``dy.T`` and ``x.T``, which would copy
+    both transposes in the activations' dtype and cast each in several passes."""
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+    from lightning_moe.precision.delayed import SLOTS
+
+    qdy, sdy = dense_operand(dy_RN, recipe, state, "grad", True)
+    # a byte copy: float8 transposes need no arithmetic
+    qdy_t = qdy.view(torch.uint8).t().contiguous().view(qdy.dtype)
+    q_KR = transposed_out(x_RK)
+    _, _, s_col = delayed_cast(x_RK, whole(x_RK), state.scale[SLOTS["input"]], None, write_row=False, out_col=q_KR,
+                               stride_out_col=q_KR.shape[1], amax_prepass=state.fresh)
+    return qdy, sdy, qdy_t, sdy, q_KR, s_col.reshape(-1)[:1]  # one group: every column has its scale
+
+
 def fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
     """The rowwise recipe's operands can take the fused Triton quantizers (same numbers, one
     kernel per operand; see ``kernels.fp8_quant_triton``). Not for DTensors (tensor-parallel

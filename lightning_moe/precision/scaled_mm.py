@@ -33,6 +33,7 @@ from lightning_moe.precision.native_casts import (
     assert_groups_aligned,
     both_weight_layouts_now,
     caching,
+    dense_delayed_backward_operands,
     dense_operand,
     fused_both,
     fused_columns,
@@ -132,11 +133,14 @@ class _ScaledLinear(torch.autograd.Function):
                 qdy, sdy, qdy_t, sdy_t = fused_both(dy2, whole(dy2))
             else:
                 x2, weight = ctx.saved_tensors
-                qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
                 qw_t, sw_t, _, _ = cached(ctx.cache, ctx.weight_key, weight, "dense_dgrad", lambda: quantize_operand(
                     weight.t(), recipe, "weight", state=state, native=True))
-                qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
-                qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
+                if ctx.delayed and dy2.numel():
+                    qdy, sdy, qdy_t, sdy_t, qx_t, sx_t = dense_delayed_backward_operands(x2, dy2, recipe, state)
+                else:
+                    qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
+                    qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
+                    qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
             dx = scaled_mm_rows(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=recipe.fast("dgrad"))
             # Added into the weight's fp32 .grad where `in_place_accumulation_target` chose it and it
             # has one (then None for autograd), else returned.

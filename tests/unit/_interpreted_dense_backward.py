@@ -1,0 +1,80 @@
+"""The delayed dense linear's backward operands from the one-read casts
+(`native_casts.dense_delayed_backward_operands`) on CPU under Triton's interpreter, against the
+generic delayed quantizer (`quantize_operand` on ``dy``, ``dy.T`` and ``x.T``). Run as a script
+with ``TRITON_INTERPRET=1``; prints one line per case ending in "equal" and exits non-zero on the
+first mismatch.
+
+The interpreter's float8 conversion rounds some values unlike torch's (see `_interpreted_casts.py`),
+so bytes are compared with the interpreter's own row cast: the input's transposed copy holds the row
+cast's bytes transposed and zero padding columns, the gradient's transposed copy the gradient's row
+copy transposed. Scales and the amax history rows equal the generic path's exactly (they depend on
+amaxes only), for hybrid (E5M2 gradients) and E4M3, a state with scales and a fresh one (current
+amaxes), bf16 and fp32 operands with a NaN and rows not a multiple of 16. On a GPU the training
+test compares every byte with the generic path (`test_fp8_delayed_gpu.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+
+def main() -> None:
+    import lightning_moe
+
+    for name, module in list(sys.modules.items()):  # the Triton paths on CPU tensors
+        if name.startswith("lightning_moe") and hasattr(module, "use_triton"):
+            module.use_triton = lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert lightning_moe
+    from lightning_moe.precision import FP8Recipe
+    from lightning_moe.precision.delayed import DelayedState
+    from lightning_moe.precision.native_casts import dense_delayed_backward_operands, dense_operand
+    from lightning_moe.precision.operands import quantize_operand
+
+    def state(fresh: bool) -> DelayedState:
+        scale = torch.zeros(3, 1) if fresh else torch.tensor([[40.0], [60.0], [3000.0]])
+        return DelayedState(torch.zeros(4, 3, 1), scale, fresh)
+
+    def bytes_of(q: torch.Tensor) -> torch.Tensor:
+        return q.view(torch.uint8)
+
+    def check(case: str, ok: bool) -> None:
+        print(f"dense {case}: {'equal' if ok else 'differs'}")
+        if not ok:
+            sys.exit(1)
+
+    torch.manual_seed(0)
+    rows, k, n = 200, 128, 64
+    for dtype in (torch.bfloat16, torch.float32):
+        for fmt in ("hybrid", "e4m3"):
+            for fresh in (False, True):
+                recipe = FP8Recipe("delayed", fmt=fmt)
+                x = (torch.randn(rows, k) * torch.logspace(-2, 2, rows)[:, None]).to(dtype)
+                x[5, 9] = float("nan")
+                dy = (torch.randn(rows, n) * 1e-3).to(dtype)
+                fast, generic = state(fresh), state(fresh)
+                # the forward's cast of the input (records its amax in both)
+                q_x, _ = dense_operand(x, recipe, fast, "input", True)
+                quantize_operand(x, recipe, "input", state=generic, native=True)
+                qdy, sdy, qdy_t, sdy_t, qx_t, sx_t = dense_delayed_backward_operands(x, dy, recipe, fast)
+                _, gdy, _, _ = quantize_operand(dy, recipe, "grad", state=generic, native=True)
+                _, gdy_t, _, _ = quantize_operand(dy.t(), recipe, "grad", state=generic, native=True)
+                _, gx_t, _, _ = quantize_operand(x.t(), recipe, "input", state=generic, native=True)
+                case = f"{str(dtype).replace('torch.', '')} {fmt} {'fresh' if fresh else 'history'}"
+                padded = -(-rows // 16) * 16
+                check(f"{case} layouts", qx_t.shape == (k, padded) and qdy_t.shape == (n, rows)
+                      and qdy.dtype == qdy_t.dtype and qx_t.dtype == torch.float8_e4m3fn)
+                check(f"{case} input bytes", torch.equal(bytes_of(qx_t)[:, :rows], bytes_of(q_x).t())
+                      and bool((bytes_of(qx_t)[:, rows:] == 0).all()))
+                check(f"{case} gradient bytes", torch.equal(bytes_of(qdy_t), bytes_of(qdy).t()))
+                check(f"{case} scales", all(torch.equal(a.reshape(-1)[:1].float(), b.reshape(-1)[:1].float())
+                                            and a.numel() == 1 for a, b in ((sdy, gdy), (sdy_t, gdy_t), (sx_t, gx_t))))
+                check(f"{case} amax records", torch.equal(fast.amax_history, generic.amax_history))
+
+
+if __name__ == "__main__":
+    main()
