@@ -7,7 +7,8 @@ Runs one forward of `train_step.py`'s model (same preset, overrides, bf16 autoca
 master weights, weight casts shared as the strategy shares them) under saved-tensor hooks, and
 charges each saved tensor's storage to the innermost module running when it was saved (a storage
 saved twice counts once, for its first saver; parameters and their compute-dtype casts are left
-out, the LM head's part counts under the model: a hooked head is not chunked). Layer indices are folded,
+out; the LM head's and the per-head q / k norms' parts count under the module around them: hooked,
+they would leave their fused paths). Layer indices are folded,
 so a row is one part of a layer summed over the layers. Next to the saved bytes: the bytes the
 forward left allocated (saved tensors + the weight-cast caches + what the loss keeps outside
 autograd, such as a chunked LM head's weight-gradient accumulator) and the forward's peak, both
@@ -35,6 +36,10 @@ from lightning_moe.models.recompute import RECOMPUTE_MODULES  # noqa: E402
 from lightning_moe.nn.saved_tensors import parameter_derived  # noqa: E402
 
 WEIGHT_CASTS = "(weight casts, not activations)"
+# Modules the library runs on a faster path only while they carry no hooks: a hooked LM head is
+# never chunked, hooked per-head q / k norms leave the fused norm + rotary kernel for the eager
+# norm (fp32 copies of q and k). Left unhooked, so the forward measured is the one that trains.
+UNHOOKED = frozenset({"lm_head", "q_norm", "k_norm"})
 _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -56,8 +61,8 @@ class SavedTensorLedger:
         self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.handles = []
         for name, module in model.named_modules():
-            if name.split(".")[-1] == "lm_head":
-                continue  # a hooked LM head is never chunked: its tensors count under the model
+            if name.split(".")[-1] in UNHOOKED:
+                continue  # see UNHOOKED: their tensors count under the module around them
             self.handles.append(module.register_forward_pre_hook(self._enter(name)))
             self.handles.append(module.register_forward_hook(self._leave(name), always_call=True))
 
