@@ -124,7 +124,8 @@ class RoutedExperts(Protocol):
     ``forward(x_RD, group_sizes_E, tail_unwritten=False, combine=None)``: rows grouped by local
     expert (or a `DeferredPermutation` where `takes_deferred_permutation`) -> ``[R, D]``, or the
     combined ``[T, D]`` with ``combine``; ``tail_unwritten`` is passed only where
-    `reads_only_grouped_rows`. `prefetch` / `release_prefetched` bracket every layer forward.
+    `reads_only_grouped_rows`, possibly with a `DeferredPermutation` (whose plan's ``rows_end``
+    then marks the rows left unwritten). `prefetch` / `release_prefetched` bracket every layer forward.
     """
 
     def __call__(self, x_RD: Tensor | DeferredPermutation, group_sizes_E: Tensor, tail_unwritten: bool = False,
@@ -346,7 +347,9 @@ class GroupedExperts(nn.Module):
         if combine is not None and tail_unwritten:
             raise ValueError("GroupedExperts: combine= reads every row it combines; pass tail_unwritten=False with it")
         permuted = x_RD if isinstance(x_RD, DeferredPermutation) else None
-        if permuted is not None and (tail_unwritten or not self.takes_deferred_permutation(permuted.tokens_TD)):
+        # the quantized casts write every row they read; the unquantized gathered path leaves the tail
+        if permuted is not None and (not self.takes_deferred_permutation(permuted.tokens_TD)
+                                     or (tail_unwritten and self.quantization is not None)):
             x_RD, permuted = permuted.materialize(), None
         # the unquantized path taking the permutation (`gathers_first_projection`); quantized
         # experts read it inside their first cast instead (`_gathered_first_projection`)
@@ -388,7 +391,8 @@ class GroupedExperts(nn.Module):
             # sizes on the host (per-expert FP8 GEMMs) then syncs once per forward, not twice.
             offsets_E = group_offsets(group_sizes_E, x_RD.shape[0] if permuted is None else permuted.num_rows)
         if gathered:
-            return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=True, combine=combine)
+            return self._swiglu_covered_rows(x_RD, fc1, fc2, group_sizes_E, zero_tails=not tail_unwritten,
+                                             combine=combine)
         if permuted is not None:
             with memory_region(self, "expert_fc1"):
                 h_RF = self._gathered_first_projection(permuted, fc1, offsets_E)

@@ -192,9 +192,10 @@ class MoELayer(nn.Module):
             # permutation's backward never read them back either.
             tail_unwritten = dispatcher.can_leave_tail_unwritten and experts.reads_only_grouped_rows(x_TD.dtype)
             tail = {"tail_unwritten": True} if tail_unwritten else {}  # only then: other experts lack it
-            # Experts that read the permutation inside their first quantized cast get the tokens
-            # and the plan, so the permuted rows are never written in the tokens' dtype.
-            if dispatcher.can_defer_permute and not tail_unwritten and experts.takes_deferred_permutation(x_TD):
+            # Experts that read the permutation themselves (inside their first quantized cast, or
+            # in fc1's node on the unquantized path) get the tokens and the plan: the permuted rows
+            # are then never written in the tokens' dtype, or never kept for the backward.
+            if dispatcher.can_defer_permute and experts.takes_deferred_permutation(x_TD):
                 extra["defer_permute"] = True
             expert_input_RD, group_sizes_E, state = dispatcher.dispatch(x_TD, routing, **extra, **tail)
             # Experts that end in the combine themselves (their FP8 path weights the SwiGLU's rows

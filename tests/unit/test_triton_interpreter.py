@@ -8,7 +8,8 @@ cross-entropy kernels against autograd and the previous formulation's gradient b
 its eager path (`_interpreted_linear_cross_entropy.py`), the per-head norm + rotary
 kernel against the eager formulation, alone and in a decoder (`_interpreted_rotary.py`), the weighted
 SwiGLU alone and as the MoE layer's combine (`_interpreted_weighted_swiglu.py`), fc1 reading the
-permutation itself (`_interpreted_gathered_projection.py`), the delayed dense linear's backward
+permutation itself, alone and under the all-gather dispatcher on gloo processes
+(`_interpreted_gathered_projection.py`, `_interpreted_gathered_allgather.py`), the delayed dense linear's backward
 operands (`_interpreted_dense_backward.py`), and delayed
 scaling's update kernel against the torch update (`_interpreted_scale_update.py`). Where
 Triton is not installed these skip; CI installs it (see ``.ci/run``)."""
@@ -104,6 +105,10 @@ def test_moe_layer_with_the_probabilities_in_the_swiglu_matches_the_weighted_com
 
 def test_moe_layer_with_fc1_gathering_the_permutation_is_bit_equal_and_keeps_less():
     _equal_lines(_interpreted("_interpreted_gathered_projection.py"), "gathered", 8)
+
+
+def test_all_gather_dispatch_with_fc1_gathering_the_permutation_is_bit_equal_and_keeps_less():
+    _equal_lines(_interpreted("_interpreted_gathered_allgather.py"), "allgather", 12)
 
 
 def test_dense_delayed_backward_operands_match_the_generic_quantizer():
