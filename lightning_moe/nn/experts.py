@@ -172,7 +172,8 @@ class GroupedExperts(nn.Module):
     A precision plugin may set ``quantization`` to a `GroupedGemmQuantization` to run quantized
     GEMMs instead. Where
     `takes_deferred_permutation`, ``x_RD`` may be a `DeferredPermutation` (the tokens and the plan, not
-    yet permuted): the quantization then reads the permutation inside its first cast. With
+    yet permuted): the quantization then reads the permutation inside its first cast, or the
+    unquantized path inside fc1's autograd node (`gathers_first_projection`). With
     ``combine=`` (a dispatcher's `DeferredCombine`) it returns the combined tokens [T, D]
     instead: fused into the second projection where `takes_deferred_combine`, else carried out
     after it.
@@ -270,7 +271,9 @@ class GroupedExperts(nn.Module):
     def takes_deferred_permutation(self, tokens_TD: Tensor) -> bool:
         """Whether `forward` can take these tokens as a `DeferredPermutation` and read the
         permutation inside the first projection's quantized input cast (FP8 delayed scaling on
-        the native backend), so the permuted rows are never written in the tokens' dtype."""
+        the native backend), so the permuted rows are never written in the tokens' dtype; or,
+        unquantized, inside fc1's autograd node (`gathers_first_projection`), so they are never
+        kept for the backward."""
         quantization = self.quantization
         if self._fsdp_casts_inputs(tokens_TD.dtype):
             return False

@@ -152,7 +152,7 @@ def gathers_in_backward(dtype: torch.dtype, k: int, n: int) -> bool:
     a floating dtype other than float64, rows 16 bytes wide in both (no zero-padded copies)."""
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    multiple = 16 // torch.empty((), dtype=dtype).element_size()
+    multiple = 16 // (torch.finfo(dtype).bits // 8)
     return k % multiple == 0 and n % multiple == 0
 
 
