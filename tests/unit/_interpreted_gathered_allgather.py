@@ -32,6 +32,7 @@ def _force_triton() -> None:
 
 
 def _rank(rank: int, world_size: int, etp: int) -> list[str]:
+    from _interpreted_gathered_projection import saved_shapes
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_moe.nn import MoEConfig, MoELayer
@@ -53,13 +54,7 @@ def _rank(rank: int, world_size: int, etp: int) -> list[str]:
             experts_module.GATHERED_FIRST_PROJECTION = gathered
             layer.zero_grad(set_to_none=True)
             xi = x.clone().requires_grad_()
-            shapes = []
-
-            def pack(t):
-                shapes.append(tuple(t.shape))
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with saved_shapes() as shapes:
                 y = layer(xi)
             (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
             grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in layer.parameters()]

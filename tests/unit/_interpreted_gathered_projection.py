@@ -14,12 +14,28 @@ tokens fc1 keeps are a recipe, and the gradients stay bit-equal.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
+
+
+@contextlib.contextmanager
+def saved_shapes() -> Iterator[list]:
+    """The shapes of the tensors autograd saves inside the block (hooks installed inside it, such
+    as a recompute's, see their own tensors instead)."""
+    shapes: list = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield shapes
 
 
 def main() -> None:
@@ -47,13 +63,7 @@ def main() -> None:
                 experts_module.GATHERED_FIRST_PROJECTION = gathered
                 layer.zero_grad(set_to_none=True)
                 xi = x.clone().requires_grad_()
-                shapes = []
-
-                def pack(t):
-                    shapes.append(tuple(t.shape))
-                    return t
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with saved_shapes() as shapes:
                     with OutputRecompute(recompute) as outputs:
                         y = layer(outputs.run(torch.mul, xi, 1.0))
                 y = y[0] if isinstance(y, tuple) else y
