@@ -381,7 +381,7 @@ class GroupedExperts(nn.Module):
         if self.quantization is None:
             # The GEMMs' operands in the tokens' dtype (the quantization casts fp32 weights itself);
             # made once per optimizer step where a ComputeWeightCache is active.
-            dtype = x_RD.tokens_TD.dtype if isinstance(x_RD, DeferredPermutation) else x_RD.dtype
+            dtype = x_RD.tokens_TD.dtype if gathered else x_RD.dtype
             fc1 = compute_weight(fc1, dtype, source=self.fc1_weight)
             fc2 = compute_weight(fc2, dtype, source=self.fc2_weight)
         if group_sizes_E.shape[0] != fc1.shape[0]:

@@ -24,12 +24,9 @@ import torch  # noqa: E402
 
 
 def main() -> None:
-    import lightning_moe
+    from _triton_on_cpu import force_triton_paths
 
-    for name, module in list(sys.modules.items()):  # the Triton paths on CPU tensors
-        if name.startswith("lightning_moe") and hasattr(module, "use_triton"):
-            module.use_triton = lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert lightning_moe
+    force_triton_paths()
     from lightning_moe.precision import FP8Recipe
     from lightning_moe.precision.delayed import DelayedState
     from lightning_moe.precision.native_casts import dense_delayed_backward_operands, dense_operand

@@ -22,15 +22,6 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 
-def _force_triton() -> None:
-    import lightning_moe
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("lightning_moe") and hasattr(module, "use_triton"):
-            module.use_triton = lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert lightning_moe
-
-
 def _rank(rank: int, world_size: int, etp: int) -> list[str]:
     from _interpreted_gathered_projection import saved_shapes
     from torch.distributed.device_mesh import init_device_mesh
@@ -71,8 +62,9 @@ def _rank(rank: int, world_size: int, etp: int) -> list[str]:
 
 def main() -> None:
     from _launch import run_distributed
+    from _triton_on_cpu import force_triton_paths
 
-    _force_triton()
+    force_triton_paths()
     bad = False
     for world_size, etp in ((2, 1), (4, 2)):
         for lines in run_distributed(_rank, world_size, etp, timeout=600.0):

@@ -39,16 +39,13 @@ def saved_shapes() -> Iterator[list]:
 
 
 def main() -> None:
-    import lightning_moe
+    from _triton_on_cpu import force_triton_paths
+
     from lightning_moe.nn import MoEConfig, MoELayer
     from lightning_moe.nn import experts as experts_module
     from lightning_moe.nn.saved_tensors import OutputRecompute
 
-    # The Triton paths on CPU tensors (the interpreter runs the kernels).
-    for name, module in list(sys.modules.items()):
-        if name.startswith("lightning_moe") and hasattr(module, "use_triton"):
-            module.use_triton = lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert lightning_moe
+    force_triton_paths()
 
     tokens, topk, hidden = 18, 2, 32
     for dtype in (torch.float32, torch.bfloat16):

@@ -64,15 +64,12 @@ def kernel() -> None:
 
 
 def layer() -> None:
-    import lightning_moe
+    from _triton_on_cpu import force_triton_paths
+
     from lightning_moe.nn import MoEConfig, MoELayer
     from lightning_moe.nn import experts as experts_module
 
-    # The Triton paths on CPU tensors (the interpreter runs the kernels).
-    for name, module in list(sys.modules.items()):
-        if name.startswith("lightning_moe") and hasattr(module, "use_triton"):
-            module.use_triton = lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert lightning_moe
+    force_triton_paths()
 
     from lightning_moe.kernels import swiglu_triton
 
