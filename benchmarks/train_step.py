@@ -519,7 +519,11 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
 
                 sync(args)  # host sync: every kernel of the step inside the trace
                 self.prof.__exit__(None, None, None)
-                print_profile(summarize_profile(self.prof, top_kernels=40), rows=40)
+                summary = summarize_profile(self.prof, top_kernels=60)
+                print_profile(summary, rows=40)
+                tag = args.tag or f"{args.preset}_{args.layers}l"
+                write_results(f"train_step_{tag}_profile", {"config": vars(args), "profile": summary},
+                              results_dir=args.results_dir)
 
     callbacks = [Timer()]
     if cuda_graph is not None:  # --cuda-graph: the same run with CUDAGraphs, captured inside the warm-up

@@ -77,3 +77,22 @@ def test_three_parts_beat_two_where_the_contraction_is_short():
     two_parts_err = (F.linear(x.double(), hi.double() + mid.double()) - ref).abs().max().item()
     err = (router_logits(x, w, split=True).double() - ref).abs().max().item()
     assert 2 * err <= two_parts_err, (err, two_parts_err)
+
+
+@pytest.mark.parametrize("shape", [(8192, 2048, 128), (333, 4096, 8)])
+def test_default_logits_keep_bf16_tokens_with_the_fp32_copys_bits(shape):
+    """The default product saves the bf16 tokens, not their fp32 copy, and gives autograd's bits."""
+    from lightning_moe.nn.router_logits import router_logits
+
+    x, w, g = _case(*shape)
+    results = []
+    for widened in (True, False):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if widened:
+            out = router_logits(xs, ws)
+        else:
+            out = F.linear(xs.float(), ws)
+        out.backward(g)
+        results.append((out.detach(), xs.grad, ws.grad))
+    for ours, reference in zip(*results):
+        assert torch.equal(ours, reference)

@@ -124,3 +124,29 @@ def test_router_logits_gemm_is_validated():
     with pytest.raises(ValueError, match="router_logits_gemm='tf32' is not one of"):
         MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, router_topk=2, router_logits_gemm="tf32")
     assert MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, router_topk=2).router_logits_gemm == "fp32"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_low_precision_tokens_keep_their_own_dtype_for_the_backward_with_the_same_bits(dtype, autocast):
+    torch.manual_seed(3)
+    x = torch.randn(24, 2, 96).to(dtype)[:, 1]  # a strided view, as a sliced batch gives
+    w = torch.randn(16, 96)
+    g = torch.randn(24, 16)
+    grads = []
+    for widened in (True, False):
+        x_leaf, w_leaf = x.clone().requires_grad_(), w.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if widened:
+                y = router_logits(x_leaf, w_leaf)
+            else:  # autograd's own formulas on the fp32 copy, outside autocast as the router runs
+                with torch.autocast("cpu", enabled=False):
+                    y = F.linear(x_leaf.float(), w_leaf)
+        y.backward(g)
+        grads.append((y.detach(), x_leaf.grad, w_leaf.grad))
+        if widened:  # the tokens in their own dtype, never an fp32 copy of them
+            assert {t.dtype for t in saved if t.shape == x.shape} == {dtype}
+    for ours, reference in zip(*grads):
+        assert ours.dtype == reference.dtype and torch.equal(ours, reference)
