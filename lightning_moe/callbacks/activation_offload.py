@@ -39,7 +39,6 @@ same tensors, `attach` refuses the pair, naming it (keep one of the two for that
 - ``qkv_linear`` with ``layernorm`` (the projections' input is the recomputed norm output),
 - ``qkv_linear`` with ``mla_up_proj`` where MLA's ``q_proj`` is full-rank (it runs inside the
   recomputed up-projection),
-- ``moe_act`` with ``moe_act`` (the activation's input stays on the device for its recomputation),
 - ``expert_fc1`` / ``moe_act`` (any part inside the MoE block or dense MLP) with ``moe`` / ``mlp``,
   parts inside the shared experts with ``shared_experts``.
 
@@ -49,7 +48,11 @@ blocks keep only their input; a notice says so), and where that leaves no part a
 checkpoint keeps.
 
 Every other pair works: e.g. ``core_attn`` with ``core_attn`` offloads q, k, v (what the
-recomputation keeps), ``expert_fc1`` with ``moe_act``, the norms and projections with ``moe``.
+recomputation keeps), ``moe_act`` with ``moe_act`` offloads the activation's input (fc1's output,
+what its recomputation keeps; it comes back for the recomputation, and the activation's output is
+recomputed instead of kept: Megatron-Core's pairing, which leaves the bf16 experts nothing on the
+device between forward and backward with ``expert_fc1``), ``expert_fc1`` with ``moe_act``, the
+norms and projections with ``moe``.
 
 Not with pipeline parallelism (``pipeline_parallel_size > 1``): the copies are grouped per layer,
 and a pipeline schedule keeps several micro-batches of a layer in flight.
@@ -138,8 +141,6 @@ def _recompute_overlap(model: nn.Module, name: str, region: Optional[str]) -> Op
         if getattr(module, "recompute_up_proj", False) is True and any(
                 _within(name, prefix + n) for n in ("q_proj", "q_b_proj", "kv_a_layernorm", "kv_b_proj")):
             return "mla_up_proj", "it runs inside the recomputed up-projection"
-        if not inner and region == "moe_act" and getattr(module, "recompute_activation", False) is True:
-            return "moe_act", "the activation's input stays on the device for its recomputation"
     return None
 
 

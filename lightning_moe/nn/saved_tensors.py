@@ -189,10 +189,12 @@ class _Recipe:
     second time for its own saved tensors). What the run made is dropped once every claim has
     been unpacked. ``fn`` must be deterministic and draw no random numbers (a norm, an activation)."""
 
-    __slots__ = ("fn", "args", "autocast", "out_meta", "claims", "saved_count", "inside", "result", "tensor_ptrs")
+    __slots__ = ("fn", "args", "needs_grad", "autocast", "out_meta", "claims", "saved_count", "inside", "result",
+                 "tensor_ptrs", "stored_ptrs")
 
     def __init__(self, fn: Callable[..., Tensor], args: tuple) -> None:
         self.fn, self.args = fn, args
+        self.needs_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         self.autocast: Optional[tuple] = None
         self.out_meta: Optional[tuple] = None
         self.claims = 0
@@ -200,11 +202,25 @@ class _Recipe:
         self.inside: Optional[dict[int, Tensor]] = None  # recomputed saved tensors by their index
         self.result: Optional[Tensor] = None
         self.tensor_ptrs = {_storage_ptr(a) for a in args if isinstance(a, Tensor)}
+        self.stored_ptrs: set[Optional[int]] = set()  # inputs that a storage policy holds (`run`)
 
-    def run(self) -> Tensor:
-        """``fn(*args)`` in the forward, its own saved tensors claimed (no policy inside it)."""
+    def run(self, storage: tuple["SavedTensorPolicy", ...] = ()) -> Tensor:
+        """``fn(*args)`` in the forward, its own saved tensors claimed (no policy inside it).
+
+        ``storage``: the policies that are not recomputations, active where ``fn`` runs (an
+        activation offload of this part). They store the inputs the recomputation keeps, as they
+        would store what ``fn`` saves in a plain run (Megatron-Core offloads a recomputed
+        activation's input): an input a policy claims is held as its payload, not on the device,
+        and ``fn``'s own saved copies of it are served from the recomputation."""
+        stored = None
+        if storage:
+            pack = _dispatch_pack(storage)
+            stored = tuple(pack(a) if isinstance(a, Tensor) and not parameter_derived(a) else a for a in self.args)
+            self.stored_ptrs = {_storage_ptr(a) for a, s in zip(self.args, stored) if isinstance(s, _Packed)}
         with _checkpoint_phase(False), torch.autograd.graph.saved_tensors_hooks(self.pack_inside, self.unpack_inside):
             out = self.fn(*self.args)
+        if self.stored_ptrs:
+            self.args = stored  # the device inputs are no longer held here
         device = out.device.type
         self.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         self.out_meta = (out.shape, out.stride(), out.dtype)
@@ -213,8 +229,10 @@ class _Recipe:
     def pack_inside(self, tensor: Tensor) -> Any:
         index = self.saved_count
         self.saved_count += 1
-        # An input or a weight is kept as it is: it lives on outside ``fn`` anyway.
-        if _storage_ptr(tensor) in self.tensor_ptrs or parameter_derived(tensor):
+        # An input or a weight is kept as it is: it lives on outside ``fn`` anyway (unless a storage
+        # policy holds that input: then this copy is recomputed from the stored one).
+        ptr = _storage_ptr(tensor)
+        if (ptr in self.tensor_ptrs and ptr not in self.stored_ptrs) or parameter_derived(tensor):
             return tensor
         self.claims += 1
         return (self, index)
@@ -253,7 +271,9 @@ class _Recipe:
         def refuse(_: Any) -> Tensor:
             raise RuntimeError("OutputRecompute: the recomputation's own graph is never run backward")
 
-        inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, Tensor) else a for a in self.args)
+        args = tuple(_dispatch_unpack(a) for a in self.args)  # stored inputs come back (each once per run)
+        inputs = tuple(a.detach().requires_grad_(grad) if isinstance(a, Tensor) else a
+                       for a, grad in zip(args, self.needs_grad))
         # Like the checkpoint's recomputation: `recomputing()` is True, so code with side effects (FP8
         # amax records, router token counts) leaves its state as the forward left it. Recorded (grad
         # on) only so that the ops save what they saved in the forward.
@@ -314,7 +334,7 @@ class OutputRecompute(SavedTensorPolicy):
         if not self._installed:
             return fn(*args)
         recipe = _Recipe(fn, args)
-        out = recipe.run()
+        out = recipe.run(tuple(p for p in _POLICIES.get() if not p.recomputes))
         self._outputs.append((out, recipe))
         return out
 
