@@ -75,6 +75,7 @@ def plan_permutation(
     pad_to_capacity: bool = False,
     num_rows: Optional[int] = None,
     dropped_marked: bool = False,
+    spare_rows: bool = False,
 ) -> PermutationPlan:
     """Build the permutation plan for ``experts_TK`` (int64 or int32 [T, K]) on its device, sync-free.
 
@@ -93,7 +94,9 @@ def plan_permutation(
     split sizes): it must be at least the sum of the (aligned) group sizes. Without it, a buffer
     sized for ``T*K`` carries every unused row after the last group (the "grouped_mm" backend
     leaves them out of its GEMMs; the others hand them to the last expert). With ``alignment``
-    1 and no capacity padding it must equal the number of kept assignments exactly.
+    1 and no capacity padding it must equal the number of kept assignments exactly, unless
+    ``spare_rows``: ``num_rows`` is then a static bound, and the rows after the kept ones hold no
+    token (a buffer sized before the routing is known, as inside a CUDA graph).
 
     Every MoE layer builds a plan per micro-batch, so the number of device ops matters (each is
     a kernel launch): the sort returns the expert of every sorted assignment with its order,
@@ -130,7 +133,7 @@ def plan_permutation(
         num_rows = num_assign
     if num_rows_override is not None:
         num_rows = num_rows_override
-    padding_rows = pad_to_capacity or alignment > 1 or num_rows_override is None
+    padding_rows = pad_to_capacity or alignment > 1 or num_rows_override is None or spare_rows
 
     def group_sizes() -> Tensor:
         if rows_per_expert is not None:

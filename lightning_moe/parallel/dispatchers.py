@@ -25,11 +25,23 @@ assignment instead, so that every split size is static.
 Host syncs: the all-to-all needs its split sizes on the host, read once per dispatch (a single
 ``tolist``; none at all under ``pad_expert_input_to_capacity``, whose splits are static);
 combine and both backward passes reuse those sizes. The all-gather dispatcher never syncs.
+
+A dropless all-to-all inside a CUDA graph (`AllToAllDispatcher.static_budget`, which the
+``CUDAGraphs`` callback sets for its capture): every size is fixed by the number of tokens, as
+Megatron-Core's ``--moe-expert-rank-capacity-factor`` fixes its receive budget. Each rank sends a
+slot of ``S = min(T, ceil(f * T * K / EP))`` token rows to every EP rank (equal splits: nothing
+read on the host) and each rank's experts get a buffer of ``ceil(f * T * K * ETP)`` assignment rows
+(plus alignment), ``f`` the budget factor: about ``f`` times the rows of a balanced eager dispatch.
+Where a slot or the buffer would overflow, that exchange keeps no assignment at all (no memory is
+touched out of bounds) and a device flag (``overflow``) records it; the caller reads the flag once
+per optimizer step and runs the step again eagerly (dropless, host-synced sizes), so no token is
+ever dropped. All ranks must route the same number of tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -251,6 +263,14 @@ class AllToAllDispatcher(TokenDispatcher):
             )
         _init_groups(self, cfg, ep_group, etp_group)
         self.etp_rank = group_rank(self.etp_group)
+        # The budget factor of the static (capturable) dropless path, None: host-synced sizes
+        # (module docstring). Set by the CUDAGraphs callback around its capture.
+        self.static_budget: float | None = None
+        # int32 0-dim device flag, nonzero once a static dispatch overflowed its slots or buffer
+        # (made at the first static dispatch; cleared by whoever reads it).
+        self.overflow: Tensor | None = None
+
+    takes_static_budget = True  # the CUDAGraphs callback may capture its dropless path (`static_budget`)
 
     def describe(self) -> str:
         return _describe("all-to-all", self.ep_size, self.etp_size)
@@ -258,14 +278,79 @@ class AllToAllDispatcher(TokenDispatcher):
     @property
     def syncs_host(self) -> bool:
         """Whether dispatch reads device values on the host (the dropless path's split sizes), so
-        that it cannot run under CUDA-graph capture."""
+        that it cannot run under CUDA-graph capture as it is (`static_budget` makes it static)."""
         cfg = self.cfg
         return not (cfg.pad_expert_input_to_capacity and cfg.expert_capacity_factor is not None)
 
     def dispatch(self, x_TD: Tensor, routing: RoutingResult) -> tuple[Tensor, Tensor, Any]:
         if _pads_to_capacity(self.cfg, routing):
             return self._dispatch_assignments(x_TD, routing)
+        if self.static_budget is not None:
+            return self._dispatch_tokens_static(x_TD, routing, self.static_budget)
         return self._dispatch_tokens(x_TD, routing)
+
+    def static_sizes(self, num_tokens: int, budget: float) -> tuple[int, int]:
+        """(token rows of each EP rank's slot, expert rows) of the static path for ``num_tokens``
+        tokens per rank: the slot is ``min(T, ceil(f * T * K / EP))``; the expert buffer
+        ``ceil(f * T * K * ETP)`` rows plus every local expert's alignment padding (at most the
+        rows that the slots can bring)."""
+        if not budget > 0:
+            raise ValueError(f"the all-to-all budget factor must be > 0, got {budget!r}")
+        topk, align, el = self.cfg.router_topk, self.cfg.expert_alignment, self.num_local_experts
+        slot = min(num_tokens, math.ceil(budget * num_tokens * topk / self.ep_size))
+        worst = self.etp_size * self.ep_size * slot * min(topk, el)
+        rows = min(math.ceil(budget * num_tokens * topk * self.etp_size), worst)
+        return slot, round_up(rows + el * (align - 1), align)
+
+    def _dispatch_tokens_static(
+        self, x_TD: Tensor, routing: RoutingResult, budget: float
+    ) -> tuple[Tensor, Tensor, TokenAllToAllState]:
+        """The token-level dispatch with sizes fixed by the token count (module docstring): equal
+        slots of ``S`` rows per EP rank, a ``static_sizes`` expert buffer, no host read. An
+        exchange whose slot or buffer would overflow keeps no assignment and sets ``overflow``."""
+        cfg = self.cfg
+        ep, el = self.ep_size, self.num_local_experts
+        experts_TK, needs_TR, _ = self._token_counts(routing)
+        num_tokens, topk = experts_TK.shape
+        slot, expert_rows = self.static_sizes(num_tokens, budget)
+        send_over = (needs_TR.sum(0) > slot).any()
+        keep_TR = needs_TR & ~send_over
+        ranks_TR = torch.arange(ep, device=x_TD.device).expand(num_tokens, ep)
+        send_plan = plan_permutation(ranks_TR, ep, keep_TK=keep_TR, capacity=slot, pad_to_capacity=True)
+        x_ND = permute(x_TD, send_plan)
+        # Metadata as in `_dispatch_tokens_with`; the slots' empty rows read token T, a row of
+        # expert -1 (no expert) and probability 0.
+        row_token_N = send_plan.row_token_R
+        experts_ext = torch.cat([experts_TK, experts_TK.new_full((1, topk), -1)])
+        probs_ext = torch.cat([routing.probs_TK, routing.probs_TK.new_zeros(1, topk)])
+        local_NK = experts_ext.index_select(0, row_token_N) - (send_plan.row_assignment_R % ep).unsqueeze(1) * el
+        local_NK = torch.where((local_NK >= 0) & (local_NK < el), local_NK, -1)
+        meta_NK2 = torch.cat([probs_ext.index_select(0, row_token_N), local_NK.to(probs_ext.dtype)], 1)
+        splits = [slot] * ep
+        recv_x_ND = all_to_all_rows(x_ND, splits, splits, self.ep_group)
+        recv_meta = all_to_all_rows(meta_NK2, splits, splits, self.ep_group)
+        if self.etp_group is not None:  # every peer's block has EP x S rows already
+            recv_x_ND = all_gather_rows(recv_x_ND, self.etp_group)
+            recv_meta = all_gather_rows(recv_meta, self.etp_group)
+        probs_NK, local_NK = recv_meta[:, :topk], recv_meta[:, topk:].detach().long()
+        mine_NK = local_NK >= 0
+        experts_NK = local_NK.clamp(min=0)
+        received_E = torch.zeros(el, dtype=torch.long, device=x_TD.device).scatter_add_(
+            0, experts_NK.reshape(-1), mine_NK.reshape(-1).long())
+        recv_over = round_up(received_E, cfg.expert_alignment).sum() > expert_rows
+        mine_NK = mine_NK & ~recv_over
+        self._record_overflow(send_over | recv_over)
+        expert_plan = plan_permutation(experts_NK, el, keep_TK=mine_NK, alignment=cfg.expert_alignment,
+                                       num_rows=expert_rows, spare_rows=True)
+        expert_input_RD, combine_probs_NK = expert_input(recv_x_ND, probs_NK, expert_plan, cfg)
+        received = ep * slot
+        state = TokenAllToAllState(send_plan, expert_plan, combine_probs_NK, splits, splits, received, received)
+        return expert_input_RD, expert_plan.group_sizes_E, state
+
+    def _record_overflow(self, overflowed: Tensor) -> None:
+        if self.overflow is None or self.overflow.device != overflowed.device:
+            self.overflow = torch.zeros((), dtype=torch.int32, device=overflowed.device)
+        self.overflow.bitwise_or_(overflowed.to(torch.int32))
 
     def combine(self, expert_output_RD: Tensor, state: Any) -> Tensor:
         if isinstance(state, TokenAllToAllState):
@@ -390,7 +475,8 @@ class AllToAllDispatcher(TokenDispatcher):
         Results equal the unchunked dispatch up to the order of floating-point sums.
         """
         num_chunks = min(self.cfg.dispatch_chunks, x_TD.shape[0])
-        if num_chunks <= 1 or _pads_to_capacity(self.cfg, routing):
+        # the static path exchanges the micro-batch at once (inside a graph no host waits on it)
+        if num_chunks <= 1 or _pads_to_capacity(self.cfg, routing) or self.static_budget is not None:
             expert_input_RD, group_sizes_E, state = self.dispatch(x_TD, routing)
             return self.combine(experts(expert_input_RD, group_sizes_E), state)
         bounds = [(c * x_TD.shape[0] // num_chunks, (c + 1) * x_TD.shape[0] // num_chunks) for c in range(num_chunks)]

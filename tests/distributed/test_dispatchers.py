@@ -488,3 +488,103 @@ def test_fsdp_input_casts_turn_the_deferred_permutation_off():
     permutation of fp32 tokens (bf16 tokens are not cast, so they still do). Nor the deferred
     combine, even of bf16 tokens: its probabilities (fp32) would be cast."""
     assert run_distributed(_fsdp_input_casts, 1) == [[True, False, False, False, True, False, True]]
+
+
+# The static (capturable) dropless all-to-all: the same layer with host-synced sizes is the reference.
+STATIC_CASES = ["k2_aux", "k4_sigmoid", "capacity_drop", "align8_shared", "starved_align8", "chunks3_aux",
+                "k1_probs_on_input"]
+
+
+def _static_parity(rank, world_size, layout, budget):
+    ep, etp = LAYOUTS[layout]
+    mesh = _make_mesh(ep, etp)
+    results = {}
+    for case in STATIC_CASES:
+        overrides, starve = ROUTING_CASES[case]
+        synced, static = (expert_parallel_layer(_build_layer(overrides, starve, ep), mesh, "alltoall")
+                          for _ in range(2))
+        static.dispatcher.static_budget = budget
+        assert not synced.dispatcher.syncs_host or synced.dispatcher.takes_static_budget
+        x = _tokens(rank, 12, starve)
+        upstream = torch.randn(12, BASE["hidden_size"], generator=torch.Generator().manual_seed(7 + rank))
+        outputs = []
+        for layer in (synced, static):
+            x_in = x.clone().requires_grad_()
+            y = layer(x_in)
+            (y * upstream).sum().backward()
+            outputs.append([y, x_in.grad] + [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                                              for p in layer.parameters() if p.grad is not None])
+        for ours, reference in zip(*outputs):  # the same rows reach the same GEMMs: the same bits
+            if overrides.get("dispatch_chunks", 1) > 1:  # the static path exchanges the micro-batch at once
+                torch.testing.assert_close(ours, reference, atol=1e-7, rtol=1e-5)
+            else:
+                assert torch.equal(ours, reference), case
+        assert synced.dispatcher.overflow is None and int(static.dispatcher.overflow) == 0, case
+        results[case] = static.dispatcher.static_sizes(12, budget)
+    return results
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep4", "ep2_etp2"])
+def test_static_all_to_all_equals_the_synced_one(layout):
+    """Sizes fixed by the token count (no host read) give the host-synced dispatch's outputs and
+    gradients bit for bit where nothing overflows (a budget of twice the balanced rows)."""
+    run_distributed(_static_parity, 4 if layout != "ep2" else 2, layout, 2.0)
+
+
+def _static_overflow(rank, world_size):
+    mesh = _make_mesh(world_size, 1)
+    counts = {}
+    names = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    # every token to EP rank 0's experts: rank 0's buffer overflows at budget 1 (2x the balanced rows needed)
+    layer = expert_parallel_layer(_build_layer({}, False, world_size), mesh, "alltoall")
+    with torch.no_grad():
+        layer.router.weight[BASE["num_experts"] // world_size:] = -30.0
+    dispatcher = layer.dispatcher
+    dispatcher.static_budget = 1.0
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counting(name, original):
+        def wrapper(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    x = _tokens(rank, 12, False).requires_grad_()
+    for name in names:
+        setattr(torch.Tensor, name, counting(name, originals[name]))
+    try:
+        y = layer(x)
+        (y * 1.5).sum().backward()
+    finally:
+        for name in names:
+            setattr(torch.Tensor, name, originals[name])
+    overflowed = int(dispatcher.overflow)
+    dispatcher.overflow.zero_()
+    dispatcher.static_budget = 4.0  # room for every row: no overflow, and the flag stays clear
+    layer(x)
+    return counts, overflowed, int(dispatcher.overflow), bool(torch.isfinite(y).all()), bool(torch.isfinite(x.grad).all())
+
+
+def test_static_all_to_all_overflow_sets_the_flag_without_a_host_read():
+    results = run_distributed(_static_overflow, 2)
+    counts = [r[0] for r in results]
+    assert counts == [{}, {}]  # nothing read on the host, forward or backward
+    assert [r[1] for r in results] == [1, 0]  # rank 0's experts got every row: its buffer overflowed
+    assert [r[2] for r in results] == [0, 0]
+    assert all(r[3] and r[4] for r in results)
+
+
+def test_static_sizes_follow_the_budget():
+    from lightning_moe.parallel.dispatchers import AllToAllDispatcher
+
+    dispatcher = AllToAllDispatcher.__new__(AllToAllDispatcher)
+    dispatcher.cfg = MoEConfig(**{**BASE, "router_topk": 8, "num_experts": 64, "expert_alignment": 16})
+    dispatcher.ep_size, dispatcher.etp_size, dispatcher.num_local_experts = 8, 1, 8
+    slot, rows = dispatcher.static_sizes(4096, 1.25)
+    assert slot == 4096  # K >= EP: a slot holds every token (no slot overflows)
+    assert rows == round_up(5 * 4096 * 8 // 4 + 8 * 15, 16)  # 1.25 x the balanced 32768 rows, plus alignment
+    dispatcher.cfg = MoEConfig(**{**BASE, "router_topk": 2, "num_experts": 64})
+    slot, rows = dispatcher.static_sizes(4096, 1.25)
+    assert slot == 1280 and rows == 10240
+    with pytest.raises(ValueError, match="must be > 0"):
+        dispatcher.static_sizes(4096, 0.0)
