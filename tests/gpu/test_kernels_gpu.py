@@ -284,7 +284,8 @@ def test_swiglu_rows_end_neither_reads_nor_writes_the_tail(end):
     # The kernels on buffers filled with a marker: rows from the end on keep it (not written).
     out = torch.full((513, 200), 7.0, device="cuda", dtype=torch.bfloat16)
     grad_h = torch.full((513, 400), 7.0, device="cuda", dtype=torch.bfloat16)
-    _swiglu_fwd_kernel[_grid(513, 200)](h_tail, out, end_t, 513, 200, HAS_END=True, BR=_BR, BF=_BF)
+    _swiglu_fwd_kernel[_grid(513, 200)](h_tail, h_tail, out, end_t, 513, 200, HAS_END=True, HAS_P=False,  # no p
+                                        BR=_BR, BF=_BF)
     _swiglu_bwd_kernel[_grid(513, 200)](h_tail, g_tail, grad_h, end_t, 513, 200, HAS_END=True, BR=_BR, BF=_BF)
     assert torch.equal(out[:end], out_full[:end]) and torch.equal(grad_h[:end], a.grad[:end])
     assert (out[end:] == 7).all() and (grad_h[end:] == 7).all()
