@@ -11,8 +11,9 @@ grouped kernels, on operands already cast (`precision.native_casts`).
 - with at most `PER_EXPERT_MAX_EXPERTS` experts, one ``_scaled_mm`` per expert instead of
   the grouped kernel (faster for few large experts; costs one host sync per layer forward for
   the group sizes). Under CUDA-graph capture the grouped kernel is used.
-- on Hopper with Triton, the grouped products with fast accumulation run on our own kernels
-  (``kernels.fp8_grouped_gemm_triton``: torch's bits, no host sync; `TRITON_GROUPED_GEMM`). The
+- on Hopper with Triton, the grouped products (fast or split accumulation) run on our own kernels
+  (``kernels.fp8_grouped_gemm_triton``: no host sync; `TRITON_GROUPED_GEMM`; an fp32 master
+  weight's gradient is written in fp32, not rounded to bf16 as torch's grouped kernel's). The
   weight gradient's kernel reads its transposed operands in an aligned group layout
   (`native_casts.wgrad_aligned_ends`) so that no contraction block crosses into the next group.
 """
