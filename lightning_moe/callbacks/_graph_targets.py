@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Sequence
-from typing import Union
+from typing import Any, Union
 
 from torch import nn
 
@@ -180,10 +180,12 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or _inside(a, b) or _inside(b, a)
 
 
-def check_targets(targets: Sequence[tuple[str, nn.Module]], root: nn.Module | None = None) -> None:
+def check_targets(targets: Sequence[tuple[str, nn.Module]], root: nn.Module | None = None,
+                  static_dispatch: bool = False) -> None:
     """Refuse, naming the fix, what a CUDA graph of ``targets`` could not replay correctly:
     FSDP-sharded or tensor-parallel parameters, module hooks (which a graph would run only at the
-    capture), the dropless all-to-all dispatch (host split sizes), host-syncing expert backends,
+    capture), a dispatch that reads its split sizes on the host (the dropless all-to-all unless
+    ``static_dispatch``: the callback then captures its static path), host-syncing expert backends,
     context-parallel attention, and recomputation in backward of a part inside a target or around
     it (``root``: the module the targets' names are relative to; without it, inside only).
     Raises ``ValueError``."""
@@ -224,7 +226,7 @@ def check_targets(targets: Sequence[tuple[str, nn.Module]], root: nn.Module | No
                     f"CUDAGraphs: {inner_name} attends across a context-parallel group, which CUDAGraphs does "
                     "not capture: use context_parallel_size=1, or scope='moe' (the MoE layers only)."
                 )
-            _check_moe_layer(inner_name, inner)
+            _check_moe_layer(inner_name, inner, static_dispatch)
         for pname, param in target.named_parameters(prefix=name):
             dims = _mesh_dims(param)
             if dims - _CAPTURABLE_MESH_DIMS:
@@ -260,12 +262,27 @@ def _check_recompute(targets: Sequence[tuple[str, nn.Module]], root: nn.Module |
                 )
 
 
-def _check_moe_layer(name: str, module: nn.Module) -> None:
+def static_dispatchers(targets: Sequence[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The dispatchers inside ``targets`` that read their split sizes on the host but have a static
+    path a graph can capture (`AllToAllDispatcher.static_budget`)."""
+    found: dict[int, Any] = {}
+    for _, target in targets:
+        for inner in target.modules():
+            dispatcher = getattr(inner, "dispatcher", None)
+            if getattr(dispatcher, "syncs_host", False) and getattr(dispatcher, "takes_static_budget", False):
+                found[id(dispatcher)] = dispatcher
+    return list(found.values())
+
+
+def _check_moe_layer(name: str, module: nn.Module, static_dispatch: bool = False) -> None:
     dispatcher = getattr(module, "dispatcher", None)
-    if dispatcher is not None and getattr(dispatcher, "syncs_host", False):
+    if dispatcher is not None and getattr(dispatcher, "syncs_host", False) and not (
+            static_dispatch and getattr(dispatcher, "takes_static_budget", False)):
+        static = (" Give CUDAGraphs an expert_rank_capacity_factor (the static dropless all-to-all), or"
+                  if getattr(dispatcher, "takes_static_budget", False) else "")
         raise ValueError(
             f"CUDAGraphs: {name} dispatches with {dispatcher.describe() if hasattr(dispatcher, 'describe') else dispatcher}"
-            ", whose dropless path reads its split sizes on the host, which a CUDA graph cannot replay: use "
+            f", whose dropless path reads its split sizes on the host, which a CUDA graph cannot replay.{static} use "
             "MegatronMoEStrategy(token_dispatcher='allgather') (sync-free and dropless), or a capacity with "
             "padding, MoEConfig(expert_capacity_factor=..., pad_expert_input_to_capacity=True)."
         )

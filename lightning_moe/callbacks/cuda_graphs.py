@@ -49,6 +49,21 @@ Training semantics stay those of the eager step (the GPU tests check 20 steps bi
   ``warmup_steps`` steps after its start and captures then; a checkpoint loaded into a running
   fit drops the graphs, and they are captured again after the warm-up.
 
+The dropless all-to-all dispatcher (expert parallelism with ``token_dispatcher="alltoall"``) reads
+its split sizes on the host, which a graph cannot replay. Inside the captured modules it runs its
+static path instead (`lightning_moe.parallel.dispatchers`, Megatron-Core's
+``--moe-expert-rank-capacity-factor``): sizes fixed by the token count, each rank's experts a buffer
+of ``expert_rank_capacity_factor`` times the rows of a balanced dispatch. A dispatch that would
+overflow its buffer sets a device flag instead; after the last backward of every accumulation
+window the callback reads the flags (one host sync per optimizer step, all-reduced so that every
+rank agrees) and, where one is set, runs the window again eagerly (dropless, with host-synced
+sizes) from the state it started with: the module's buffers (router counts, FP8 amax histories)
+and the RNG states are put back, the gradients cleared, and every micro-batch's ``training_step``
+and backward run again, before the gradients are reduced and the optimizer steps. No token is
+dropped and the step is the eager one; ``reruns`` counts such windows, with a warning the first
+time (raise the factor where they are frequent). Values that ``training_step`` logs with
+``on_epoch=True`` count a re-run micro-batch twice. Needs automatic optimization.
+
 Memory: the graphs keep their modules' activations, temporaries and gradient buffers in one
 pool for good (about one eager step's activations of the captured modules); with gradient
 accumulation the gradients of the captured parameters are held twice (``.grad`` and the graph's
@@ -60,7 +75,7 @@ again, the end of the fit) release their pool at once (the reference cycle throu
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -85,6 +100,7 @@ from lightning_moe.callbacks._graph_targets import (
     find_targets,
     normalize_scope,
     routed_method,
+    static_dispatchers,
 )
 from lightning_moe.callbacks._layout import refuse_pipeline_parallelism
 from lightning_moe.cuda_graphs import CapturedModules, capture_modules
@@ -118,23 +134,40 @@ class CUDAGraphs(Callback):
             outside this package. Default None: the scope's reference types only.
         num_warmup_iters: eager forward and backward passes on a side stream that
             `torch.cuda.make_graphed_callables` runs before capturing (default 3).
+        expert_rank_capacity_factor: the dropless all-to-all dispatcher's static budget inside the
+            graphs, in balanced dispatches' rows (default 1.25: its expert buffers are at most
+            1.25 times those of a balanced eager dispatch; a window that overflows runs again
+            eagerly). None: such dispatchers are refused, naming the fix.
 
     After the capture, ``captured`` lists the names of the captured modules and ``eager_calls``
-    counts the training calls that ran eagerly because their shapes differed from the capture's.
+    counts the training calls that ran eagerly because their shapes differed from the capture's;
+    ``reruns`` counts the accumulation windows run again after a static all-to-all overflowed.
     """
 
     def __init__(self, scope: Union[str, Sequence[str]] = "full", warmup_steps: int = 3,
-                 modules: Optional[Sequence[ModuleSpec]] = None, num_warmup_iters: int = 3) -> None:
+                 modules: Optional[Sequence[ModuleSpec]] = None, num_warmup_iters: int = 3,
+                 expert_rank_capacity_factor: Optional[float] = 1.25) -> None:
         self.scopes = normalize_scope(scope)
         for name, value in (("warmup_steps", warmup_steps), ("num_warmup_iters", num_warmup_iters)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"CUDAGraphs({name}={value!r}) must be an int >= 1 (FP8 delayed scaling needs one "
                                  "eager optimizer step before the capture).")
+        factor = expert_rank_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+            raise ValueError(f"CUDAGraphs(expert_rank_capacity_factor={factor!r}) must be a number > 0 (1.25: expert "
+                             "buffers of 1.25 balanced dispatches) or None (refuse the dropless all-to-all).")
         self.warmup_steps = warmup_steps
         self.modules = list(modules or [])
         self.num_warmup_iters = num_warmup_iters
+        self.expert_rank_capacity_factor = None if factor is None else float(factor)
         self.captured: list[str] = []
         self.eager_calls = 0
+        self.reruns = 0
+        # the static all-to-all: its dispatchers, and the accumulation window a rerun replays
+        self._static: list[Any] = []
+        self._window: list[tuple[Any, int]] = []
+        self._snapshot: Optional[tuple[list[torch.Tensor], list[torch.Tensor], Any]] = None
+        self._rerunning = False
         self._targets: list[_Target] = []
         self._graphs: Optional[CapturedModules] = None
         self._slots: dict[int, int] = {}  # target index -> position in the capture
@@ -152,7 +185,7 @@ class CUDAGraphs(Callback):
         """The modules this callback captures in ``pl_module``, after its refusals (``ValueError``
         naming the fix for anything a graph cannot replay)."""
         targets = find_targets(pl_module, self.scopes, self.modules)
-        check_targets(targets, pl_module)
+        check_targets(targets, pl_module, static_dispatch=self.expert_rank_capacity_factor is not None)
         return targets
 
     def layout_rows(self, model: nn.Module) -> dict[str, str]:
@@ -181,6 +214,13 @@ class CUDAGraphs(Callback):
             return
         self._refuse_setup(trainer)
         targets = self.plan(pl_module)
+        self._static = static_dispatchers(targets)
+        if self._static and not pl_module.automatic_optimization:
+            raise ValueError(
+                "CUDAGraphs: the captured MoE layers dispatch by the dropless all-to-all, whose overflowing windows "
+                "the callback runs again, which needs automatic optimization: use "
+                "MegatronMoEStrategy(token_dispatcher='allgather') (sync-free and dropless), or automatic optimization."
+            )
         self._install(targets)
 
     @override
@@ -208,6 +248,18 @@ class CUDAGraphs(Callback):
         window_start = batch_idx % max(1, trainer.accumulate_grad_batches) == 0
         if self._graphs is None and warmed_up and window_start and self._seen_calls:
             self._capture(trainer)
+        if self._graphs is not None and self._static and not self._rerunning:
+            if window_start or not self._window:
+                self._take_snapshot(pl_module)
+            self._window.append((batch, batch_idx))
+
+    @override
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._rerunning or not self._window or not self._window_ends(trainer):
+            return
+        if self._overflowed(trainer):
+            self._rerun_window(trainer, pl_module)
+        self._window = []
 
     @override
     def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
@@ -274,8 +326,8 @@ class CUDAGraphs(Callback):
     def _routed_forward(self, index: int) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             target = self._targets[index]
-            if not (target.module.training and torch.is_grad_enabled()):
-                return target.forward(*args, **kwargs)  # evaluation, or no gradients: eager
+            if not (target.module.training and torch.is_grad_enabled()) or self._rerunning:
+                return target.forward(*args, **kwargs)  # evaluation, no gradients, a rerun: eager
             signature, tensors = call_signature(args, kwargs, target.name)
             if self._graphs is None:
                 if torch._C._current_graph_task_id() != -1:  # called from inside a backward: recomputation
@@ -346,7 +398,15 @@ class CUDAGraphs(Callback):
                     f"precision plugin's train_step_context gives {state}: capture needs the step's own state; "
                     "set autocast through the Trainer's precision, not inside training_step."
                 )
-            self._graphs = capture_modules(modules, samples, self.num_warmup_iters, accumulate, forwards)
+            # The graphs record the all-to-all's static path; eager calls keep the host-synced one.
+            for dispatcher in self._static:
+                dispatcher.static_budget = self.expert_rank_capacity_factor
+            try:
+                self._graphs = capture_modules(modules, samples, self.num_warmup_iters, accumulate, forwards)
+            finally:
+                for dispatcher in self._static:
+                    dispatcher.static_budget = None
+            self._clear_overflow()  # the capture's warm-up passes ran on sample inputs
         self._slots = {index: slot for slot, index in enumerate(order)}
         self._signatures = [sig for _, sig in calls]
         self._capture_key = self._key(trainer)
@@ -354,12 +414,86 @@ class CUDAGraphs(Callback):
         captured = describe_targets([(t.name, t.module) for t in self._captured()], self.scopes)
         rank_zero_info(f"CUDAGraphs: captured {captured} at step {trainer.global_step}.")
 
+    # ------------------------------------------------------------------ the static all-to-all's reruns
+    def _take_snapshot(self, pl_module: LightningModule) -> None:
+        """The state a rerun of this window starts from: the module's buffers (router token counts,
+        FP8 amax histories: the step's forwards update them in place) and the RNG states."""
+        buffers = [b for b in pl_module.buffers() if b is not None]
+        if self._snapshot is None or len(self._snapshot[0]) != len(buffers) or any(
+                a is not b for a, b in zip(self._snapshot[0], buffers)):
+            self._snapshot = (buffers, [torch.empty_like(b) for b in buffers], None)
+        live, saved, _ = self._snapshot
+        if live:
+            torch._foreach_copy_(saved, live)
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+        self._snapshot = (live, saved, rng)
+
+    def _window_ends(self, trainer: Trainer) -> bool:
+        """Whether the backward that just ran is the last of its accumulation window (the
+        optimizer steps next)."""
+        epoch_loop = trainer.fit_loop.epoch_loop
+        should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
+        if should_accumulate is not None:
+            return not should_accumulate()
+        return len(self._window) >= max(1, trainer.accumulate_grad_batches)
+
+    def _overflowed(self, trainer: Trainer) -> bool:
+        flags = [d.overflow for d in self._static if d.overflow is not None]
+        device = trainer.strategy.root_device
+        flag = (torch.stack(flags).amax() if flags else torch.zeros((), dtype=torch.int32, device=device)).to(device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # every rank reruns, or none
+        self._clear_overflow()
+        return bool(flag)  # host sync: once per optimizer step
+
+    def _clear_overflow(self) -> None:
+        for dispatcher in self._static:
+            if dispatcher.overflow is not None:
+                dispatcher.overflow.zero_()
+
+    def _rerun_window(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """This window's micro-batches again, eagerly and from the state it started with (class
+        docstring), before the gradients are reduced and the optimizer steps."""
+        self.reruns += 1
+        if self.reruns == 1:
+            rank_zero_warn(f"CUDAGraphs: a captured all-to-all dispatch exceeded its static budget "
+                           f"(expert_rank_capacity_factor={self.expert_rank_capacity_factor}) at step "
+                           f"{trainer.global_step}; the step runs again eagerly (dropless). Raise the factor if this "
+                           "recurs (`reruns` counts them).")
+        live, saved, (cpu_rng, cuda_rng) = self._snapshot
+        if live:
+            torch._foreach_copy_(live, saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+        for param in pl_module.parameters():
+            param.grad = None
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        normalize = max(1, trainer.accumulate_grad_batches)
+        fx_name = pl_module._current_fx_name
+        self._rerunning = True
+        try:
+            for batch, batch_idx in self._window:
+                pl_module._current_fx_name = "training_step"  # its self.log calls count as the step's
+                out = trainer.strategy.training_step(batch, batch_idx)
+                pl_module._current_fx_name = fx_name
+                loss = out.get("loss") if isinstance(out, Mapping) else out
+                if not isinstance(loss, torch.Tensor):
+                    raise RuntimeError("CUDAGraphs: re-running a step needs training_step to return its loss (or a dict "
+                                       "with 'loss').")
+                trainer.strategy.backward(loss / normalize, optimizer)  # Lightning's scaling of an accumulated loss
+        finally:
+            pl_module._current_fx_name = fx_name
+            self._rerunning = False
+        self._clear_overflow()
+
     def _captured(self) -> list[_Target]:
         return [self._targets[i] for i in sorted(self._slots, key=self._slots.get)]
 
     def _drop_graphs(self) -> None:
         graphs = self._graphs
         self._graphs, self._slots, self._signatures = None, {}, []
+        self._window = []
         if graphs is None:
             return
         graphs.release()
