@@ -6,8 +6,10 @@
   and the peak memory of a step after the capture against the eager step's;
 - the same with the dense layers FSDP-sharded over the two ranks (the MoE layers' parameters stay
   outside FSDP, so the MoE layers inside the FSDP blocks are captured);
-- the dropless all-to-all dispatch, whose split sizes are host integers: refused at setup with the
-  fix named.
+- the dropless all-to-all dispatch captured on its static path (sizes fixed by the token count):
+  bit for bit against the eager all-to-all run, within 1.25x of its peak; with a budget too small
+  for the routing (expert_rank_capacity_factor=0.3) every window overflows and runs again eagerly,
+  and the fit is still the eager one; with no factor it is refused at setup, the fix named.
 """
 
 import json
@@ -24,7 +26,8 @@ from _parity import MicroBatches, _module, tiny_config  # noqa: E402
 STEPS = 8
 
 
-def train(rank: int, world_size: int, dispatcher: str, graphed: bool, sharding: str = "ddp") -> dict:
+def train(rank: int, world_size: int, dispatcher: str, graphed: bool, sharding: str = "ddp",
+          factor: float | None = 1.25) -> dict:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -48,7 +51,8 @@ def train(rank: int, world_size: int, dispatcher: str, graphed: bool, sharding: 
 
     strategy = MegatronMoEStrategy(expert_parallel_size=2, token_dispatcher=dispatcher, sharding=sharding,
                                    expert_sharding="ddp")
-    callbacks = [Record()] + ([CUDAGraphs(scope="moe", warmup_steps=2)] if graphed else [])
+    callbacks = [Record()] + ([CUDAGraphs(scope="moe", warmup_steps=2, expert_rank_capacity_factor=factor)]
+                              if graphed else [])
     trainer = L.Trainer(accelerator="cuda", devices=world_size, strategy=strategy, max_steps=STEPS,
                         precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks,
@@ -61,7 +65,8 @@ def train(rank: int, world_size: int, dispatcher: str, graphed: bool, sharding: 
         return {"refused": str(error)}
     state = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     captured = callbacks[-1].captured if graphed else []
-    return {"losses": [float(x) for x in losses], "peak": max(peaks[-2:]), "captured": captured,
+    reruns = callbacks[-1].reruns if graphed else 0
+    return {"losses": [float(x) for x in losses], "peak": max(peaks[-2:]), "captured": captured, "reruns": reruns,
             # numpy, not tensors: tensors sent through the launcher's pipe die with the child process
             "state": {k: v.detach().float().numpy().copy() for k, v in state.items()} if rank == 0 else None}
 
@@ -72,7 +77,10 @@ def main() -> None:
     graphed = run_distributed(train, 2, "allgather", True, **common)
     fsdp_eager = run_distributed(train, 2, "allgather", False, "fsdp", **common)
     fsdp_graphed = run_distributed(train, 2, "allgather", True, "fsdp", **common)
-    alltoall = run_distributed(train, 2, "alltoall", True, **common)
+    a2a_eager = run_distributed(train, 2, "alltoall", False, **common)
+    a2a_graphed = run_distributed(train, 2, "alltoall", True, **common)
+    a2a_overflow = run_distributed(train, 2, "alltoall", True, "ddp", 0.3, **common)
+    a2a_refused = run_distributed(train, 2, "alltoall", True, "ddp", None, **common)
 
     def same_state(a: dict, b: dict) -> bool:
         return bool(a.keys() == b.keys() and all((a[k] == v).all() for k, v in b.items()))
@@ -84,7 +92,13 @@ def main() -> None:
         "fsdp_eager_losses": [r["losses"] for r in fsdp_eager], "fsdp_graphed_losses": [r["losses"] for r in fsdp_graphed],
         "fsdp_captured": fsdp_graphed[0]["captured"],
         "fsdp_same_state": same_state(fsdp_graphed[0]["state"], fsdp_eager[0]["state"]),
-        "alltoall": [r.get("refused") for r in alltoall],
+        "a2a_eager_losses": [r["losses"] for r in a2a_eager], "a2a_graphed_losses": [r["losses"] for r in a2a_graphed],
+        "a2a_eager_peak": [r["peak"] for r in a2a_eager], "a2a_graphed_peak": [r["peak"] for r in a2a_graphed],
+        "a2a_captured": a2a_graphed[0]["captured"], "a2a_reruns": [r["reruns"] for r in a2a_graphed],
+        "a2a_same_state": same_state(a2a_graphed[0]["state"], a2a_eager[0]["state"]),
+        "a2a_overflow_reruns": [r["reruns"] for r in a2a_overflow],
+        "a2a_overflow_same_state": same_state(a2a_overflow[0]["state"], a2a_eager[0]["state"]),
+        "alltoall": [r.get("refused") for r in a2a_refused],
     }
     print("RESULT " + json.dumps(out))
 

@@ -258,8 +258,9 @@ def test_refusals_on_a_gpu():
 def test_expert_parallel_dropless_capture_on_two_gpus():
     """EP=2: the dropless MoE layers captured with the all-gather dispatcher train as eager (losses of
     both ranks and the final state bit for bit) within 1.25x of the eager step's peak memory, also
-    inside dense FSDP blocks; the dropless all-to-all (host split sizes) is refused at setup, naming
-    token_dispatcher='allgather'."""
+    inside dense FSDP blocks; the dropless all-to-all captured on its static path likewise, against
+    its eager run, and with a budget too small every window runs again and the fit is still the
+    eager one; without a budget the all-to-all is refused at setup, naming the fixes."""
     from _runner_result import runner_result
 
     out = runner_result("_cuda_graphs_ep2_runner.py", timeout=900)
@@ -269,7 +270,13 @@ def test_expert_parallel_dropless_capture_on_two_gpus():
     assert out["fsdp_graphed_losses"] == out["fsdp_eager_losses"] and out["fsdp_same_state"]
     for graphed, eager in zip(out["graphed_peak"], out["eager_peak"]):
         assert graphed <= 1.25 * eager, (graphed, eager)
-    assert all("token_dispatcher='allgather'" in message for message in out["alltoall"]), out["alltoall"]
+    assert out["a2a_captured"] == ["model.layers.1.mlp"] and out["a2a_reruns"] == [0, 0]
+    assert out["a2a_graphed_losses"] == out["a2a_eager_losses"] and out["a2a_same_state"]
+    for graphed, eager in zip(out["a2a_graphed_peak"], out["a2a_eager_peak"]):
+        assert graphed <= 1.25 * eager, (graphed, eager)
+    assert min(out["a2a_overflow_reruns"]) > 0 and out["a2a_overflow_same_state"]
+    assert all("expert_rank_capacity_factor" in message and "token_dispatcher='allgather'" in message
+               for message in out["alltoall"]), out["alltoall"]
 
 
 @pytest.mark.parametrize("scope", ["full", "moe"])
