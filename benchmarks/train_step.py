@@ -754,6 +754,11 @@ def main(argv=None) -> None:
         if args.marginal_layers == args.layers:
             raise SystemExit("--marginal-layers must differ from --layers")
         other = argparse.Namespace(**{**vars(args), "layers": args.marginal_layers})
+        # The first run's Trainer, module and optimizer states form reference cycles: collect them
+        # before the second model is built (at accumulate 8 both did not fit one H100 together).
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         outcome = lightning_run(other)
         if outcome is None:
             return
