@@ -188,14 +188,11 @@ def test_dispatcher_parity(layout, dispatcher):
             assert sum(r[case] for r in results) > 0, f"{case}: no rank saw an empty expert"
 
 
-def _count_host_syncs(rank, world_size, overrides, dispatcher):
-    """Python-level device-to-host reads during one forward + backward of the layer."""
-    mesh = _make_mesh(world_size, 1)
-    layer = expert_parallel_layer(_build_layer(overrides, False, world_size), mesh, dispatcher)
-    x = _tokens(rank, 12, False).requires_grad_()
+def _host_reads(fn) -> dict:
+    """Python-level device-to-host reads (``tolist``, ``item``, ``cpu``, conversions) while ``fn`` runs."""
     counts = {}
-    originals = {}
     names = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
 
     def counting(name, original):
         def wrapper(self, *args, **kwargs):
@@ -205,15 +202,27 @@ def _count_host_syncs(rank, world_size, overrides, dispatcher):
         return wrapper
 
     for name in names:
-        originals[name] = getattr(torch.Tensor, name)
         setattr(torch.Tensor, name, counting(name, originals[name]))
     try:
-        y = layer(x)
-        (y * 1.5).sum().backward()
+        fn()
     finally:
         for name in names:
             setattr(torch.Tensor, name, originals[name])
     return counts
+
+
+def _forward_backward(layer, x):
+    y = layer(x)
+    (y * 1.5).sum().backward()
+    return y
+
+
+def _count_host_syncs(rank, world_size, overrides, dispatcher):
+    """Python-level device-to-host reads during one forward + backward of the layer."""
+    mesh = _make_mesh(world_size, 1)
+    layer = expert_parallel_layer(_build_layer(overrides, False, world_size), mesh, dispatcher)
+    x = _tokens(rank, 12, False).requires_grad_()
+    return _host_reads(lambda: _forward_backward(layer, x))
 
 
 @pytest.mark.parametrize(
@@ -533,31 +542,16 @@ def test_static_all_to_all_equals_the_synced_one(layout):
 
 def _static_overflow(rank, world_size):
     mesh = _make_mesh(world_size, 1)
-    counts = {}
-    names = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
     # every token to EP rank 0's experts: rank 0's buffer overflows at budget 1 (2x the balanced rows needed)
     layer = expert_parallel_layer(_build_layer({}, False, world_size), mesh, "alltoall")
     with torch.no_grad():
         layer.router.weight[BASE["num_experts"] // world_size:] = -30.0
     dispatcher = layer.dispatcher
     dispatcher.static_budget = 1.0
-    originals = {name: getattr(torch.Tensor, name) for name in names}
-
-    def counting(name, original):
-        def wrapper(self, *args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            return original(self, *args, **kwargs)
-        return wrapper
-
     x = _tokens(rank, 12, False).requires_grad_()
-    for name in names:
-        setattr(torch.Tensor, name, counting(name, originals[name]))
-    try:
-        y = layer(x)
-        (y * 1.5).sum().backward()
-    finally:
-        for name in names:
-            setattr(torch.Tensor, name, originals[name])
+    outputs = []
+    counts = _host_reads(lambda: outputs.append(_forward_backward(layer, x)))
+    (y,) = outputs
     overflowed = int(dispatcher.overflow)
     dispatcher.overflow.zero_()
     dispatcher.static_budget = 4.0  # room for every row: no overflow, and the flag stays clear
