@@ -228,6 +228,7 @@ class CUDAGraphs(Callback):
         self._drop_graphs()
         self._start_step = trainer.global_step
         self._calls, self._seen_calls, self._recomputed = [], {}, set()
+        self._window = []
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -238,6 +239,12 @@ class CUDAGraphs(Callback):
             key = tuple(self._calls)
             self._seen_calls[key] = self._seen_calls.pop(key, 0) + 1  # re-inserted: the latest last
         self._calls = []
+        window_start = batch_idx % max(1, trainer.accumulate_grad_batches) == 0
+        if self._static:  # every window from its start, so that a capture within it is covered too
+            if window_start:
+                self._take_snapshot(pl_module)
+                self._window = []
+            self._window.append((batch, batch_idx))
         if self._graphs is not None and self._capture_key != self._key(trainer):
             self._drop_graphs()  # a number the backward graphs baked in changed: capture again now
             self._capture(trainer)
@@ -245,19 +252,15 @@ class CUDAGraphs(Callback):
         if self._start_step is None:  # a checkpoint was loaded: warm up again from here
             self._start_step = trainer.global_step
         warmed_up = trainer.global_step - self._start_step >= self.warmup_steps
-        window_start = batch_idx % max(1, trainer.accumulate_grad_batches) == 0
         if self._graphs is None and warmed_up and window_start and self._seen_calls:
             self._capture(trainer)
-        if self._graphs is not None and self._static and not self._rerunning:
-            if window_start or not self._window:
-                self._take_snapshot(pl_module)
-            self._window.append((batch, batch_idx))
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._rerunning or not self._window or not self._window_ends(trainer):
             return
-        if self._overflowed(trainer):
+        # once a static dispatch has run (captured, and replayed since): its flags
+        if any(d.overflow is not None for d in self._static) and self._overflowed(trainer):
             self._rerun_window(trainer, pl_module)
         self._window = []
 
@@ -493,7 +496,6 @@ class CUDAGraphs(Callback):
     def _drop_graphs(self) -> None:
         graphs = self._graphs
         self._graphs, self._slots, self._signatures = None, {}, []
-        self._window = []
         if graphs is None:
             return
         graphs.release()
