@@ -88,11 +88,13 @@ def _check_capturable(module: nn.Module, sample_args: Sequence[Any]) -> None:
         )
     for layer in module.modules():
         dispatcher = getattr(layer, "dispatcher", None)
-        if getattr(dispatcher, "syncs_host", False):
+        # a dispatcher on its static path (`AllToAllDispatcher.static_budget`) reads nothing on the host
+        if getattr(dispatcher, "syncs_host", False) and getattr(dispatcher, "static_budget", None) is None:
             raise ValueError(
                 f"{type(dispatcher).__name__} reads its split sizes on the host (dropless all-to-all), which a "
-                "CUDA graph cannot replay: use the all-gather dispatcher (MegatronMoEStrategy(token_dispatcher="
-                "'allgather')), or set MoEConfig(expert_capacity_factor=..., pad_expert_input_to_capacity=True)"
+                "CUDA graph cannot replay: set its static_budget (CUDAGraphs does), use the all-gather dispatcher "
+                "(MegatronMoEStrategy(token_dispatcher='allgather')), or set MoEConfig(expert_capacity_factor=..., "
+                "pad_expert_input_to_capacity=True)"
             )
     from torch.distributed.fsdp import FSDPModule
 

@@ -278,11 +278,11 @@ def _check_moe_layer(name: str, module: nn.Module, static_dispatch: bool = False
     dispatcher = getattr(module, "dispatcher", None)
     if dispatcher is not None and getattr(dispatcher, "syncs_host", False) and not (
             static_dispatch and getattr(dispatcher, "takes_static_budget", False)):
-        static = (" Give CUDAGraphs an expert_rank_capacity_factor (the static dropless all-to-all), or"
+        static = (" give CUDAGraphs an expert_rank_capacity_factor (the static dropless all-to-all),"
                   if getattr(dispatcher, "takes_static_budget", False) else "")
         raise ValueError(
             f"CUDAGraphs: {name} dispatches with {dispatcher.describe() if hasattr(dispatcher, 'describe') else dispatcher}"
-            f", whose dropless path reads its split sizes on the host, which a CUDA graph cannot replay.{static} use "
+            f", whose dropless path reads its split sizes on the host, which a CUDA graph cannot replay:{static} use "
             "MegatronMoEStrategy(token_dispatcher='allgather') (sync-free and dropless), or a capacity with "
             "padding, MoEConfig(expert_capacity_factor=..., pad_expert_input_to_capacity=True)."
         )

@@ -74,7 +74,9 @@ again, the end of the fit) release their pool at once (the reference cycle throu
 
 from __future__ import annotations
 
+import copy
 import gc
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -166,7 +168,7 @@ class CUDAGraphs(Callback):
         # the static all-to-all: its dispatchers, and the accumulation window a rerun replays
         self._static: list[Any] = []
         self._window: list[tuple[Any, int]] = []
-        self._snapshot: Optional[tuple[list[torch.Tensor], list[torch.Tensor], Any]] = None
+        self._snapshot: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
         self._rerunning = False
         self._targets: list[_Target] = []
         self._graphs: Optional[CapturedModules] = None
@@ -215,12 +217,8 @@ class CUDAGraphs(Callback):
         self._refuse_setup(trainer)
         targets = self.plan(pl_module)
         self._static = static_dispatchers(targets)
-        if self._static and not pl_module.automatic_optimization:
-            raise ValueError(
-                "CUDAGraphs: the captured MoE layers dispatch by the dropless all-to-all, whose overflowing windows "
-                "the callback runs again, which needs automatic optimization: use "
-                "MegatronMoEStrategy(token_dispatcher='allgather') (sync-free and dropless), or automatic optimization."
-            )
+        if self._static:
+            self._prepare_reruns(trainer, pl_module)
         self._install(targets)
 
     @override
@@ -240,20 +238,17 @@ class CUDAGraphs(Callback):
             self._seen_calls[key] = self._seen_calls.pop(key, 0) + 1  # re-inserted: the latest last
         self._calls = []
         window_start = batch_idx % max(1, trainer.accumulate_grad_batches) == 0
-        if self._static:  # every window from its start, so that a capture within it is covered too
-            if window_start:
-                self._take_snapshot(pl_module)
-                self._window = []
-            self._window.append((batch, batch_idx))
         if self._graphs is not None and self._capture_key != self._key(trainer):
             self._drop_graphs()  # a number the backward graphs baked in changed: capture again now
             self._capture(trainer)
-            return
-        if self._start_step is None:  # a checkpoint was loaded: warm up again from here
-            self._start_step = trainer.global_step
-        warmed_up = trainer.global_step - self._start_step >= self.warmup_steps
-        if self._graphs is None and warmed_up and window_start and self._seen_calls:
-            self._capture(trainer)
+        else:
+            if self._start_step is None:  # a checkpoint was loaded: warm up again from here
+                self._start_step = trainer.global_step
+            warmed_up = trainer.global_step - self._start_step >= self.warmup_steps
+            if self._graphs is None and warmed_up and window_start and self._seen_calls:
+                self._capture(trainer)
+        if self._static:
+            self._track_window(pl_module, batch, batch_idx, window_start)
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -418,18 +413,50 @@ class CUDAGraphs(Callback):
         rank_zero_info(f"CUDAGraphs: captured {captured} at step {trainer.global_step}.")
 
     # ------------------------------------------------------------------ the static all-to-all's reruns
-    def _take_snapshot(self, pl_module: LightningModule) -> None:
-        """The state a rerun of this window starts from: the module's buffers (router token counts,
-        FP8 amax histories: the step's forwards update them in place) and the RNG states."""
+    def _prepare_reruns(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Refuse the steps a rerun cannot repeat, and run this callback's hooks first: its
+        ``on_after_backward`` reruns a window before other callbacks see the window's gradients."""
+        from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "CUDAGraphs: the captured MoE layers dispatch by the dropless all-to-all, whose overflowing windows "
+                "the callback runs again, which needs automatic optimization: use "
+                "MegatronMoEStrategy(token_dispatcher='allgather') (sync-free and dropless), or automatic optimization."
+            )
+        if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+            raise ValueError(
+                "CUDAGraphs: a training_step that takes dataloader_iter cannot be run again after a static all-to-all "
+                "overflow (its batches are not seen by the callback): take batches, or use "
+                "MegatronMoEStrategy(token_dispatcher='allgather')."
+            )
+        if trainer.callbacks and trainer.callbacks[0] is not self:
+            trainer.callbacks.remove(self)
+            trainer.callbacks.insert(0, self)
+
+    def _track_window(self, pl_module: LightningModule, batch: Any, batch_idx: int, window_start: bool) -> None:
+        """Keep what a rerun of this window needs, while graphs are captured: at its start the
+        module's buffers (router token counts, FP8 amax histories: the step's forwards update them in
+        place), and each micro-batch's batch (a shallow copy of a container: a step may pop from it)
+        and RNG states (other code draws between micro-batches: a data pipeline, other hooks)."""
+        if window_start:
+            self._window = []
+            if self._graphs is None:
+                return
+            self._snapshot_buffers(pl_module)
+        elif not self._window:
+            return  # the window began before the capture: nothing captured ran in it
+        kept = copy.copy(batch) if isinstance(batch, (dict, list)) else batch
+        self._window.append((kept, batch_idx, _rng_states()))
+
+    def _snapshot_buffers(self, pl_module: LightningModule) -> None:
         buffers = [b for b in pl_module.buffers() if b is not None]
         if self._snapshot is None or len(self._snapshot[0]) != len(buffers) or any(
                 a is not b for a, b in zip(self._snapshot[0], buffers)):
-            self._snapshot = (buffers, [torch.empty_like(b) for b in buffers], None)
-        live, saved, _ = self._snapshot
+            self._snapshot = (buffers, [torch.empty_like(b) for b in buffers])
+        live, saved = self._snapshot
         if live:
             torch._foreach_copy_(saved, live)
-        rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
-        self._snapshot = (live, saved, rng)
 
     def _window_ends(self, trainer: Trainer) -> bool:
         """Whether the backward that just ran is the last of its accumulation window (the
@@ -456,38 +483,61 @@ class CUDAGraphs(Callback):
 
     def _rerun_window(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """This window's micro-batches again, eagerly and from the state it started with (class
-        docstring), before the gradients are reduced and the optimizer steps."""
+        docstring), before the gradients are reduced and the optimizer steps. The backward hooks
+        (``on_before_backward`` / ``on_after_backward`` of callbacks and module) ran for every
+        micro-batch in the first pass and do not run again; those of the window's last backward
+        that come after this callback then see the rerun's gradients."""
+        from lightning.pytorch.trainer import call
+
         self.reruns += 1
         if self.reruns == 1:
             rank_zero_warn(f"CUDAGraphs: a captured all-to-all dispatch exceeded its static budget "
                            f"(expert_rank_capacity_factor={self.expert_rank_capacity_factor}) at step "
                            f"{trainer.global_step}; the step runs again eagerly (dropless). Raise the factor if this "
                            "recurs (`reruns` counts them).")
-        live, saved, (cpu_rng, cuda_rng) = self._snapshot
+        entry_rng = _rng_states()
+        live, saved = self._snapshot
         if live:
             torch._foreach_copy_(live, saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng)
+        cache = getattr(trainer.precision_plugin, "weight_cache", None)
+        if cache is not None:
+            cache.clear()  # FP8 weights cast in the first pass: the rerun records their amaxes again
         for param in pl_module.parameters():
             param.grad = None
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         normalize = max(1, trainer.accumulate_grad_batches)
+        epoch_loop = trainer.fit_loop.epoch_loop
         fx_name = pl_module._current_fx_name
+        hooks = (call._call_callback_hooks, call._call_lightning_module_hook)
+
+        def quiet(hook):
+            def run(trainer_, name, *args, **kwargs):
+                if name in ("on_before_backward", "on_after_backward"):
+                    return None
+                return hook(trainer_, name, *args, **kwargs)
+            return run
+
         self._rerunning = True
+        call._call_callback_hooks, call._call_lightning_module_hook = (quiet(h) for h in hooks)
         try:
-            for batch, batch_idx in self._window:
+            for batch, batch_idx, rng in self._window:
+                _set_rng_states(rng)
+                kwargs = epoch_loop._build_kwargs(OrderedDict(), batch, batch_idx)
                 pl_module._current_fx_name = "training_step"  # its self.log calls count as the step's
-                out = trainer.strategy.training_step(batch, batch_idx)
+                out = trainer.strategy.training_step(*kwargs.values())
                 pl_module._current_fx_name = fx_name
                 loss = out.get("loss") if isinstance(out, Mapping) else out
+                if loss is None:
+                    continue  # Lightning skips such a micro-batch's backward too
                 if not isinstance(loss, torch.Tensor):
-                    raise RuntimeError("CUDAGraphs: re-running a step needs training_step to return its loss (or a dict "
-                                       "with 'loss').")
+                    raise RuntimeError("CUDAGraphs: re-running a step needs training_step to return its loss, a dict "
+                                       "with 'loss', or None.")
                 trainer.strategy.backward(loss / normalize, optimizer)  # Lightning's scaling of an accumulated loss
         finally:
+            call._call_callback_hooks, call._call_lightning_module_hook = hooks
             pl_module._current_fx_name = fx_name
             self._rerunning = False
+            _set_rng_states(entry_rng)  # where the first pass left them: what eager steps would have drawn
         self._clear_overflow()
 
     def _captured(self) -> list[_Target]:
@@ -507,3 +557,14 @@ class CUDAGraphs(Callback):
             proxy.__dict__.pop("forward", None)
         del graphs
         gc.collect()
+
+
+def _rng_states() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def _set_rng_states(states: tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)

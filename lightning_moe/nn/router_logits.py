@@ -130,14 +130,14 @@ def router_logits(x_TD: Tensor, w_ED: Tensor, split: bool = False) -> Tensor:
             if split_applies(x_TD, w_ED):
                 return _SplitRouterLogits.apply(x_TD.contiguous(), w_ED, _cuda_mm_fp32, _cuda_mm_bf16)
             _warn_fallback(x_TD, w_ED)
-        if x_TD.dtype != torch.float32 and torch.is_grad_enabled() and w_ED.dtype == torch.float32:
+        if x_TD.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled() and w_ED.dtype == torch.float32:
             return _WidenedRouterLogits.apply(x_TD, w_ED)
         return F.linear(x_TD.float(), w_ED.to(torch.float32))
 
 
 class _WidenedRouterLogits(torch.autograd.Function):
     """``F.linear(x.float(), W)`` that keeps ``x`` in its own dtype for the backward and widens it
-    again there, instead of keeping the fp32 copy that autograd would save (8 bytes a token and
+    again there, instead of keeping the fp32 copy that autograd would save (4 bytes a token and
     dimension against 2; in a block the bf16 tokens are the experts' saved input too, so they cost
     nothing more). The backward's products are those autograd's ``mm`` formulas take for this
     layout (``dx = g @ W`` rounded to x's dtype, ``dW = g^T @ x``), on the same fp32 operands: the

@@ -30,8 +30,9 @@ A dropless all-to-all inside a CUDA graph (`AllToAllDispatcher.static_budget`, w
 ``CUDAGraphs`` callback sets for its capture): every size is fixed by the number of tokens, as
 Megatron-Core's ``--moe-expert-rank-capacity-factor`` fixes its receive budget. Each rank sends a
 slot of ``S = min(T, ceil(f * T * K / EP))`` token rows to every EP rank (equal splits: nothing
-read on the host) and each rank's experts get a buffer of ``ceil(f * T * K * ETP)`` assignment rows
-(plus alignment), ``f`` the budget factor: about ``f`` times the rows of a balanced eager dispatch.
+read on the host; every token fits where ``f * K >= EP``) and each rank's experts get a buffer
+of ``ceil(f * T * K * ETP)`` assignment rows (plus alignment), ``f`` the budget factor: about ``f``
+times the rows of a balanced eager dispatch.
 Where a slot or the buffer would overflow, that exchange keeps no assignment at all (no memory is
 touched out of bounds) and a device flag (``overflow``) records it; the caller reads the flag once
 per optimizer step and runs the step again eagerly (dropless, host-synced sizes), so no token is

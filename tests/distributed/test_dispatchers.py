@@ -575,7 +575,7 @@ def test_static_sizes_follow_the_budget():
     dispatcher.cfg = MoEConfig(**{**BASE, "router_topk": 8, "num_experts": 64, "expert_alignment": 16})
     dispatcher.ep_size, dispatcher.etp_size, dispatcher.num_local_experts = 8, 1, 8
     slot, rows = dispatcher.static_sizes(4096, 1.25)
-    assert slot == 4096  # K >= EP: a slot holds every token (no slot overflows)
+    assert slot == 4096  # f K >= EP: a slot holds every token (no slot overflows)
     assert rows == round_up(5 * 4096 * 8 // 4 + 8 * 15, 16)  # 1.25 x the balanced 32768 rows, plus alignment
     dispatcher.cfg = MoEConfig(**{**BASE, "router_topk": 2, "num_experts": 64})
     slot, rows = dispatcher.static_sizes(4096, 1.25)

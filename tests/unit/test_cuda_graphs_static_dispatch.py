@@ -138,3 +138,76 @@ def test_the_factor_is_validated_and_none_refuses_the_all_to_all(one_rank_group)
         CUDAGraphs(scope="moe", expert_rank_capacity_factor=None).plan(module)
     targets = CUDAGraphs(scope="moe").plan(module)
     assert len(targets) == 2
+
+
+def test_the_capture_check_takes_the_static_path_only(one_rank_group):
+    """`capture_modules`' own check: the all-to-all passes it with a static budget and is refused
+    without one (on CPU it goes on to refuse the CPU tensors, past the dispatcher)."""
+    from lightning_moe.cuda_graphs import _check_capturable
+
+    layer = next(m for m in _module().modules() if isinstance(m, MoELayer))
+    x = torch.randn(2, 16, 32)
+    with pytest.raises(ValueError, match="split sizes on the host.*static_budget"):
+        _check_capturable(layer, (x,))
+    layer.dispatcher.static_budget = 1.25
+    with pytest.raises(ValueError, match="needs the module and its inputs on a CUDA device"):
+        _check_capturable(layer, (x,))
+
+
+class _DrawingTokens(Tokens):
+    """Draws from the global RNG in the data pipeline (between micro-batches), as augmentations do."""
+
+    def __init__(self, count, draws):
+        super().__init__(count)
+        self.draws = draws
+
+    def __getitem__(self, i):
+        self.draws.append(torch.rand(()).item())
+        return super().__getitem__(i)
+
+
+def test_a_rerun_keeps_hooks_rng_and_step_signature_as_eager(monkeypatch, one_rank_group):
+    """A ``training_step(batch)`` without ``batch_idx`` runs again; random draws between
+    micro-batches continue as in the eager fit; a callback's ``on_after_backward`` sees each
+    micro-batch once, and the window's last one with the rerun's gradients."""
+
+    class NoIndex(type(_module())):
+        def training_step(self, batch):
+            return super().training_step(batch, 0)
+
+    def module():
+        m = _module()
+        m.__class__ = NoIndex
+        return m
+
+    def fit(callbacks):
+        draws, norms = [], []
+
+        class GradNorms(Callback):
+            def on_after_backward(self, trainer, pl_module):
+                norms.append(sum(float(p.grad.norm()) for p in pl_module.parameters() if p.grad is not None))
+
+        torch.manual_seed(0)
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False,
+                          callbacks=[GradNorms(), *callbacks], enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, accumulate_grad_batches=2, num_sanity_val_steps=0)
+        m = module()
+        trainer.fit(m, DataLoader(_DrawingTokens(64, draws), batch_size=2))
+        return draws, norms, {k: v.clone() for k, v in m.state_dict().items()}
+
+    reference = fit([])
+
+    def fake(modules, samples, num_warmup_iters, accumulate_grads, forwards):
+        return _StaticReplays(list(modules), list(forwards), accumulate_grads, {4: 1e-3}, 2.0)
+
+    monkeypatch.setattr(callback_module, "capture_modules", fake)
+    callback = _OnCPU(scope="moe", warmup_steps=1)
+    draws, norms, state = fit([callback])
+    assert callback.reruns == 1
+    assert draws == reference[0]
+    # replay 4: step 2's first micro-batch (index 4; two MoE layers a micro-batch, one warm-up step).
+    # Its norm is the first pass's; the window's last one (index 5) the rerun's, which is the eager one
+    assert len(norms) == len(reference[1])
+    assert norms[4] != reference[1][4]
+    assert [n for i, n in enumerate(norms) if i != 4] == [n for i, n in enumerate(reference[1]) if i != 4]
+    assert all(torch.equal(state[k], v) for k, v in reference[2].items())
