@@ -582,3 +582,39 @@ def test_static_sizes_follow_the_budget():
     assert slot == 1280 and rows == 10240
     with pytest.raises(ValueError, match="must be > 0"):
         dispatcher.static_sizes(4096, 0.0)
+
+
+def _static_fp8_parity(rank, world_size):
+    """Emulated FP8 delayed experts behind the static all-to-all: the budget's spare rows (zeros past
+    the last group) change no amax, scale or bit against the synced path, over two steps."""
+    from lightning_moe.precision import FP8Precision
+
+    mesh = _make_mesh(world_size, 1)
+    results = []
+    for budget in (None, 2.0):
+        layer = expert_parallel_layer(_build_layer(dict(expert_alignment=16), False, world_size), mesh, "alltoall")
+        plugin = FP8Precision(recipe="delayed", backend="emulated", device="cpu")
+        plugin.convert_module(layer)
+        assert layer.experts.quantization is not None  # the experts' GEMMs quantized (emulated on CPU)
+        layer.dispatcher.static_budget = budget
+        seen = []
+        for step in range(2):
+            x = _tokens(rank + 10 * step, 12, False).requires_grad_()
+            with plugin.forward_context():
+                y = layer(x)
+            (y * 1.5).sum().backward()
+            plugin.update_delayed_scaling()
+            seen += [y.detach(), x.grad] + [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                                            for p in layer.parameters() if p.grad is not None]
+        histories = [b.clone() for n, b in layer.named_buffers() if b is not None and "amax_history" in n]
+        assert histories and all(bool(h.abs().sum() > 0) for h in histories)  # amaxes were recorded
+        seen += [b.clone() for b in layer.buffers() if b is not None]
+        results.append(seen)
+    assert len(results[0]) == len(results[1])
+    for ours, reference in zip(results[1], results[0]):
+        assert torch.equal(ours, reference)
+    return True
+
+
+def test_static_all_to_all_under_fp8_delayed_equals_the_synced_one():
+    assert run_distributed(_static_fp8_parity, 2) == [True, True]
