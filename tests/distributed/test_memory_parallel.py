@@ -31,7 +31,9 @@ VARIANTS = (
     + [{"offload": ["core_attn", "attn_proj", "expert_fc1"], "recompute": [n for n in SELECTIVE if n != "moe"]},
        {"offload": ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"], "recompute": ["moe", "core_attn"]},
        {"recompute_every_n_layers": 2, "recompute": ["layernorm", "moe_act"],
-        "offload": ["core_attn", "attn_proj", "expert_fc1"]}]
+        "offload": ["core_attn", "attn_proj", "expert_fc1"]},
+       # Megatron-Core's pairing: the activation's input offloaded, its output recomputed
+       {"offload": ["expert_fc1", "moe_act"], "recompute": ["moe_act"]}]
 )
 
 
