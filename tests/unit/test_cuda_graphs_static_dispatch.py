@@ -211,3 +211,26 @@ def test_a_rerun_keeps_hooks_rng_and_step_signature_as_eager(monkeypatch, one_ra
     assert norms[4] != reference[1][4]
     assert [n for i, n in enumerate(norms) if i != 4] == [n for i, n in enumerate(reference[1]) if i != 4]
     assert all(torch.equal(state[k], v) for k, v in reference[2].items())
+
+
+def test_steps_a_rerun_cannot_repeat_are_refused(one_rank_group):
+    """Manual optimization, and a training_step reading dataloader_iter, are refused at fit start
+    with the all-to-all captured (the callback could not run their window again)."""
+
+    class Manual(type(_module())):
+        pass
+
+    class Iterating(type(_module())):
+        def training_step(self, dataloader_iter):
+            batch, _, _ = next(dataloader_iter)
+            return super().training_step(batch, 0)
+
+    for cls, match in ((Manual, "automatic optimization"), (Iterating, "dataloader_iter")):
+        module = _module()
+        module.__class__ = cls
+        if cls is Manual:
+            module.automatic_optimization = False
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, callbacks=[_OnCPU(scope="moe")],
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        with pytest.raises(ValueError, match=match):
+            trainer.fit(module, DataLoader(Tokens(8), batch_size=2))
