@@ -58,11 +58,15 @@ overflow its buffer sets a device flag instead; after the last backward of every
 window the callback reads the flags (one host sync per optimizer step, all-reduced so that every
 rank agrees) and, where one is set, runs the window again eagerly (dropless, with host-synced
 sizes) from the state it started with: the module's buffers (router counts, FP8 amax histories)
-and the RNG states are put back, the gradients cleared, and every micro-batch's ``training_step``
-and backward run again, before the gradients are reduced and the optimizer steps. No token is
-dropped and the step is the eager one; ``reruns`` counts such windows, with a warning the first
-time (raise the factor where they are frequent). Values that ``training_step`` logs with
-``on_epoch=True`` count a re-run micro-batch twice. Needs automatic optimization.
+are put back, the FP8 weight cache and the gradients cleared, and every micro-batch's
+``training_step`` (from the RNG states that micro-batch started with) and backward run again,
+before the gradients are reduced and the optimizer steps. No token is dropped and the step is the
+eager one; ``reruns`` counts such windows, with a warning the first time (raise the factor where
+they are frequent). The backward hooks do not run again for the rerun (they ran in the first
+pass); the callback runs its hooks first among the callbacks, so that the window's last
+``on_after_backward`` of the others and of the module sees the rerun's gradients. Values that
+``training_step`` logs with ``on_epoch=True`` count a re-run micro-batch twice. Needs automatic
+optimization and a ``training_step`` that takes batches (not ``dataloader_iter``).
 
 Memory: the graphs keep their modules' activations, temporaries and gradient buffers in one
 pool for good (about one eager step's activations of the captured modules); with gradient
