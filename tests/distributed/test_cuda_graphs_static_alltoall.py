@@ -16,7 +16,7 @@ STEPS, ACCUMULATE = 5, 2
 OVERFLOW_REPLAY = 2 * ACCUMULATE  # step 3's first micro-batch (one warm-up step, one MoE layer)
 
 
-def _train(rank, world_size, graphed, overflow):
+def _train(rank, world_size, graphed, overflow, sharding="ddp"):
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -77,7 +77,8 @@ def _train(rank, world_size, graphed, overflow):
 
     torch.manual_seed(0)
     graphs = OnCPU(scope="moe", warmup_steps=1) if graphed else None
-    strategy = MegatronMoEStrategy(expert_parallel_size=2, token_dispatcher="alltoall")
+    strategy = MegatronMoEStrategy(expert_parallel_size=2, token_dispatcher="alltoall", sharding=sharding,
+                                   expert_sharding="ddp")
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
                         accumulate_grad_batches=ACCUMULATE, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
@@ -91,12 +92,13 @@ def _train(rank, world_size, graphed, overflow):
             "reruns": graphs.reruns if graphs else 0, "captured": graphs.captured if graphs else []}
 
 
-@pytest.mark.parametrize("overflow", ["budget", "rank 1"])
-def test_an_overflowing_window_runs_again_on_every_rank(overflow):
+@pytest.mark.parametrize("overflow, sharding", [("budget", "ddp"), ("rank 1", "ddp"), ("budget", "fsdp")])
+def test_an_overflowing_window_runs_again_on_every_rank(overflow, sharding):
     """"budget": both ranks' slots overflow at step 3 (garbage first pass); "rank 1": only rank 1's
-    flag is set, and the all-reduce makes rank 0 run the window again too."""
-    eager = run_distributed(_train, 2, False, None)
-    graphed = run_distributed(_train, 2, True, overflow)
+    flag is set, and the all-reduce makes rank 0 run the window again too; "fsdp": the dense layers
+    FSDP-sharded around the captured MoE layers."""
+    eager = run_distributed(_train, 2, False, None, sharding)
+    graphed = run_distributed(_train, 2, True, overflow, sharding)
     assert [r["captured"] for r in graphed] == [["model.layers.1.mlp"]] * 2
     assert [r["reruns"] for r in graphed] == [1, 1]
     step = 1 + OVERFLOW_REPLAY // ACCUMULATE  # replays start at step 1, after the warm-up step
