@@ -289,6 +289,40 @@ def _clear_cublas_workspaces() -> None:
         clear()
 
 
+# Experiment toggle (benchmarks patch it). torch's make_graphed_callables keeps its last warm-up
+# pass's outputs and parameter gradients referenced (local variables) through the capture, which
+# then allocates the graphs' own: for a whole-step capture, every gradient twice at the capture's
+# peak. True: the warm-up passes run here instead (the same passes on a side stream, their results
+# dropped, the cache emptied) and torch's are skipped.
+OWN_WARMUP = False
+
+
+def warm_up(proxies: Sequence[nn.Module], sample_args: Sequence[tuple], num_warmup_iters: int,
+            allow_unused_input: bool = True) -> None:
+    """The passes `torch.cuda.make_graphed_callables` runs before capturing (forward, then the
+    gradients of the outputs with respect to the tensor inputs and the parameters, not
+    accumulated into ``.grad``), on a side stream where CUDA is in use, keeping nothing."""
+    stream = torch.cuda.Stream() if torch.cuda.is_available() and any(
+        p.is_cuda for m in proxies for p in m.parameters()) else None
+    context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    if stream is not None:
+        torch.cuda.synchronize()
+    with context:
+        for module, args in zip(proxies, sample_args):
+            surface = tuple(a for a in args if isinstance(a, Tensor) and a.requires_grad)
+            surface += tuple(p for p in module.parameters() if p.requires_grad)
+            for _ in range(num_warmup_iters):
+                outputs = [o for o in torch.utils._pytree.tree_leaves(module(*args))
+                           if isinstance(o, Tensor) and o.requires_grad]
+                if outputs:
+                    torch.autograd.grad(outputs, surface, grad_outputs=[torch.empty_like(o) for o in outputs],
+                                        only_inputs=True, allow_unused=allow_unused_input)
+                del outputs  # nothing of a warm-up pass outlives it
+    if stream is not None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the side stream's blocks, which the graphs' private pool cannot use
+
+
 def _capture(proxies: list[nn.Module], sample_args: list[tuple], num_warmup_iters: int) -> None:
     """`torch.cuda.make_graphed_callables` on ``proxies`` (one pool, their order), autocast off
     around it (`_ForwardUnderAutocast`), with its most common failure explained. When a capture
@@ -300,6 +334,9 @@ def _capture(proxies: list[nn.Module], sample_args: list[tuple], num_warmup_iter
         # An earlier captured module may be garbage (a reference cycle): no collection mid-capture.
         with torch.autocast("cuda", enabled=False) if autocast else contextlib.nullcontext(), collector_held_off():
             # allow_unused_input: a parameter no output depends on gets no gradient (None), as eagerly.
+            if OWN_WARMUP:
+                warm_up(proxies, sample_args, num_warmup_iters)
+                num_warmup_iters = 0
             _clear_cublas_workspaces()  # the capture stream's workspace is then allocated in the graphs' pool
             torch.cuda.make_graphed_callables(tuple(proxies), tuple(sample_args), num_warmup_iters=num_warmup_iters,
                                               allow_unused_input=True)

@@ -218,3 +218,21 @@ def test_evaluation_runs_eagerly_and_training_replays_again(dtype):
     layer.train()
     _step(layer, context, x)
     _assert_all_close([p.grad for p in layer.parameters()], trained, bound=0.0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=hopper)])
+def test_own_warm_up_trains_the_same_and_peaks_no_higher(monkeypatch, precision):
+    """`cuda_graphs.OWN_WARMUP` (experiment): the same training bits as torch's warm-up, and a capture
+    peak no higher (torch keeps its last warm-up pass's outputs and gradients through the capture)."""
+    from lightning_moe import cuda_graphs
+
+    runs, peaks = [], []
+    for own in (False, True):
+        monkeypatch.setattr(cuda_graphs, "OWN_WARMUP", own)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        runs.append(_train(precision, torch.float32, True))
+        peaks.append(torch.cuda.max_memory_allocated())
+    _assert_all_equal(runs[1], runs[0])
+    assert peaks[1] <= peaks[0], peaks

@@ -709,3 +709,27 @@ def test_capture_takes_the_usual_shapes_not_the_last_batch(captures):
     _losses(tiny_model(), [callback], steps=6, data=DataLoader(Tokens(5), batch_size=2))
     (capture,) = captures
     assert capture.replays == 2 * 2 and callback.eager_calls == 2
+
+
+def test_own_warm_up_runs_the_passes_and_keeps_nothing():
+    """`cuda_graphs.warm_up` (the `OWN_WARMUP` experiment): the forward and the input and parameter
+    gradients, ``num_warmup_iters`` times per module, ``.grad`` untouched, no output kept alive."""
+    import weakref
+
+    from lightning_moe.cuda_graphs import warm_up
+
+    calls, outputs = [], []
+
+    class Recording(nn.Linear):
+        def forward(self, x):
+            y = super().forward(x)
+            calls.append(x.shape)
+            outputs.append(weakref.ref(y))
+            return y
+
+    modules = [Recording(4, 3), Recording(3, 2)]
+    args = [(torch.randn(5, 4, requires_grad=True),), (torch.randn(5, 3),)]
+    warm_up(modules, args, num_warmup_iters=2)
+    assert calls == [(5, 4), (5, 4), (5, 3), (5, 3)]
+    assert all(p.grad is None for m in modules for p in m.parameters()) and args[0][0].grad is None
+    assert all(ref() is None for ref in outputs)
