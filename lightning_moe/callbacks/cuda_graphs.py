@@ -171,7 +171,7 @@ class CUDAGraphs(Callback):
         self.reruns = 0
         # the static all-to-all: its dispatchers, and the accumulation window a rerun replays
         self._static: list[Any] = []
-        self._window: list[tuple[Any, int]] = []
+        self._window: list[tuple[Any, int, tuple]] = []  # (batch, batch_idx, RNG states) per micro-batch
         self._snapshot: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
         self._rerunning = False
         self._targets: list[_Target] = []
@@ -258,8 +258,7 @@ class CUDAGraphs(Callback):
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._rerunning or not self._window or not self._window_ends(trainer):
             return
-        # once a static dispatch has run (captured, and replayed since): its flags
-        if any(d.overflow is not None for d in self._static) and self._overflowed(trainer):
+        if self._overflowed(trainer):
             self._rerun_window(trainer, pl_module)
         self._window = []
 
@@ -472,9 +471,13 @@ class CUDAGraphs(Callback):
         return len(self._window) >= max(1, trainer.accumulate_grad_batches)
 
     def _overflowed(self, trainer: Trainer) -> bool:
+        """Whether a static dispatch of this window overflowed on any rank (and the flags cleared).
+        No flag yet (no static dispatch has run: before the first capture): False, no sync; every
+        rank captures at the same step, so all ranks skip the all-reduce together."""
         flags = [d.overflow for d in self._static if d.overflow is not None]
-        device = trainer.strategy.root_device
-        flag = (torch.stack(flags).amax() if flags else torch.zeros((), dtype=torch.int32, device=device)).to(device)
+        if not flags:
+            return False
+        flag = torch.stack(flags).amax().to(trainer.strategy.root_device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # every rank reruns, or none
         self._clear_overflow()
@@ -542,7 +545,6 @@ class CUDAGraphs(Callback):
             pl_module._current_fx_name = fx_name
             self._rerunning = False
             _set_rng_states(entry_rng)  # where the first pass left them: what eager steps would have drawn
-        self._clear_overflow()
 
     def _captured(self) -> list[_Target]:
         return [self._targets[i] for i in sorted(self._slots, key=self._slots.get)]

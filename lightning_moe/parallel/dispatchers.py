@@ -319,14 +319,7 @@ class AllToAllDispatcher(TokenDispatcher):
         ranks_TR = torch.arange(ep, device=x_TD.device).expand(num_tokens, ep)
         send_plan = plan_permutation(ranks_TR, ep, keep_TK=keep_TR, capacity=slot, pad_to_capacity=True)
         x_ND = permute(x_TD, send_plan)
-        # Metadata as in `_dispatch_tokens_with`; the slots' empty rows read token T, a row of
-        # expert -1 (no expert) and probability 0.
-        row_token_N = send_plan.row_token_R
-        experts_ext = torch.cat([experts_TK, experts_TK.new_full((1, topk), -1)])
-        probs_ext = torch.cat([routing.probs_TK, routing.probs_TK.new_zeros(1, topk)])
-        local_NK = experts_ext.index_select(0, row_token_N) - (send_plan.row_assignment_R % ep).unsqueeze(1) * el
-        local_NK = torch.where((local_NK >= 0) & (local_NK < el), local_NK, -1)
-        meta_NK2 = torch.cat([probs_ext.index_select(0, row_token_N), local_NK.to(probs_ext.dtype)], 1)
+        meta_NK2 = self._sent_rows_metadata(experts_TK, routing.probs_TK, send_plan)
         splits = [slot] * ep
         recv_x_ND = all_to_all_rows(x_ND, splits, splits, self.ep_group)
         recv_meta = all_to_all_rows(meta_NK2, splits, splits, self.ep_group)
@@ -347,6 +340,20 @@ class AllToAllDispatcher(TokenDispatcher):
         received = ep * slot
         state = TokenAllToAllState(send_plan, expert_plan, combine_probs_NK, splits, splits, received, received)
         return expert_input_RD, expert_plan.group_sizes_E, state
+
+    def _sent_rows_metadata(self, experts_TK: Tensor, probs_TK: Tensor, send_plan: PermutationPlan) -> Tensor:
+        """``[N, 2K]`` per sent row: its token's K probabilities, then its K assignments as the
+        destination's local expert ids (-1 for other ranks' or dropped ones). The ids travel as
+        exact floats beside the probabilities, so the metadata takes one all-to-all. A padding row
+        of the plan (a static slot's empty row: token T) reads probability 0 and expert -1."""
+        ep, el = self.ep_size, self.num_local_experts
+        if send_plan.padding_rows:
+            experts_TK = torch.cat([experts_TK, experts_TK.new_full((1, experts_TK.shape[1]), -1)])
+            probs_TK = torch.cat([probs_TK, probs_TK.new_zeros(1, probs_TK.shape[1])])
+        row_token_N = send_plan.row_token_R
+        local_NK = experts_TK.index_select(0, row_token_N) - (send_plan.row_assignment_R % ep).unsqueeze(1) * el
+        local_NK = torch.where((local_NK >= 0) & (local_NK < el), local_NK, -1)
+        return torch.cat([probs_TK.index_select(0, row_token_N), local_NK.to(probs_TK.dtype)], 1)
 
     def _record_overflow(self, overflowed: Tensor) -> None:
         if self.overflow is None or self.overflow.device != overflowed.device:
@@ -434,13 +441,7 @@ class AllToAllDispatcher(TokenDispatcher):
         ranks_TR = torch.arange(ep, device=x_TD.device).expand(num_tokens, ep)
         send_plan = plan_permutation(ranks_TR, ep, keep_TK=needs_TR, num_rows=sum(input_splits))
         x_ND = permute(x_TD, send_plan)
-        # Per sent row: its token's K assignments as the destination's local expert ids (-1 for
-        # other ranks' or dropped ones) and their probabilities. The ids travel as exact floats
-        # beside the probabilities, so the metadata takes one all-to-all.
-        row_token_N = send_plan.row_token_R
-        local_NK = experts_TK.index_select(0, row_token_N) - (send_plan.row_assignment_R % ep).unsqueeze(1) * el
-        local_NK = torch.where((local_NK >= 0) & (local_NK < el), local_NK, -1)
-        meta_NK2 = torch.cat([routing.probs_TK.index_select(0, row_token_N), local_NK.to(routing.probs_TK.dtype)], 1)
+        meta_NK2 = self._sent_rows_metadata(experts_TK, routing.probs_TK, send_plan)
 
         recv_x_ND = all_to_all_rows(x_ND, output_splits, input_splits, self.ep_group)
         recv_meta = all_to_all_rows(meta_NK2, output_splits, input_splits, self.ep_group)
