@@ -4,7 +4,7 @@ of tile configurations. Checks each configuration's output against torch's (rela
 in every run so far: both accumulate each block on the tensor cores in the same order and scale
 in fp32 the same way) and times both back to back.
 
-    python benchmarks/fp8_grouped_tune.py [--cases qwen3_fc1 ...] [--overlap] [--tag s19a]
+    python benchmarks/fp8_grouped_tune.py [--cases qwen3_fc1 ...] [--overlap | --precise] [--tag s19a]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ CASES = {
     "qwen3_fc2_dgrad": (128, 131072, 2048, 768),
     "mixtral_fc1": (8, 16384, 4096, 28672),
     "mixtral_fc2": (8, 16384, 14336, 4096),
+    "mixtral_fc1_dgrad": (8, 16384, 28672, 4096),
+    "mixtral_fc2_dgrad": (8, 16384, 4096, 14336),
     "deepseek_fc1": (32, 65536, 7168, 4096),
     "deepseek_fc2": (32, 65536, 2048, 7168),
 }
@@ -66,6 +68,29 @@ OVERLAP_CONFIGS = [
     (128, 256, 128, 8, 3, "ws"),
     (128, 256, 128, 8, 4, "ws"),
     (128, 128, 128, 4, 3, "ws", "occ2"),
+]
+
+
+# Split accumulation (``--precise``): the kernels keep a second fp32 copy of the tile in registers,
+# so the fast path's 128 x 256 tile spills; the library's choice is
+# ``fp8_grouped_gemm_triton.FPROP_PRECISE_TILES`` / ``WGRAD_FP32_OR_PRECISE_TILES``.
+PRECISE_CONFIGS = [
+    (128, 256, 128, 8, 3),
+    (128, 128, 128, 8, 4),
+    (128, 128, 128, 8, 3),
+    (128, 128, 64, 8, 5),
+    (128, 128, 128, 4, 4),
+    (256, 128, 128, 8, 3),
+]
+# The weight gradient as the step runs it (``--precise``): split accumulation, fp32 tiles added
+# into an fp32 ``.grad`` (``accumulate_into``), stored by TMA ("tma") or from registers.
+PRECISE_WGRAD_CONFIGS = [
+    (128, 256, 128, 8, 3, "tma"),
+    (128, 128, 128, 8, 4, "tma"),
+    (128, 128, 128, 8, 3, "tma"),
+    (128, 128, 128, 8, 4),
+    (128, 128, 64, 8, 5, "tma"),
+    (256, 128, 128, 8, 3, "tma"),
 ]
 
 
@@ -132,7 +157,7 @@ def _launch_options(extras: tuple) -> dict:
     return {"programs": programs, "warp_specialize": "ws" in extras}
 
 
-def wgrad_case(name: str, iters: int, overlap: bool) -> dict:
+def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> dict:
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
     from lightning_moe.precision.native_gemms import group_weight_gradient
     from lightning_moe.precision.native_casts import wgrad_aligned_ends
@@ -150,7 +175,7 @@ def wgrad_case(name: str, iters: int, overlap: bool) -> dict:
     flops = 2.0 * total * m * n
 
     def torch_mm() -> torch.Tensor:
-        return group_weight_gradient(a, sa, b, sb, ends, None, fast=True)
+        return group_weight_gradient(a, sa, b, sb, ends, None, fast=not precise)
 
     ref = torch_mm()
     ms = cuda_time_pipelined_ms(torch_mm, iters=iters)
@@ -158,13 +183,28 @@ def wgrad_case(name: str, iters: int, overlap: bool) -> dict:
             "torch_scaled_grouped_mm": {"ms": ms, "tflops": flops / ms / 1e9}}
     print(f"{name}: torch {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 
+    grad = torch.zeros(experts, m, n, device="cuda") if precise else None
+    zeroed_for = set()
+
     def ours(bm: int, bn: int, bk: int, warps: int, stages: int, extras: tuple) -> torch.Tensor:
+        if precise:  # the step's call: split accumulation added into an fp32 .grad
+            key = (bm, bn, bk, warps, stages, extras)
+            if key not in zeroed_for:  # a configuration's first call (its error check) adds into zeros;
+                zeroed_for.add(key)  # the timed calls keep adding, as micro-batches do (no memset timed)
+                grad.zero_()
+            return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
+                                    block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
+                                    out_dtype=torch.float32, precise=True, accumulate_into=grad)
         return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,
                                 num_warps=warps, num_stages=stages, tma_store="tma" in extras,
                                 **_launch_options(extras))
 
-    configs = [(128, 256, 128, 8, 4), (128, 256, 128, 8, 4, "tma")] + OVERLAP_CONFIGS if overlap else \
-        WGRAD_CONFIGS + WGRAD_TMA_CONFIGS
+    if precise:
+        configs = PRECISE_WGRAD_CONFIGS
+    elif overlap:
+        configs = [(128, 256, 128, 8, 4), (128, 256, 128, 8, 4, "tma")] + OVERLAP_CONFIGS
+    else:
+        configs = WGRAD_CONFIGS + WGRAD_TMA_CONFIGS
     _sweep(case, configs, ours, ref, flops, iters, "_grouped_wgrad_kernel")
     return case
 
@@ -176,6 +216,9 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     parser.add_argument("--overlap", action="store_true",
                         help="sweep OVERLAP_CONFIGS (beside the library's configuration) instead")
+    parser.add_argument("--precise", action="store_true",
+                        help="split accumulation (the default recipe's gradient GEMMs) against torch's split "
+                             "accumulation: PRECISE_CONFIGS, and the weight gradient added into an fp32 .grad")
     args = parser.parse_args()
 
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
@@ -184,7 +227,7 @@ def main() -> None:
     results = {}
     for name in args.cases:
         if name in WGRAD_CASES:
-            results[name] = wgrad_case(name, args.iters, args.overlap)
+            results[name] = wgrad_case(name, args.iters, args.overlap, args.precise)
             continue
         experts, rows, k, o = CASES[name]
         ends = _groups(experts, rows).cuda()
@@ -198,10 +241,10 @@ def main() -> None:
         host_ends = ends.tolist()
 
         def torch_mm() -> torch.Tensor:
-            return torch_group_gemm(a, sa, b, sb, ends, None, fast=True)
+            return torch_group_gemm(a, sa, b, sb, ends, None, fast=not args.precise)
 
         def per_expert_mm() -> torch.Tensor:  # what the native backend runs for <= 32 experts without ours
-            return torch_group_gemm(a, sa, b, sb, ends, host_ends, fast=True)
+            return torch_group_gemm(a, sa, b, sb, ends, host_ends, fast=not args.precise)
 
         ref = torch_mm()
         ms = cuda_time_pipelined_ms(torch_mm, iters=args.iters)
@@ -215,9 +258,12 @@ def main() -> None:
 
         def ours(bm: int, bn: int, bk: int, warps: int, stages: int, extras: tuple) -> torch.Tensor:
             return grouped_mm_fprop(a, sa, b, sb, ends, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                    num_stages=stages, **_launch_options(extras))
+                                    num_stages=stages, precise=args.precise, **_launch_options(extras))
 
-        configs = [(128, 256, 128, 8, 4)] + OVERLAP_CONFIGS if args.overlap else CONFIGS
+        if args.precise:
+            configs = PRECISE_CONFIGS
+        else:
+            configs = [(128, 256, 128, 8, 4)] + OVERLAP_CONFIGS if args.overlap else CONFIGS
         _sweep(case, configs, ours, ref, flops, args.iters, "_grouped_fprop_kernel")
         results[name] = case
     write_results("fp8_grouped_tune" + (f"_{args.tag}" if args.tag else ""), {"cases": results})

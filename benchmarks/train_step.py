@@ -349,7 +349,7 @@ def build_module(args):
     experts.GATHERED_FIRST_PROJECTION = getattr(args, "gathered_fc1", "on") == "on"
     from lightning_moe import cuda_graphs
 
-    cuda_graphs.OWN_WARMUP = getattr(args, "capture_warmup", "torch") == "own"
+    cuda_graphs.OWN_WARMUP = getattr(args, "capture_warmup", "own") == "own"
     overrides = {"num_layers": args.layers, "max_seq_length": args.seq, "moe": {"expert_backend": args.expert_backend}}
     # FP8 grouped GEMMs (torch and TE kernels) need every expert's token group padded.
     overrides["moe"]["expert_alignment"] = expert_alignment(args.precision)
@@ -644,9 +644,10 @@ def main(argv=None) -> None:
     parser.add_argument("--peer", choices=["hf"], default=None,
                         help="hf: also time HF transformers' Qwen3MoeForCausalLM of the same shape, trained the same "
                              "way (benchmarks/hf_peer.py), its TFLOP/s from the same FLOP count")
-    parser.add_argument("--capture-warmup", choices=["torch", "own"], default="torch",
+    parser.add_argument("--capture-warmup", choices=["torch", "own"], default="own",
                         help="--cuda-graph: who runs the warm-up passes before the capture (cuda_graphs.OWN_WARMUP; "
-                             "own: their results are dropped before the capture allocates)")
+                             "own, the library's default: their results are dropped before the capture allocates; "
+                             "torch: make_graphed_callables' own warm-up)")
     parser.add_argument("--marginal-layers", type=int, default=None,
                         help="also time the Lightning run with this many layers: the cost of a layer and the "
                              "TFLOP/s per GPU projected for the preset's full depth (`marginal_layer`)")

@@ -101,6 +101,29 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
 
 MAX_EXPERTS = 1024  # the kernel holds every group's tile count in registers (measured up to 1,000)
 
+# Launch shapes, (block_m, block_n, block_k, num_warps, num_stages; None: the kernel's rule), that
+# the wrappers take when the caller gives none. Split accumulation keeps a second fp32 copy of the
+# tile in registers (Triton's ``max_num_imprecise_acc``: the tensor cores sum a ``BLOCK_K`` slice
+# into it, which is then added to the accumulator), so a 128 x 256 tile over 8 warps needs about
+# 256 registers a thread and spills to the stack (ptxas for sm90: 255 registers and 200 bytes of
+# stack in the forward kernel, 424 in the weight gradient's) and ran at 350-730 TFLOP/s on an H100
+# (`fp8_grouped_tune.py --precise`). 256 x 128 over 8 warps fits the forward kernel in 255
+# registers without stack and ran fastest there (834-858 TFLOP/s at the Mixtral and Qwen3
+# data-gradient shapes, 128 x 128: 731-854). The weight gradient's fp32 epilogue (fp32 master
+# weights, its old value read back when it accumulates into ``.grad``) spills at 128 x 256 and
+# 256 x 128, fast accumulation included; 128 x 128 with 4 stages ran fastest there (385-616
+# against 313-501 TFLOP/s). Benchmarks sweeping launch shapes (``fp8_grouped_tune.py``) patch these.
+FPROP_TILES = (128, 256, 128, 8, None)
+FPROP_PRECISE_TILES = (256, 128, 128, 8, 3)
+WGRAD_TILES = (128, 256, 128, 8, 4)
+WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4)
+
+
+def _launch_shape(given: tuple, default: tuple) -> tuple:
+    """``given`` (block_m, block_n, block_k, num_warps, num_stages; None entries unset) completed
+    from ``default``."""
+    return tuple(d if g is None else g for g, d in zip(given, default))
+
 
 def tma_operands(*tensors: Tensor) -> bool:
     """Whether every tensor can back a TMA descriptor as these kernels build them: row-major
@@ -119,13 +142,15 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO: Tensor, ends_E: Tensor,
-                     block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
-                     num_stages: Optional[int] = None, programs: Optional[int] = None,
+                     block_m: Optional[int] = None, block_n: Optional[int] = None, block_k: Optional[int] = None,
+                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                     programs: Optional[int] = None,
                      out: Optional[Tensor] = None, warp_specialize: bool = False,
                      precise: bool = False) -> Tensor:
     """bf16 ``[R, O]``: ``(a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``; rows past
     the last group end are left unwritten (uninitialized unless ``out``, a bf16 ``[R, O]`` view
-    with unit column stride, is given). ``programs``: persistent programs (default one per
+    with unit column stride, is given). Launch shape: the arguments given, the rest from
+    `FPROP_TILES` (`FPROP_PRECISE_TILES` with ``precise``). ``programs``: persistent programs (default one per
     multiprocessor). ``warp_specialize``: the compiler's automatic warp specialization of the tile
     loop instead of its flattening (a tuning option; the same sums either way). ``precise``: split
     accumulation (see the module's header), else fast."""
@@ -139,6 +164,8 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     assert out.shape == (rows, o) and out.dtype == torch.bfloat16 and out.stride(1) == 1
     if rows == 0:
         return out
+    block_m, block_n, block_k, num_warps, num_stages = _launch_shape(
+        (block_m, block_n, block_k, num_warps, num_stages), FPROP_PRECISE_TILES if precise else FPROP_TILES)
     a_desc = TensorDescriptor(a_RK, [rows, k], [a_RK.stride(0), 1], [block_m, block_k])
     b_rows = b_EOK.reshape(experts * o, k)
     b_desc = TensorDescriptor(b_rows, [experts * o, k], [b_rows.stride(0), 1], [block_n, block_k])
@@ -211,8 +238,9 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
 
 
 def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN: Tensor, aligned_ends_E: Tensor,
-                     block_m: int = 128, block_n: int = 256, block_k: int = 128, num_warps: int = 8,
-                     num_stages: int = 4, programs: Optional[int] = None,
+                     block_m: Optional[int] = None, block_n: Optional[int] = None, block_k: Optional[int] = None,
+                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                     programs: Optional[int] = None,
                      out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False,
                      warp_specialize: bool = False, precise: bool = False,
                      accumulate_into: Optional[Tensor] = None) -> Tensor:
@@ -226,7 +254,9 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     ``[E, N]``. fp32 output is for fp32 master weights: their gradient is written once, not
     rounded to bf16 and widened by a second pass. ``tma_store``: the tiles leave by TMA (see the
     kernel; needs ``N`` times the element size a multiple of 16 bytes). ``programs`` and
-    ``warp_specialize`` and ``precise`` as in `grouped_mm_fprop`.
+    ``warp_specialize`` and ``precise`` as in `grouped_mm_fprop`. Launch shape: the arguments
+    given, the rest from `WGRAD_TILES`, or `WGRAD_FP32_OR_PRECISE_TILES` for an fp32 output or
+    ``precise``.
 
     ``accumulate_into``: a contiguous fp32 ``[E, M, N]`` tensor (a parameter's ``.grad``) that the
     kernel adds the gradient into and returns, instead of a new one (Megatron-Core's
@@ -238,6 +268,9 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     n, r_b = b_NR.shape
     experts = aligned_ends_E.shape[0]
     assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
+    wide = precise or out_dtype == torch.float32
+    block_m, block_n, block_k, num_warps, num_stages = _launch_shape(
+        (block_m, block_n, block_k, num_warps, num_stages), WGRAD_FP32_OR_PRECISE_TILES if wide else WGRAD_TILES)
     assert WGRAD_GROUP_ALIGN % block_k == 0, "a contraction block must not cross a group's aligned end"
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"grouped_mm_wgrad writes bf16 or fp32, not {out_dtype}")

@@ -12,7 +12,9 @@ grouped kernels, on operands already cast (`precision.native_casts`).
   the grouped kernel (faster for few large experts; costs one host sync per layer forward for
   the group sizes). Under CUDA-graph capture the grouped kernel is used.
 - on Hopper with Triton, the grouped products (fast or split accumulation) run on our own kernels
-  (``kernels.fp8_grouped_gemm_triton``: no host sync; `TRITON_GROUPED_GEMM`; an fp32 master
+  (``kernels.fp8_grouped_gemm_triton``: no host sync; `TRITON_GROUPED_GEMM`; split-accumulation
+  forward and data-gradient products over few experts on torch's grouped kernel,
+  `SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS`; an fp32 master
   weight's gradient is written in fp32, not rounded to bf16 as torch's grouped kernel's). The
   weight gradient's kernel reads its transposed operands in an aligned group layout
   (`native_casts.wgrad_aligned_ends`) so that no contraction block crosses into the next group.
@@ -74,6 +76,13 @@ PER_EXPERT_MAX_EXPERTS = 32
 # Benchmarks comparing against torch's kernels set this False.
 TRITON_GROUPED_GEMM = True
 
+# Split accumulation (the default recipe's data gradient) on at most this many experts runs on
+# torch's grouped kernel even where ours is on: at Mixtral's 8 large experts its split-accumulation
+# products ran 1.18-1.23x ours (H100, `fp8_grouped_tune.py --precise`) with the same sums (relative
+# difference 0), where at Qwen3's 128 small experts ours runs 2.5-3.7x torch's. Ours keeps the
+# weight gradient (it adds an unrounded fp32 gradient into ``.grad`` in its epilogue).
+SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS = 32
+
 # The Triton weight-gradient kernel stores its tiles by TMA where the rows allow it (a few percent
 # faster than stores from registers, the same bits). Benchmarks comparing the two set this False.
 WGRAD_TMA_STORE = True
@@ -121,9 +130,10 @@ def group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offse
     """``out[rows of e] = a[rows of e] @ b[e]^T`` (fprop / dgrad): ``a`` row-major ``[R, K]`` with
     per-row scales ``[R]``, ``b`` stored ``[E, O, K]`` with per-output scales ``[E, O]``.
     ``triton``: `triton_grouped` holds for this product (the kernel still declines operands a
-    TMA descriptor cannot take). Returns bf16 ``[R, O]``; rows past the last group are zero
+    TMA descriptor cannot take, and split accumulation over at most
+    `SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS` experts goes to torch's grouped kernel). Returns bf16 ``[R, O]``; rows past the last group are zero
     (per-expert) or unspecified."""
-    if triton:
+    if triton and (fast or qb_EOK.shape[0] > SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS):
         from lightning_moe.kernels.fp8_grouped_gemm_triton import MAX_EXPERTS, grouped_mm_fprop, tma_operands
 
         if qb_EOK.shape[0] <= MAX_EXPERTS and tma_operands(qa_RK, qb_EOK):
@@ -175,14 +185,12 @@ def group_weight_gradient(qa_KR: Tensor, sa_EK: Tensor, qb_NR: Tensor, sb_EN: Te
         from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
 
         kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-        # fp32 tiles take 3 stages: 4 and their staging buffer exceed shared memory.
         tma_store = WGRAD_TMA_STORE and qb_NR.shape[0] * kernel_dtype.itemsize % 16 == 0
-        stages = 3 if tma_store and kernel_dtype == torch.float32 else 4
         into = None
         if accumulate_into is not None:
             into = accumulate_into.view(sa_EK.shape[0], qa_KR.shape[0], qb_NR.shape[0])
         dw = grouped_mm_wgrad(qa_KR, sa_EK.contiguous(), qb_NR, sb_EN.contiguous(), aligned_ends,
-                              out_dtype=kernel_dtype, tma_store=tma_store, num_stages=stages,
+                              out_dtype=kernel_dtype, tma_store=tma_store,
                               precise=not fast, accumulate_into=into)
         return None if into is not None else dw.to(out_dtype)
     experts = sa_EK.shape[0]

@@ -274,12 +274,17 @@ def test_split_accumulation_weight_gradient(ends, m, n):
         start = end
 
 
-def test_grouped_layer_with_the_default_recipe_takes_the_triton_kernels(monkeypatch):
+@pytest.mark.parametrize("few_experts_on_torch", [False, True])
+def test_grouped_layer_with_the_default_recipe_takes_the_triton_kernels(monkeypatch, few_experts_on_torch):
     """FP8Recipe's default (fast forward, split data and weight gradients) runs all three grouped
-    products on the Triton kernels, the gradients with split accumulation."""
+    products on the Triton kernels, the gradients with split accumulation; with few experts
+    (`SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS`) the split data gradient runs on torch's grouped kernel,
+    with the same data gradient."""
     import lightning_moe.kernels.fp8_grouped_gemm_triton as kernels
-    from lightning_moe.precision import FP8Recipe
+    from lightning_moe.precision import FP8Recipe, native_gemms
     from lightning_moe.precision.gemm import fp8_grouped_mm
+
+    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", 32 if few_experts_on_torch else 0)
 
     def logged(name):
         calls, real = [], getattr(kernels, name)
@@ -292,8 +297,15 @@ def test_grouped_layer_with_the_default_recipe_takes_the_triton_kernels(monkeypa
     w = (torch.randn(5, 256, 384, device="cuda") / 16).requires_grad_(True)
     y = fp8_grouped_mm(x, w, offsets, recipe=FP8Recipe("rowwise"), backend="torch")
     y[:512].float().square().sum().backward()
-    assert [c[1].get("precise", False) for c in calls] == [False, True]
+    assert [c[1].get("precise", False) for c in calls] == ([False] if few_experts_on_torch else [False, True])
     assert len(wgrad_calls) == 1 and wgrad_calls[0][1].get("precise") is True
+    if few_experts_on_torch:  # the same split sums as ours: the data gradient of the all-Triton run
+        x_grad = x.grad[:512].clone()
+        monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", 0)
+        x.grad = None
+        y = fp8_grouped_mm(x, w, offsets, recipe=FP8Recipe("rowwise"), backend="torch")
+        y[:512].float().square().sum().backward()
+        torch.testing.assert_close(x.grad[:512], x_grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("groups", ["uneven", "full"])

@@ -712,7 +712,7 @@ def test_capture_takes_the_usual_shapes_not_the_last_batch(captures):
 
 
 def test_own_warm_up_runs_the_passes_and_keeps_nothing():
-    """`cuda_graphs.warm_up` (the `OWN_WARMUP` experiment): the forward and the input and parameter
+    """`cuda_graphs.warm_up` (`OWN_WARMUP`, the default): the forward and the input and parameter
     gradients, ``num_warmup_iters`` times per module, ``.grad`` untouched, no output kept alive."""
     import weakref
 

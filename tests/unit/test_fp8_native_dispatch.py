@@ -225,6 +225,8 @@ def test_the_triton_grouped_gemm_takes_the_grouped_products(monkeypatch, fast):
     host_group_ends = native_gemms.host_group_ends
     monkeypatch.setattr(scaled_mm, "host_group_ends", lambda *a: host_log.append(1) or host_group_ends(*a))
     monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 32)
+    # every split product on ours too (the few-expert exception is the next test's)
+    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", 0)
     recipe = FP8Recipe("rowwise", fast_accumulation=fast)
     offsets = torch.tensor([32, 32, 80], dtype=torch.int32)
     got = _step(recipe, offsets)
@@ -241,3 +243,35 @@ def test_the_triton_grouped_gemm_takes_the_grouped_products(monkeypatch, fast):
     reference = _step(recipe, offsets)
     for a, b in zip(got, reference):
         assert float((a - b).norm() / b.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("experts_limit", [2, 3])
+def test_split_accumulation_over_few_experts_takes_torchs_grouped_kernel(monkeypatch, experts_limit):
+    """Where the Triton kernels are on, a split-accumulation forward or data-gradient product over at
+    most `SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS` experts runs on ``torch._scaled_grouped_mm`` (split:
+    ``use_fast_accum=False``), the fast forward on ours; more experts than the limit keep both on ours.
+    No host list of group ends either way."""
+    triton_log, grouped_log, host_log = [], [], []
+    kernel = types.ModuleType("lightning_moe.kernels.fp8_grouped_gemm_triton")
+    kernel.MAX_EXPERTS = 4096
+    kernel.tma_operands = lambda *tensors: True
+
+    def grouped_mm_fprop(a, sa, b_EOK, sb, ends, precise):
+        triton_log.append(precise)
+        return _fake_grouped([])(a, b_EOK.transpose(1, 2), sa, sb, ends, torch.bfloat16, True)
+
+    kernel.grouped_mm_fprop = grouped_mm_fprop
+    monkeypatch.setitem(sys.modules, kernel.__name__, kernel)
+    monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t: True)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped(grouped_log))
+    host_group_ends = native_gemms.host_group_ends
+    monkeypatch.setattr(scaled_mm, "host_group_ends", lambda *a: host_log.append(1) or host_group_ends(*a))
+    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", experts_limit)
+    offsets = torch.tensor([32, 32, 80], dtype=torch.int32)  # 3 experts
+    _step(FP8Recipe("rowwise"), offsets)  # fast forward, split data and weight gradients
+    if experts_limit >= 3:
+        # the forward on ours; the data gradient then the weight gradient on torch's, both split
+        assert triton_log == [False] and grouped_log == [False, False]
+    else:
+        assert triton_log == [False, True] and grouped_log == [False]
+    assert host_log == []
