@@ -1,0 +1,88 @@
+"""The FP8 grouped GEMM kernels' default launch shapes (`kernels.fp8_grouped_gemm_triton`) compile
+for sm90 without spilling registers to the stack: compiled ahead of time here (Triton's compiler
+and the ptxas it ships run without a GPU) and read with cuobjdump. Split accumulation keeps a second
+fp32 tile in registers; a launch shape that spilled ran the split data gradient at 350 TFLOP/s
+against 850 without spills on an H100."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from lightning_moe.kernels import fp8_grouped_gemm_triton as kernels  # noqa: E402
+
+
+def _tools():
+    try:
+        import triton.backends.nvidia as nvidia
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as error:  # another Triton layout
+        pytest.skip(f"this Triton cannot compile ahead of time here: {error}")
+    cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump beside Triton's ptxas")
+    return ASTSource, GPUTarget, cuobjdump
+
+
+def _stack_bytes(fn, signature: dict, constants: dict, warps: int, stages: int, fp_fusion: bool = True) -> int:
+    ASTSource, GPUTarget, cuobjdump = _tools()
+    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": fp_fusion})
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"lightning_moe_{fn.__name__}_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+    finally:
+        os.remove(path)
+    stack = re.search(r"STACK:(\d+)", usage)
+    assert stack is not None, usage
+    return int(stack.group(1))
+
+
+def _fprop_stack(tiles: tuple, precise: bool, k: int = 4096) -> int:
+    bm, bn, bk, warps, stages = tiles
+    stages = stages if stages is not None else (4 if k < 2048 else 3)  # the wrapper's rule
+    signature = {"a_desc": f"tensordesc<fp8e4nv[{bm},{bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn},{bk}]>",
+                 "out_ptr": "*bf16", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "ends_ptr": "*i32",
+                 "E": "i32", "R": "i32", "N_OUT": "i32", "stride_out": "i32"}
+    constants = {"K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_E": 8, "NUM_PROGRAMS": 132,
+                 "NUM_STAGES": stages, "FLATTEN": True, "WARP_SPECIALIZE": False, "PRECISE": precise}
+    signature.update({name: "constexpr" for name in constants})
+    return _stack_bytes(kernels._grouped_fprop_kernel, signature, constants, warps, stages)
+
+
+def _wgrad_stack(tiles: tuple, precise: bool, fp32_accumulate: bool) -> int:
+    bm, bn, bk, warps, stages = tiles
+    dtype = "fp32" if fp32_accumulate else "bf16"
+    signature = {"a_desc": f"tensordesc<fp8e4nv[{bm},{bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn},{bk}]>",
+                 "out_ptr": f"*{dtype}", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "ends_ptr": "*i32",
+                 "E": "i32", "M": "i32", "N": "i32", "out_desc": f"tensordesc<{dtype}[1,{bm},{bn // 2}]>"}
+    constants = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_PROGRAMS": 132, "NUM_STAGES": stages,
+                 "TMA_STORE": True, "FLATTEN": True, "WARP_SPECIALIZE": False, "PRECISE": precise,
+                 "ACCUMULATE": fp32_accumulate}
+    signature.update({name: "constexpr" for name in constants})
+    # the accumulating epilogue compiles without fused multiply-adds (`grouped_mm_wgrad`)
+    return _stack_bytes(kernels._grouped_wgrad_kernel, signature, constants, warps, stages,
+                        fp_fusion=not fp32_accumulate)
+
+
+def test_the_default_forward_launch_shapes_do_not_spill():
+    assert _fprop_stack(kernels.FPROP_TILES, precise=False) == 0
+    assert _fprop_stack(kernels.FPROP_PRECISE_TILES, precise=True) == 0
+    # the check sees a spill: the fast path's tile under split accumulation
+    assert _fprop_stack(kernels.FPROP_TILES, precise=True) > 0
+
+
+def test_the_default_weight_gradient_launch_shape_for_fp32_gradients_does_not_spill():
+    # the default recipe's weight gradient: split accumulation added into an fp32 .grad, TMA stores
+    assert _wgrad_stack(kernels.WGRAD_FP32_OR_PRECISE_TILES, precise=True, fp32_accumulate=True) == 0
+    assert _wgrad_stack(kernels.WGRAD_TILES, precise=False, fp32_accumulate=False) == 0
