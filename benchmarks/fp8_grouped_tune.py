@@ -83,14 +83,15 @@ PRECISE_CONFIGS = [
     (256, 128, 128, 8, 3),
 ]
 # The weight gradient as the step runs it (``--precise``): split accumulation, fp32 tiles added
-# into an fp32 ``.grad`` (``accumulate_into``), stored by TMA ("tma") or from registers.
+# into an fp32 ``.grad`` (``accumulate_into``), by TMA's reduce-add ("tma"; "noreduce": TMA stores
+# after a load and an add in registers, `fp8_grouped_gemm_triton.TMA_REDUCE` off) or from registers.
 PRECISE_WGRAD_CONFIGS = [
-    (128, 256, 128, 8, 3, "tma"),
+    (128, 128, 128, 8, 4, "tma", "noreduce"),
     (128, 128, 128, 8, 4, "tma"),
     (128, 128, 128, 8, 3, "tma"),
-    (128, 128, 128, 8, 4),
-    (128, 128, 64, 8, 5, "tma"),
     (256, 128, 128, 8, 3, "tma"),
+    (128, 256, 128, 8, 3, "tma"),
+    (128, 128, 128, 8, 4),
 ]
 
 
@@ -158,6 +159,7 @@ def _launch_options(extras: tuple) -> dict:
 
 
 def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> dict:
+    from lightning_moe.kernels import fp8_grouped_gemm_triton as kernels
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
     from lightning_moe.precision.native_gemms import group_weight_gradient
     from lightning_moe.precision.native_casts import wgrad_aligned_ends
@@ -192,9 +194,14 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> d
             if key not in zeroed_for:  # a configuration's first call (its error check) adds into zeros;
                 zeroed_for.add(key)  # the timed calls keep adding, as micro-batches do (no memset timed)
                 grad.zero_()
-            return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
-                                    block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
-                                    out_dtype=torch.float32, precise=True, accumulate_into=grad)
+            reduce = kernels.TMA_REDUCE
+            kernels.TMA_REDUCE = reduce and "noreduce" not in extras
+            try:
+                return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
+                                        block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
+                                        out_dtype=torch.float32, precise=True, accumulate_into=grad)
+            finally:
+                kernels.TMA_REDUCE = reduce
         return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,
                                 num_warps=warps, num_stages=stages, tma_store="tma" in extras,
                                 **_launch_options(extras))

@@ -28,6 +28,7 @@ weight gradient over thousands of tokens would feel).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -119,6 +120,17 @@ WGRAD_TILES = (128, 256, 128, 8, 4)
 WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4)
 
 
+# The weight gradient's accumulation into ``.grad`` with TMA stores adds by TMA's reduce-add
+# (`_grouped_wgrad_kernel`'s ``TMA_REDUCE``) where this Triton has device descriptors' ``atomic_add``.
+# Triton's interpreter has no reduce-add (the CPU tests take the load-add-store epilogue, the same
+# sums). Benchmarks comparing it with the load-add-store epilogue set this False.
+TMA_REDUCE = hasattr(getattr(tl.core, "tensor_descriptor_base", None), "atomic_add")
+
+
+def _tma_reduce() -> bool:
+    return TMA_REDUCE and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def _launch_shape(given: tuple, default: tuple) -> tuple:
     """``given`` (block_m, block_n, block_k, num_warps, num_stages; None entries unset) completed
     from ``default``."""
@@ -187,7 +199,8 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
                           out_desc=None, FLATTEN: tl.constexpr = True, WARP_SPECIALIZE: tl.constexpr = False,
-                          PRECISE: tl.constexpr = False, ACCUMULATE: tl.constexpr = False):
+                          PRECISE: tl.constexpr = False, ACCUMULATE: tl.constexpr = False,
+                          TMA_REDUCE: tl.constexpr = False):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
@@ -195,7 +208,8 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
     zeros. Columns past the operands' width read as zeros (the descriptors' bounds).
     ``ACCUMULATE`` (fp32 output): each tile is added to the output's values (beta = 1), the
     scaled fp32 product plus the old value, one fp32 add, as ``out += dw`` would after a plain
-    store; an expert without tokens adds zeros."""
+    store; an expert without tokens adds zeros. ``TMA_REDUCE`` (with ``TMA_STORE`` and
+    ``ACCUMULATE``): the add is TMA's reduce-add into the output instead of a load and a store."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -219,7 +233,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
         sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
         out = acc * sa[:, None] * sb[None, :]
-        if ACCUMULATE:
+        if ACCUMULATE and not (TMA_STORE and TMA_REDUCE):
             old_ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
             out = tl.load(old_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0) + out
         out = out.to(out_ptr.dtype.element_ty)
@@ -230,8 +244,18 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
             # each half at the expert's and the output's bounds.
             halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             left, right = tl.split(halves)
-            out_desc.store([e, row0, col0], tl.reshape(left, (1, BLOCK_M, BLOCK_N // 2)))
-            out_desc.store([e, row0, col0 + BLOCK_N // 2], tl.reshape(right, (1, BLOCK_M, BLOCK_N // 2)))
+            left = tl.reshape(left, (1, BLOCK_M, BLOCK_N // 2))
+            right = tl.reshape(right, (1, BLOCK_M, BLOCK_N // 2))
+            if ACCUMULATE and TMA_REDUCE:
+                # TMA's reduce-add: the copy engine adds the tile into the output in memory (each
+                # element old + product, one fp32 add, the bits of the load-add-store above)
+                # instead of the warps reading the old values back first: at Mixtral's shapes
+                # that read-modify-write moves 7.5 GB a layer and micro-batch.
+                out_desc.atomic_add([e, row0, col0], left)
+                out_desc.atomic_add([e, row0, col0 + BLOCK_N // 2], right)
+            else:
+                out_desc.store([e, row0, col0], left)
+                out_desc.store([e, row0, col0 + BLOCK_N // 2], right)
         else:
             ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
             tl.store(ptrs, out, mask=row_ok[:, None] & col_ok[None, :])
@@ -300,5 +324,6 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
            WARP_SPECIALIZE=warp_specialize, PRECISE=precise, num_warps=num_warps,
            # The epilogue's old + product must stay a multiply then an add, each rounded, as the
            # unfused store and add: no contraction into a fused multiply-add.
-           **({"ACCUMULATE": True, "enable_fp_fusion": False} if accumulate_into is not None else {}))
+           **({"ACCUMULATE": True, "TMA_REDUCE": tma_store and _tma_reduce(), "enable_fp_fusion": False}
+              if accumulate_into is not None else {}))
     return out

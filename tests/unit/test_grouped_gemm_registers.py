@@ -68,7 +68,7 @@ def _wgrad_stack(tiles: tuple, precise: bool, fp32_accumulate: bool) -> int:
                  "E": "i32", "M": "i32", "N": "i32", "out_desc": f"tensordesc<{dtype}[1,{bm},{bn // 2}]>"}
     constants = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_PROGRAMS": 132, "NUM_STAGES": stages,
                  "TMA_STORE": True, "FLATTEN": True, "WARP_SPECIALIZE": False, "PRECISE": precise,
-                 "ACCUMULATE": fp32_accumulate}
+                 "ACCUMULATE": fp32_accumulate, "TMA_REDUCE": fp32_accumulate and kernels.TMA_REDUCE}
     signature.update({name: "constexpr" for name in constants})
     # the accumulating epilogue compiles without fused multiply-adds (`grouped_mm_wgrad`)
     return _stack_bytes(kernels._grouped_wgrad_kernel, signature, constants, warps, stages,
