@@ -83,13 +83,15 @@ PRECISE_CONFIGS = [
     (256, 128, 128, 8, 3),
 ]
 # The weight gradient as the step runs it (``--precise``): split accumulation, fp32 tiles added
-# into an fp32 ``.grad`` (``accumulate_into``), by TMA's reduce-add ("tma"; "noreduce": TMA stores
-# after a load and an add in registers, `fp8_grouped_gemm_triton.TMA_REDUCE` off) or from registers.
+# into an fp32 ``.grad`` (``accumulate_into``), stored by TMA after a load and an add in registers
+# ("tma"), by TMA's reduce-add ("tma", "reduce": `fp8_grouped_gemm_triton.TMA_REDUCE` on), or from
+# registers. (fp8_grouped_tune_precise_reduce.json was written when the reduce-add was on by
+# default: its "tma" entries are the reduce-add, its "tma_noreduce" the load and add.)
 PRECISE_WGRAD_CONFIGS = [
-    (128, 128, 128, 8, 4, "tma", "noreduce"),
     (128, 128, 128, 8, 4, "tma"),
+    (128, 128, 128, 8, 4, "tma", "reduce"),
+    (256, 128, 128, 8, 3, "tma", "reduce"),
     (128, 128, 128, 8, 3, "tma"),
-    (256, 128, 128, 8, 3, "tma"),
     (128, 256, 128, 8, 3, "tma"),
     (128, 128, 128, 8, 4),
 ]
@@ -195,7 +197,7 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> d
                 zeroed_for.add(key)  # the timed calls keep adding, as micro-batches do (no memset timed)
                 grad.zero_()
             reduce = kernels.TMA_REDUCE
-            kernels.TMA_REDUCE = reduce and "noreduce" not in extras
+            kernels.TMA_REDUCE = "reduce" in extras
             try:
                 return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
                                         block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,

@@ -120,15 +120,18 @@ WGRAD_TILES = (128, 256, 128, 8, 4)
 WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4)
 
 
-# The weight gradient's accumulation into ``.grad`` with TMA stores adds by TMA's reduce-add
-# (`_grouped_wgrad_kernel`'s ``TMA_REDUCE``) where this Triton has device descriptors' ``atomic_add``.
-# Triton's interpreter has no reduce-add (the CPU tests take the load-add-store epilogue, the same
-# sums). Benchmarks comparing it with the load-add-store epilogue set this False.
-TMA_REDUCE = hasattr(getattr(tl.core, "tensor_descriptor_base", None), "atomic_add")
+# Experiment toggle (benchmarks patch it): the weight gradient's accumulation into ``.grad`` with
+# TMA stores adds by TMA's reduce-add (`_grouped_wgrad_kernel`'s ``TMA_REDUCE``) instead of the
+# warps loading the old values and storing the sum. Same bits (GPU test of the accumulation), but no
+# faster: on an H100 at Mixtral's fc1 weight gradient 613 against 619 TFLOP/s, at Qwen3's 378
+# against 412 (`fp8_grouped_tune.py --precise`), so off. It needs a Triton whose device descriptors
+# have ``atomic_add``; Triton's interpreter has no reduce-add.
+TMA_REDUCE = False
 
 
 def _tma_reduce() -> bool:
-    return TMA_REDUCE and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return (TMA_REDUCE and hasattr(getattr(tl.core, "tensor_descriptor_base", None), "atomic_add")
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
 def _launch_shape(given: tuple, default: tuple) -> tuple:
@@ -249,8 +252,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
             if ACCUMULATE and TMA_REDUCE:
                 # TMA's reduce-add: the copy engine adds the tile into the output in memory (each
                 # element old + product, one fp32 add, the bits of the load-add-store above)
-                # instead of the warps reading the old values back first: at Mixtral's shapes
-                # that read-modify-write moves 7.5 GB a layer and micro-batch.
+                # instead of the warps reading the old values back first (`TMA_REDUCE`).
                 out_desc.atomic_add([e, row0, col0], left)
                 out_desc.atomic_add([e, row0, col0 + BLOCK_N // 2], right)
             else:

@@ -243,10 +243,11 @@ def test_own_warm_up_does_not_hold_a_gradient_set_through_the_capture(monkeypatc
     extra = {}
     for own in (False, True):
         monkeypatch.setattr(cuda_graphs, "OWN_WARMUP", own)
-        layer, context, _ = _layer(precision, torch.float32, hidden=1024, ffn=2816, experts=16)
+        layer, context, step_work = _layer(precision, torch.float32, hidden=1024, ffn=2816, experts=16)
         x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         with context():
             layer(x).float().square().mean().backward()  # an eager step first (delayed scaling's scales)
+        step_work()
         layer.zero_grad(set_to_none=True)
         x.grad = None
         torch.cuda.synchronize()
