@@ -623,6 +623,10 @@ def main(argv=None) -> None:
                         help="ModelConfig.lm_head_chunk_tokens: the training loss's LM head and cross-entropy N tokens "
                              "at a time, no [tokens, vocab] logits (default: the ModelConfig default); 0: off, the "
                              "unchunked head (logits, then the fused cross-entropy)")
+    parser.add_argument("--dense-transposed-copies", choices=["on", "off"], default="off",
+                        help="scaled_mm.DENSE_TRANSPOSED_COPIES (experiment): a delayed dense linear's input cast "
+                             "in both layouts in the forward and its weight's transposed FP8 copy cached per "
+                             "optimizer step, instead of the backward's float8 transposes")
     parser.add_argument("--fused-rotary", choices=["on", "off"], default="on",
                         help="off: per-head qk-norm and rotary embedding through the eager fp32 ops instead of "
                              "one Triton kernel each way (models.rotary.FUSED_KERNEL)")
@@ -675,6 +679,10 @@ def main(argv=None) -> None:
         cross_entropy.FUSED_KERNEL = False
     if args.lm_head_chunk_tokens < 0:
         raise SystemExit(f"--lm-head-chunk-tokens {args.lm_head_chunk_tokens}: give a positive chunk, or 0 for off")
+    if args.dense_transposed_copies == "on":
+        import lightning_moe.precision.scaled_mm as scaled_mm
+
+        scaled_mm.DENSE_TRANSPOSED_COPIES = True
     if args.fused_rotary == "off":
         import lightning_moe.models.rotary as rotary
 

@@ -70,6 +70,21 @@ def dense_delayed_backward_operands(x_RK: Tensor, dy_RN: Tensor, recipe: FP8Reci
     return qdy, sdy, qdy_t, sdy, q_KR, s_col.reshape(-1)[:1]  # one group: every column has its scale
 
 
+def dense_input_both_layouts(x_RK: Tensor, state: DelayedState) -> tuple[Tensor, Tensor, Tensor]:
+    """A delayed dense linear's input cast to E4M3 in both layouts by one read of ``x`` (the tile
+    kernel): ``(q [R, K], scale_inv [1], q_t [K, R padded to 16])``, its amax recorded once. The
+    bytes of `dense_operand` (a cast is elementwise with one scale, so the transposed copy holds the
+    row copy's bytes transposed, zeros in the padding columns): the backward's weight gradient takes
+    ``q_t`` instead of transposing the row copy."""
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+    from lightning_moe.precision.delayed import SLOTS, amax_record_row
+
+    q_KR = transposed_out(x_RK)
+    q, scale_inv_R, _ = delayed_cast(x_RK, whole(x_RK), state.scale[SLOTS["input"]], amax_record_row(state, "input"),
+                                     out_col=q_KR, stride_out_col=q_KR.shape[1], amax_prepass=state.fresh)
+    return q, scale_inv_R[:1], q_KR
+
+
 def fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:
     """The rowwise recipe's operands can take the fused Triton quantizers (same numbers, one
     kernel per operand; see ``kernels.fp8_quant_triton``). Not for DTensors (tensor-parallel

@@ -34,6 +34,7 @@ from lightning_moe.precision.native_casts import (
     both_weight_layouts_now,
     caching,
     dense_delayed_backward_operands,
+    dense_input_both_layouts,
     dense_operand,
     fused_both,
     fused_columns,
@@ -60,6 +61,15 @@ from lightning_moe.precision.operands import Layout, quantize_operand
 from lightning_moe.precision.recipes import FP8Recipe
 from lightning_moe.precision.weight_cache import FP8WeightCache, cached, training_cache
 from lightning_moe.precision.weight_prefetch import PrefetchedWeight
+
+
+# Experiment toggle (benchmarks patch it; `train_step.py --dense-transposed-copies`): a delayed dense
+# linear's input is cast in both layouts by one read in the forward, the transposed copy saved for
+# the weight gradient, and its weight's transposed FP8 copy is kept in the weight cache (made once
+# per optimizer step), instead of the backward transposing both FP8 copies every micro-batch (two of
+# the three float8 transposes a dense linear's backward makes; about 5% of the FP8 qwen3 step in the
+# profile at accumulate 2). The same bytes either way. Off until a same-run measurement of the step.
+DENSE_TRANSPOSED_COPIES = False
 
 
 class _ScaledLinear(torch.autograd.Function):
@@ -89,9 +99,23 @@ class _ScaledLinear(torch.autograd.Function):
                     weight_dgrad = None  # quantized again in the backward
             else:
                 delayed = fused_delayed(recipe, state, x2, weight)
-                qx, sx = dense_operand(x2, recipe, state, "input", delayed)
+                # both layouts of the input now (`DENSE_TRANSPOSED_COPIES`); the tile kernel
+                # writes E4M3 only, the input's format under both of delayed scaling's formats
+                transposed_input = bool(DENSE_TRANSPOSED_COPIES and delayed and needs_backward and x2.numel()
+                                        and recipe.format("input") is E4M3)
+                if transposed_input:
+                    assert state is not None  # fused_delayed
+                    qx, sx, qx_t = dense_input_both_layouts(x2, state)
+                else:
+                    qx, sx = dense_operand(x2, recipe, state, "input", delayed)
                 qw, sw = cached(cache, weight_key, weight, "dense_fprop",
                                 lambda: dense_operand(weight, recipe, state, "weight", delayed))
+                # The weight's transposed copy once per optimizer step where the cache holds the
+                # weight; it rides on ctx like the fused path's (an activation-checkpointing
+                # recompute runs outside the cache and transposes in the backward instead).
+                weight_t = None
+                if DENSE_TRANSPOSED_COPIES and needs_backward and caching(cache, weight_key):
+                    weight_t = cached(cache, weight_key, weight, "dense_fprop_transposed", lambda: qw.t().contiguous())
             y = scaled_mm_rows(qx, sx, qw, sw, out_dtype, fast=recipe.fast("fprop"))
             if bias is not None:
                 y = y + bias.to(out_dtype)
@@ -104,7 +128,8 @@ class _ScaledLinear(torch.autograd.Function):
             ctx.save_for_backward(qx_t, sx_t, weight)
             ctx.weight_dgrad = weight_dgrad
         else:
-            ctx.save_for_backward(*((qx, sx, qw, sw) if tensorwise else (x2, weight)))
+            ctx.save_for_backward(*(((qx_t if transposed_input else qx), sx, qw, sw) if tensorwise else (x2, weight)))
+            ctx.input_transposed, ctx.weight_transposed = transposed_input, weight_t
         ctx.fused, ctx.delayed = fused, not fused and fused_delayed(recipe, state, x2, weight)
         ctx.tensorwise, ctx.recipe, ctx.state, ctx.cache, ctx.weight_key = tensorwise, recipe, state, cache, weight_key
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -121,9 +146,11 @@ class _ScaledLinear(torch.autograd.Function):
             dy2 = dy.reshape(-1, dy.shape[-1])
             if ctx.tensorwise:
                 qdy, sdy = dense_operand(dy2, recipe, state, "grad", ctx.delayed)
-                qx, sx, qw, sw = ctx.saved_tensors
-                qw_t, sw_t = qw.t().contiguous(), sw
-                qdy_t, sdy_t, qx_t, sx_t = qdy.t().contiguous(), sdy, qx.t().contiguous(), sx
+                qx, sx, qw, sw = ctx.saved_tensors  # qx: the transposed copy with ctx.input_transposed
+                qw_t = ctx.weight_transposed if ctx.weight_transposed is not None else qw.t().contiguous()
+                sw_t = sw
+                qdy_t, sdy_t = qdy.t().contiguous(), sdy
+                qx_t, sx_t = (qx if ctx.input_transposed else qx.t().contiguous()), sx
             elif ctx.fused:
                 qx_t, sx_t, weight = ctx.saved_tensors
                 if ctx.weight_dgrad is not None:

@@ -11,6 +11,11 @@ copy transposed. Scales and the amax history rows equal the generic path's exact
 amaxes only), for hybrid (E5M2 gradients) and E4M3, a state with scales and a fresh one (current
 amaxes), bf16 and fp32 operands with a NaN and rows not a multiple of 16. On a GPU the training
 test compares every byte with the generic path (`test_fp8_delayed_gpu.py`).
+
+And `scaled_mm.DENSE_TRANSPOSED_COPIES` (the input cast in both layouts in the forward, the weight's
+transposed copy from the weight cache): the same outputs, gradients and amax records bit for bit as
+the backward's transposes over two micro-batches under one cache, the second taking the cached copy
+(`test_fp8_dense_transposed_gpu.py` on a GPU).
 """
 
 from __future__ import annotations
@@ -71,6 +76,47 @@ def main() -> None:
                 check(f"{case} scales", all(torch.equal(a.reshape(-1)[:1].float(), b.reshape(-1)[:1].float())
                                             and a.numel() == 1 for a, b in ((sdy, gdy), (sdy_t, gdy_t), (sx_t, gx_t))))
                 check(f"{case} amax records", torch.equal(fast.amax_history, generic.amax_history))
+
+    transposed_copies_train_the_same(check)
+
+
+def transposed_copies_train_the_same(check) -> None:
+    """`scaled_mm.DENSE_TRANSPOSED_COPIES`: the input cast in both layouts in the forward and the
+    weight's transposed copy from the weight cache give the same output, gradients and amax records
+    as the backward's transposes, over two micro-batches under one cache (the second takes the
+    cached copies), for a fresh state and one with scales, hybrid and E4M3."""
+    from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, scaled_mm
+    from lightning_moe.precision.delayed import DelayedState
+
+    def state(fresh: bool) -> DelayedState:
+        scale = torch.zeros(3, 1) if fresh else torch.tensor([[40.0], [60.0], [3000.0]])
+        return DelayedState(torch.zeros(4, 3, 1), scale, fresh)
+
+    def run(on: bool, fmt: str, fresh: bool):
+        scaled_mm.DENSE_TRANSPOSED_COPIES = on
+        torch.manual_seed(1)
+        w = (torch.randn(96, 64) / 8).requires_grad_(True)
+        st, cache, seen = state(fresh), FP8WeightCache(), []
+        with caching_fp8_weights(cache):
+            for rows in (40, 24):  # the second micro-batch: rows not a multiple of 16 either
+                x = torch.randn(rows, 64, dtype=torch.bfloat16, requires_grad=True)
+                y = scaled_mm.scaled_linear(x, w, None, FP8Recipe("delayed", fmt=fmt), st, weight_key="w")
+                y.float().square().sum().backward()
+                seen += [y.detach(), x.grad]
+        return seen + [w.grad, st.amax_history.clone()], cache.hits
+
+    try:
+        for fmt in ("hybrid", "e4m3"):
+            for fresh in (False, True):
+                (plain, plain_hits), (copies, copies_hits) = run(False, fmt, fresh), run(True, fmt, fresh)
+                # bits, NaN included (E4M3 gradients past the history's scale overflow to NaN)
+                same = all(torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))
+                           for a, b in zip(plain, copies))
+                check(f"transposed copies {fmt} {'fresh' if fresh else 'history'} train the same", same)
+                # the second micro-batch took the row copy and the transposed copy from the cache
+                check(f"transposed copies {fmt} {'fresh' if fresh else 'history'} cached", copies_hits == plain_hits + 1)
+    finally:
+        scaled_mm.DENSE_TRANSPOSED_COPIES = False
 
 
 if __name__ == "__main__":

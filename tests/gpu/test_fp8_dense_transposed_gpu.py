@@ -1,0 +1,46 @@
+"""`scaled_mm.DENSE_TRANSPOSED_COPIES` on a GPU: a delayed dense linear whose forward casts its input
+in both layouts (one read) and whose weight's transposed FP8 copy comes from the weight cache trains
+with the same bits as the backward's transposes (fp32 master weights under bf16 inputs, hybrid and
+E4M3, a fresh state and one with scales, three micro-batches under one cache), and makes fewer
+float8 copies."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (the native FP8 casts)")]
+
+
+def _train(on: bool, fmt: str, fresh: bool, monkeypatch):
+    from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, scaled_mm
+    from lightning_moe.precision.delayed import DelayedState
+
+    monkeypatch.setattr(scaled_mm, "DENSE_TRANSPOSED_COPIES", on)
+    torch.manual_seed(0)
+    w = (torch.randn(1536, 2048, device="cuda") / 48).requires_grad_(True)
+    scale = torch.zeros(3, 1, device="cuda") if fresh else torch.tensor([[40.0], [60.0], [3000.0]], device="cuda")
+    state = DelayedState(torch.zeros(4, 3, 1, device="cuda"), scale, fresh)
+    cache, seen = FP8WeightCache(), []
+    copies = 0
+    with caching_fp8_weights(cache), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for rows in (4096, 4000, 4096):
+            x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            y = scaled_mm.scaled_linear(x, w, None, FP8Recipe("delayed", fmt=fmt), state, weight_key="w")
+            (y.float().square().mean() * 1e-3).backward()
+            seen += [y.detach(), x.grad]
+    torch.cuda.synchronize()
+    copies = sum(e.count for e in prof.key_averages() if "float8_copy" in e.key)
+    return seen + [w.grad, state.amax_history.clone()], copies
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_transposed_copies_train_with_the_same_bits_and_fewer_copies(monkeypatch, fmt, fresh):
+    plain, plain_copies = _train(False, fmt, fresh, monkeypatch)
+    copies, fewer = _train(True, fmt, fresh, monkeypatch)
+    for i, (a, b) in enumerate(zip(plain, copies)):
+        assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), i
+    # 3 micro-batches: 3 transposes each before (weight, gradient, input); after, the gradient's
+    # each time and the weight's once (the weight cache)
+    assert plain_copies == 9 and fewer == 4, (plain_copies, fewer)
