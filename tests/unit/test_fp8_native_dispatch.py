@@ -202,14 +202,12 @@ def test_fused_quantizers_leave_dtensor_operands_to_the_generic_path(monkeypatch
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fast", [("fprop", "dgrad", "wgrad"), ("fprop",), ()])
-def test_the_triton_grouped_gemm_takes_the_grouped_products(monkeypatch, fast):
-    """Where ``triton_grouped`` holds (CUDA Hopper with Triton; forced here), the forward and
-    data-gradient products go to ``kernels.fp8_grouped_gemm_triton`` (a stand-in module: CPU CI has
-    no Triton) with fast or split accumulation as the recipe says; the layer makes no host list of
-    group ends, and its weight gradient takes the grouped kernel."""
+def _stand_in_triton_kernels(monkeypatch) -> tuple[list, list, list]:
+    """`triton_grouped` forced on, ``kernels.fp8_grouped_gemm_triton`` replaced by a stand-in module
+    (CPU CI has no Triton GPU kernels) and ``torch._scaled_grouped_mm`` by `_fake_grouped`; returns
+    the logs of the stand-in's calls (``precise`` each), of torch's grouped kernel's
+    (``use_fast_accum`` each) and of the host lists of group ends made."""
     triton_log, grouped_log, host_log = [], [], []
-    fake_grouped = _fake_grouped(grouped_log)
     kernel = types.ModuleType("lightning_moe.kernels.fp8_grouped_gemm_triton")
     kernel.MAX_EXPERTS = 4096
     kernel.tma_operands = lambda *tensors: True
@@ -221,9 +219,19 @@ def test_the_triton_grouped_gemm_takes_the_grouped_products(monkeypatch, fast):
     kernel.grouped_mm_fprop = grouped_mm_fprop
     monkeypatch.setitem(sys.modules, kernel.__name__, kernel)
     monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t: True)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_grouped)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped(grouped_log))
     host_group_ends = native_gemms.host_group_ends
     monkeypatch.setattr(scaled_mm, "host_group_ends", lambda *a: host_log.append(1) or host_group_ends(*a))
+    return triton_log, grouped_log, host_log
+
+
+@pytest.mark.parametrize("fast", [("fprop", "dgrad", "wgrad"), ("fprop",), ()])
+def test_the_triton_grouped_gemm_takes_the_grouped_products(monkeypatch, fast):
+    """Where ``triton_grouped`` holds (CUDA Hopper with Triton; forced here), the forward and
+    data-gradient products go to ``kernels.fp8_grouped_gemm_triton`` (a stand-in module: CPU CI has
+    no Triton) with fast or split accumulation as the recipe says; the layer makes no host list of
+    group ends, and its weight gradient takes the grouped kernel."""
+    triton_log, grouped_log, host_log = _stand_in_triton_kernels(monkeypatch)
     monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 32)
     # every split product on ours too (the few-expert exception is the next test's)
     monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", 0)
@@ -251,21 +259,7 @@ def test_split_accumulation_over_few_experts_takes_torchs_grouped_kernel(monkeyp
     most `SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS` experts runs on ``torch._scaled_grouped_mm`` (split:
     ``use_fast_accum=False``), the fast forward on ours; more experts than the limit keep both on ours.
     No host list of group ends either way."""
-    triton_log, grouped_log, host_log = [], [], []
-    kernel = types.ModuleType("lightning_moe.kernels.fp8_grouped_gemm_triton")
-    kernel.MAX_EXPERTS = 4096
-    kernel.tma_operands = lambda *tensors: True
-
-    def grouped_mm_fprop(a, sa, b_EOK, sb, ends, precise):
-        triton_log.append(precise)
-        return _fake_grouped([])(a, b_EOK.transpose(1, 2), sa, sb, ends, torch.bfloat16, True)
-
-    kernel.grouped_mm_fprop = grouped_mm_fprop
-    monkeypatch.setitem(sys.modules, kernel.__name__, kernel)
-    monkeypatch.setattr(scaled_mm, "triton_grouped", lambda t: True)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_grouped(grouped_log))
-    host_group_ends = native_gemms.host_group_ends
-    monkeypatch.setattr(scaled_mm, "host_group_ends", lambda *a: host_log.append(1) or host_group_ends(*a))
+    triton_log, grouped_log, host_log = _stand_in_triton_kernels(monkeypatch)
     monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", experts_limit)
     offsets = torch.tensor([32, 32, 80], dtype=torch.int32)  # 3 experts
     _step(FP8Recipe("rowwise"), offsets)  # fast forward, split data and weight gradients
