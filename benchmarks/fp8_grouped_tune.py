@@ -81,6 +81,9 @@ PRECISE_CONFIGS = [
     (128, 128, 64, 8, 5),
     (128, 128, 128, 4, 4),
     (256, 128, 128, 8, 3),
+    # two programs per multiprocessor (one's epilogue beside the other's products): small enough
+    # tiles for two programs' registers (185 a thread, 4 warps) and shared memory (90 KB each)
+    (64, 128, 128, 4, 3, "occ2"),
 ]
 # The weight gradient as the step runs it (``--precise``): split accumulation, fp32 tiles added
 # into an fp32 ``.grad`` (``accumulate_into``), stored by TMA after a load and an add in registers
@@ -94,6 +97,10 @@ PRECISE_WGRAD_CONFIGS = [
     (128, 128, 128, 8, 3, "tma"),
     (128, 256, 128, 8, 3, "tma"),
     (128, 128, 128, 8, 4),
+    # two programs per multiprocessor: the fp32 read-modify-write of one beside the other's products
+    # (ptxas for sm90: 185 and 176 registers over 4 warps, 90 KB of shared memory each, no stack)
+    (64, 128, 128, 4, 3, "tma", "occ2"),
+    (128, 64, 128, 4, 3, "tma", "occ2"),
 ]
 
 
@@ -201,7 +208,8 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> d
             try:
                 return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
                                         block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
-                                        out_dtype=torch.float32, precise=True, accumulate_into=grad)
+                                        out_dtype=torch.float32, precise=True, accumulate_into=grad,
+                                        **_launch_options(extras))
             finally:
                 kernels.TMA_REDUCE = reduce
         return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,
