@@ -134,10 +134,24 @@ def _tma_reduce() -> bool:
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
-def _launch_shape(given: tuple, default: tuple) -> tuple:
+# sm90's shared memory per block (227 KB), which the operand stages and the epilogue share.
+SHARED_MEMORY_BYTES = 227 * 1024
+
+
+def _launch_shape(given: tuple, default: tuple, out_bytes: int, k: Optional[int] = None) -> tuple:
     """``given`` (block_m, block_n, block_k, num_warps, num_stages; None entries unset) completed
-    from ``default``."""
-    return tuple(d if g is None else g for g, d in zip(given, default))
+    from ``default``. Stages not given are the default's (None there: 4 for contractions shorter
+    than 2048, else 3, as measured at the benchmark shapes), capped to what shared memory holds
+    beside the epilogue's staging of half a tile of ``out_bytes`` elements (what the compiler
+    allocated in every shape measured), so that a block size given without stages still compiles."""
+    block_m, block_n, block_k, num_warps, num_stages = (d if g is None else g for g, d in zip(given, default))
+    if given[4] is None:
+        if num_stages is None:
+            num_stages = 4 if k is not None and k < 2048 else 3
+        per_stage = (block_m + block_n) * block_k  # one float8 byte per operand element
+        fit = (SHARED_MEMORY_BYTES - block_m * (block_n // 2) * out_bytes) // per_stage
+        num_stages = max(1, min(num_stages, fit))
+    return block_m, block_n, block_k, num_warps, num_stages
 
 
 def tma_operands(*tensors: Tensor) -> bool:
@@ -180,14 +194,12 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     if rows == 0:
         return out
     block_m, block_n, block_k, num_warps, num_stages = _launch_shape(
-        (block_m, block_n, block_k, num_warps, num_stages), FPROP_PRECISE_TILES if precise else FPROP_TILES)
+        (block_m, block_n, block_k, num_warps, num_stages), FPROP_PRECISE_TILES if precise else FPROP_TILES,
+        out.element_size(), k)
     a_desc = TensorDescriptor(a_RK, [rows, k], [a_RK.stride(0), 1], [block_m, block_k])
     b_rows = b_EOK.reshape(experts * o, k)
     b_desc = TensorDescriptor(b_rows, [experts * o, k], [b_rows.stride(0), 1], [block_n, block_k])
     programs = programs or _multiprocessors(a_RK.device.index or 0)
-    if num_stages is None:
-        # Deeper pipelines paid off at short contractions only (measured at the benchmark shapes).
-        num_stages = 4 if k < 2048 else 3
     launch(_grouped_fprop_kernel, (programs,),
            a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, rows, o, out.stride(0),
            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=next_power_of_2(experts),
@@ -296,7 +308,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
     wide = precise or out_dtype == torch.float32
     block_m, block_n, block_k, num_warps, num_stages = _launch_shape(
-        (block_m, block_n, block_k, num_warps, num_stages), WGRAD_FP32_OR_PRECISE_TILES if wide else WGRAD_TILES)
+        (block_m, block_n, block_k, num_warps, num_stages), WGRAD_FP32_OR_PRECISE_TILES if wide else WGRAD_TILES,
+        out_dtype.itemsize)
     assert WGRAD_GROUP_ALIGN % block_k == 0, "a contraction block must not cross a group's aligned end"
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"grouped_mm_wgrad writes bf16 or fp32, not {out_dtype}")

@@ -13,8 +13,8 @@ grouped kernels, on operands already cast (`precision.native_casts`).
   the group sizes). Under CUDA-graph capture the grouped kernel is used.
 - on Hopper with Triton, the grouped products (fast or split accumulation) run on our own kernels
   (``kernels.fp8_grouped_gemm_triton``: no host sync; `TRITON_GROUPED_GEMM`; split-accumulation
-  forward and data-gradient products over few experts on torch's grouped kernel,
-  `SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS`; an fp32 master
+  forward and data-gradient products over large experts on torch's grouped kernel,
+  `SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS`; an fp32 master
   weight's gradient is written in fp32, not rounded to bf16 as torch's grouped kernel's). The
   weight gradient's kernel reads its transposed operands in an aligned group layout
   (`native_casts.wgrad_aligned_ends`) so that no contraction block crosses into the next group.
@@ -76,12 +76,15 @@ PER_EXPERT_MAX_EXPERTS = 32
 # Benchmarks comparing against torch's kernels set this False.
 TRITON_GROUPED_GEMM = True
 
-# Split accumulation (the default recipe's data gradient) on at most this many experts runs on
-# torch's grouped kernel even where ours is on: at Mixtral's 8 large experts its split-accumulation
-# products ran 1.18-1.23x ours (H100, `fp8_grouped_tune.py --precise`) with the same sums (relative
-# difference 0), where at Qwen3's 128 small experts ours runs 2.5-3.7x torch's. Ours keeps the
-# weight gradient (it adds an unrounded fp32 gradient into ``.grad`` in its epilogue).
-SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS = 32
+# Split accumulation (the default recipe's data gradient) on large experts, each expert's weight
+# at least this many elements, runs on torch's grouped kernel even where ours is on: at Mixtral's
+# experts (4096 x 14336, 59 M elements) its split-accumulation products ran 1.18-1.23x ours and at a
+# DeepSeek-like 7168 x 4096 (29 M) 1.07x (H100, `fp8_grouped_tune.py --precise`), with the same sums
+# (relative difference 0; the GPU test compares the data gradients' bits), where at Qwen3's small
+# experts (2048 x 768 / 1536, 1.6-3.1 M) ours runs 2.5-3.7x torch's. Keyed on the expert's size,
+# not the count of local experts, which expert parallelism divides. Ours keeps the weight gradient
+# (it adds an unrounded fp32 gradient into ``.grad`` in its epilogue).
+SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS = 1 << 24
 
 # The Triton weight-gradient kernel stores its tiles by TMA where the rows allow it (a few percent
 # faster than stores from registers, the same bits). Benchmarks comparing the two set this False.
@@ -130,10 +133,10 @@ def group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offse
     """``out[rows of e] = a[rows of e] @ b[e]^T`` (fprop / dgrad): ``a`` row-major ``[R, K]`` with
     per-row scales ``[R]``, ``b`` stored ``[E, O, K]`` with per-output scales ``[E, O]``.
     ``triton``: `triton_grouped` holds for this product (the kernel still declines operands a
-    TMA descriptor cannot take, and split accumulation over at most
-    `SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS` experts goes to torch's grouped kernel). Returns bf16 ``[R, O]``; rows past the last group are zero
+    TMA descriptor cannot take, and split accumulation over experts of at least
+    `SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS` goes to torch's grouped kernel). Returns bf16 ``[R, O]``; rows past the last group are zero
     (per-expert) or unspecified."""
-    if triton and (fast or qb_EOK.shape[0] > SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS):
+    if triton and (fast or qb_EOK.shape[1] * qb_EOK.shape[2] < SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS):
         from lightning_moe.kernels.fp8_grouped_gemm_triton import MAX_EXPERTS, grouped_mm_fprop, tma_operands
 
         if qb_EOK.shape[0] <= MAX_EXPERTS and tma_operands(qa_RK, qb_EOK):
@@ -145,6 +148,8 @@ def torch_group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor,
                      ends: Optional[list[int]], fast: bool) -> Tensor:
     """`group_gemm` on torch's kernels: one ``_scaled_mm`` per expert given the host list of group
     ends (rows past the last group zeroed), else ``_scaled_grouped_mm``."""
+    if qa_RK.shape[0] == 0:  # no rows (an expert-parallel rank that received no tokens)
+        return qa_RK.new_empty(0, qb_EOK.shape[1], dtype=torch.bfloat16)
     if ends is None:
         return torch._scaled_grouped_mm(qa_RK, qb_EOK.transpose(1, 2), sa_R, sb_EO, offs=offsets_E,
                                         out_dtype=torch.bfloat16, use_fast_accum=fast)

@@ -114,7 +114,7 @@ class _ScaledLinear(torch.autograd.Function):
                 # weight; it rides on ctx like the fused path's (an activation-checkpointing
                 # recompute runs outside the cache and transposes in the backward instead).
                 weight_t = None
-                if DENSE_TRANSPOSED_COPIES and needs_backward and caching(cache, weight_key):
+                if DENSE_TRANSPOSED_COPIES and delayed and needs_backward and caching(cache, weight_key):
                     weight_t = cached(cache, weight_key, weight, "dense_fprop_transposed", lambda: qw.t().contiguous())
             y = scaled_mm_rows(qx, sx, qw, sw, out_dtype, fast=recipe.fast("fprop"))
             if bias is not None:

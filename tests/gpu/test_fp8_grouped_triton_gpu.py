@@ -274,17 +274,18 @@ def test_split_accumulation_weight_gradient(ends, m, n):
         start = end
 
 
-@pytest.mark.parametrize("few_experts_on_torch", [False, True])
-def test_grouped_layer_with_the_default_recipe_takes_the_triton_kernels(monkeypatch, few_experts_on_torch):
+@pytest.mark.parametrize("large_experts_on_torch", [False, True])
+def test_grouped_layer_with_the_default_recipe_takes_the_triton_kernels(monkeypatch, large_experts_on_torch):
     """FP8Recipe's default (fast forward, split data and weight gradients) runs all three grouped
-    products on the Triton kernels, the gradients with split accumulation; with few experts
-    (`SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS`) the split data gradient runs on torch's grouped kernel,
-    with the same data gradient."""
+    products on the Triton kernels, the gradients with split accumulation; with experts counted large
+    (`SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS`) the split data gradient runs on torch's grouped
+    kernel, with the same data gradient."""
     import lightning_moe.kernels.fp8_grouped_gemm_triton as kernels
     from lightning_moe.precision import FP8Recipe, native_gemms
     from lightning_moe.precision.gemm import fp8_grouped_mm
 
-    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", 32 if few_experts_on_torch else 0)
+    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS",
+                        1 if large_experts_on_torch else 1 << 62)
 
     def logged(name):
         calls, real = [], getattr(kernels, name)
@@ -297,11 +298,11 @@ def test_grouped_layer_with_the_default_recipe_takes_the_triton_kernels(monkeypa
     w = (torch.randn(5, 256, 384, device="cuda") / 16).requires_grad_(True)
     y = fp8_grouped_mm(x, w, offsets, recipe=FP8Recipe("rowwise"), backend="torch")
     y[:512].float().square().sum().backward()
-    assert [c[1].get("precise", False) for c in calls] == ([False] if few_experts_on_torch else [False, True])
+    assert [c[1].get("precise", False) for c in calls] == ([False] if large_experts_on_torch else [False, True])
     assert len(wgrad_calls) == 1 and wgrad_calls[0][1].get("precise") is True
-    if few_experts_on_torch:  # the same split sums as ours: the data gradient of the all-Triton run
+    if large_experts_on_torch:  # the same split sums as ours: the data gradient of the all-Triton run
         x_grad = x.grad[:512].clone()
-        monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", 0)
+        monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS", 1 << 62)
         x.grad = None
         y = fp8_grouped_mm(x, w, offsets, recipe=FP8Recipe("rowwise"), backend="torch")
         y[:512].float().square().sum().backward()

@@ -233,8 +233,8 @@ def test_the_triton_grouped_gemm_takes_the_grouped_products(monkeypatch, fast):
     group ends, and its weight gradient takes the grouped kernel."""
     triton_log, grouped_log, host_log = _stand_in_triton_kernels(monkeypatch)
     monkeypatch.setattr(native_gemms, "PER_EXPERT_MAX_EXPERTS", 32)
-    # every split product on ours too (the few-expert exception is the next test's)
-    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", 0)
+    # every split product on ours too (the large-expert exception is the next test's)
+    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS", 1 << 62)
     recipe = FP8Recipe("rowwise", fast_accumulation=fast)
     offsets = torch.tensor([32, 32, 80], dtype=torch.int32)
     got = _step(recipe, offsets)
@@ -253,17 +253,19 @@ def test_the_triton_grouped_gemm_takes_the_grouped_products(monkeypatch, fast):
         assert float((a - b).norm() / b.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("experts_limit", [2, 3])
-def test_split_accumulation_over_few_experts_takes_torchs_grouped_kernel(monkeypatch, experts_limit):
-    """Where the Triton kernels are on, a split-accumulation forward or data-gradient product over at
-    most `SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS` experts runs on ``torch._scaled_grouped_mm`` (split:
-    ``use_fast_accum=False``), the fast forward on ours; more experts than the limit keep both on ours.
-    No host list of group ends either way."""
+@pytest.mark.parametrize("large", [True, False])
+def test_split_accumulation_over_large_experts_takes_torchs_grouped_kernel(monkeypatch, large):
+    """Where the Triton kernels are on, a split-accumulation forward or data-gradient product whose
+    experts hold at least `SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS` elements each runs on
+    ``torch._scaled_grouped_mm`` (split: ``use_fast_accum=False``), the fast forward on ours; smaller
+    experts keep both on ours. No host list of group ends either way."""
     triton_log, grouped_log, host_log = _stand_in_triton_kernels(monkeypatch)
-    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MAX_EXPERTS", experts_limit)
+    w = _weight()
+    elements = w.shape[1] * w.shape[2]
+    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS", elements if large else elements + 1)
     offsets = torch.tensor([32, 32, 80], dtype=torch.int32)  # 3 experts
-    _step(FP8Recipe("rowwise"), offsets)  # fast forward, split data and weight gradients
-    if experts_limit >= 3:
+    _step(FP8Recipe("rowwise"), offsets, w)  # fast forward, split data and weight gradients
+    if large:
         # the forward on ours; the data gradient then the weight gradient on torch's, both split
         assert triton_log == [False] and grouped_log == [False, False]
     else:
