@@ -122,7 +122,8 @@ WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4)
 
 # Experiment toggle (benchmarks patch it): the weight gradient's accumulation into ``.grad`` with
 # TMA stores adds by TMA's reduce-add (`_grouped_wgrad_kernel`'s ``TMA_REDUCE``) instead of the
-# warps loading the old values and storing the sum. Same bits (GPU test of the accumulation), but no
+# warps loading the old values and storing the sum. The same bits in the GPU test of the
+# accumulation (normal values: whether the bulk reduce keeps fp32 subnormals is not checked), but no
 # faster: on an H100 at Mixtral's fc1 weight gradient 613 against 619 TFLOP/s, at Qwen3's 378
 # against 412 (`fp8_grouped_tune.py --precise`), so off. It needs a Triton whose device descriptors
 # have ``atomic_add``; Triton's interpreter has no reduce-add.
