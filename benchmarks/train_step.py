@@ -525,7 +525,8 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
                 summary = summarize_profile(self.prof, top_kernels=60)
                 print_profile(summary, rows=40)
                 tag = args.tag or f"{args.preset}_{args.layers}l"
-                write_results(f"train_step_{tag}_profile", {"config": vars(args), "profile": summary},
+                graphed = "_cuda_graph" if cuda_graph is not None else ""  # the eager run's file kept beside it
+                write_results(f"train_step_{tag}{graphed}_profile", {"config": vars(args), "profile": summary},
                               results_dir=args.results_dir)
 
     callbacks = [Timer()]
