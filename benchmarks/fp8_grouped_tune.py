@@ -104,13 +104,19 @@ PRECISE_WGRAD_CONFIGS = [
 ]
 
 
-def _kernel_resources(name: str) -> dict:
-    """Shared memory, registers and spills of the kernel ``name`` compiled last (what decides
-    how many programs fit on a multiprocessor)."""
+# Resources per (kernel, configuration) as first compiled: a configuration a later case launches
+# again (the same constexprs) compiles nothing new.
+_RESOURCES: dict[tuple[str, str], dict] = {}
+
+
+def _kernel_resources(name: str, keys: set) -> dict:
+    """Shared memory, registers and spills of the kernel ``name`` among the launch-cache entries
+    ``keys`` (those a configuration's first call compiled): what decides how many programs fit on
+    a multiprocessor."""
     from lightning_moe.kernels import launch as launch_module
 
-    for entry in reversed(list(launch_module._cache.values())):
-        compiled = getattr(entry, "compiled", None)
+    for key in keys:
+        compiled = getattr(launch_module._cache.get(key), "compiled", None)
         if compiled is not None and getattr(compiled, "name", "") == name:
             try:
                 return {"shared_bytes": int(compiled.metadata.shared), "registers": int(compiled.n_regs),
@@ -123,12 +129,15 @@ def _kernel_resources(name: str) -> dict:
 def _sweep(case: dict, configs: list, run, ref: torch.Tensor, flops: float, iters: int, kernel: str) -> None:
     """Time ``run(block_m, block_n, block_k, num_warps, num_stages, extras)`` per configuration
     into ``case``, with its relative error against ``ref`` and the resources of ``kernel``."""
+    from lightning_moe.kernels import launch as launch_module
+
     for bm, bn, bk, warps, stages, *extras in configs:
         key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}" + "".join(f"_{s}" for s in extras)
 
         def ours() -> torch.Tensor:
             return run(bm, bn, bk, warps, stages, tuple(extras))
 
+        compiled_before = set(launch_module._cache)
         try:
             out = ours()
             err = relative_error(out.float(), ref.float())
@@ -137,9 +146,13 @@ def _sweep(case: dict, configs: list, run, ref: torch.Tensor, flops: float, iter
             case[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             print(f"  {key}: {case[key]['error']}", flush=True)
             continue
-        case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err, **_kernel_resources(kernel)}
-        print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e} {_kernel_resources(kernel)}",
-              flush=True)
+        resources = _kernel_resources(kernel, set(launch_module._cache) - compiled_before)
+        if resources:
+            _RESOURCES[(kernel, key)] = resources
+        else:  # compiled by an earlier case with the same constexprs
+            resources = _RESOURCES.get((kernel, key), {})
+        case[key] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err_vs_torch": err, **resources}
+        print(f"  {key}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err {err:.2e} {resources}", flush=True)
 
 
 def _groups(experts: int, rows: int, align: int = 16, seed: int = 0) -> torch.Tensor:
