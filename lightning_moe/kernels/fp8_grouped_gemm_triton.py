@@ -102,9 +102,9 @@ def _grouped_fprop_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
 
 MAX_EXPERTS = 1024  # the kernel holds every group's tile count in registers (measured up to 1,000)
 
-# Launch shapes, (block_m, block_n, block_k, num_warps, num_stages; None: the kernel's rule), that
-# the wrappers take when the caller gives none. Split accumulation keeps a second fp32 copy of the
-# tile in registers (Triton's ``max_num_imprecise_acc``: the tensor cores sum a ``BLOCK_K`` slice
+# Launch shapes, (block_m, block_n, block_k, num_warps, num_stages; None: the kernel's rule,
+# persistent programs per multiprocessor), that the wrappers take when the caller gives none.
+# Split accumulation keeps a second fp32 copy of the tile in registers (Triton's ``max_num_imprecise_acc``: the tensor cores sum a ``BLOCK_K`` slice
 # into it, which is then added to the accumulator), so a 128 x 256 tile over 8 warps needs about
 # 256 registers a thread and spills to the stack (ptxas for sm90: 255 registers and 200 bytes of
 # stack in the forward kernel, 424 in the weight gradient's) and ran at 350-730 TFLOP/s on an H100
@@ -114,10 +114,10 @@ MAX_EXPERTS = 1024  # the kernel holds every group's tile count in registers (me
 # weights, its old value read back when it accumulates into ``.grad``) spills at 128 x 256 and
 # 256 x 128, fast accumulation included; 128 x 128 with 4 stages ran fastest there (385-616
 # against 313-501 TFLOP/s). Benchmarks sweeping launch shapes (``fp8_grouped_tune.py``) patch these.
-FPROP_TILES = (128, 256, 128, 8, None)
-FPROP_PRECISE_TILES = (256, 128, 128, 8, 3)
-WGRAD_TILES = (128, 256, 128, 8, 4)
-WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4)
+FPROP_TILES = (128, 256, 128, 8, None, 1)
+FPROP_PRECISE_TILES = (256, 128, 128, 8, 3, 1)
+WGRAD_TILES = (128, 256, 128, 8, 4, 1)
+WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4, 1)
 
 
 # Experiment toggle (benchmarks patch it): the weight gradient's accumulation into ``.grad`` with
@@ -139,20 +139,25 @@ def _tma_reduce() -> bool:
 SHARED_MEMORY_BYTES = 227 * 1024
 
 
-def _launch_shape(given: tuple, default: tuple, out_bytes: int, k: Optional[int] = None) -> tuple:
-    """``given`` (block_m, block_n, block_k, num_warps, num_stages; None entries unset) completed
-    from ``default``. Stages not given are the default's (None there: 4 for contractions shorter
-    than 2048, else 3, as measured at the benchmark shapes), capped to what shared memory holds
-    beside the epilogue's staging of half a tile of ``out_bytes`` elements (what the compiler
-    allocated in every shape measured), so that a block size given without stages still compiles."""
-    block_m, block_n, block_k, num_warps, num_stages = (d if g is None else g for g, d in zip(given, default))
+def _launch_shape(given: tuple, default: tuple, out_bytes: int, device_index: int,
+                  k: Optional[int] = None) -> tuple:
+    """``given`` (block_m, block_n, block_k, num_warps, num_stages, programs; None entries unset)
+    completed from ``default`` (its last entry: programs per multiprocessor). Stages not given are
+    the default's (None there: 4 for contractions shorter than 2048, else 3, as measured at the
+    benchmark shapes), capped to what a program's share of shared memory holds beside the
+    epilogue's staging of half a tile of ``out_bytes`` elements (what the compiler allocated in
+    every shape measured), so that a block size given without stages still compiles."""
+    block_m, block_n, block_k, num_warps, num_stages = (d if g is None else g for g, d in zip(given[:5], default[:5]))
+    per_multiprocessor = default[5]
+    programs = given[5] or per_multiprocessor * _multiprocessors(device_index)
     if given[4] is None:
         if num_stages is None:
             num_stages = 4 if k is not None and k < 2048 else 3
         per_stage = (block_m + block_n) * block_k  # one float8 byte per operand element
-        fit = (SHARED_MEMORY_BYTES - block_m * (block_n // 2) * out_bytes) // per_stage
+        budget = SHARED_MEMORY_BYTES // per_multiprocessor
+        fit = (budget - block_m * (block_n // 2) * out_bytes) // per_stage
         num_stages = max(1, min(num_stages, fit))
-    return block_m, block_n, block_k, num_warps, num_stages
+    return block_m, block_n, block_k, num_warps, num_stages, programs
 
 
 def tma_operands(*tensors: Tensor) -> bool:
@@ -180,8 +185,8 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     """bf16 ``[R, O]``: ``(a[rows of e] @ b[e]^T) * scale_a[row] * scale_b[e, col]``; rows past
     the last group end are left unwritten (uninitialized unless ``out``, a bf16 ``[R, O]`` view
     with unit column stride, is given). Launch shape: the arguments given, the rest from
-    `FPROP_TILES` (`FPROP_PRECISE_TILES` with ``precise``). ``programs``: persistent programs (default one per
-    multiprocessor). ``warp_specialize``: the compiler's automatic warp specialization of the tile
+    `FPROP_TILES` (`FPROP_PRECISE_TILES` with ``precise``). ``programs``: persistent programs
+    (default: the table's programs per multiprocessor). ``warp_specialize``: the compiler's automatic warp specialization of the tile
     loop instead of its flattening (a tuning option; the same sums either way). ``precise``: split
     accumulation (see the module's header), else fast."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -194,13 +199,12 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     assert out.shape == (rows, o) and out.dtype == torch.bfloat16 and out.stride(1) == 1
     if rows == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages = _launch_shape(
-        (block_m, block_n, block_k, num_warps, num_stages), FPROP_PRECISE_TILES if precise else FPROP_TILES,
-        out.element_size(), k)
+    block_m, block_n, block_k, num_warps, num_stages, programs = _launch_shape(
+        (block_m, block_n, block_k, num_warps, num_stages, programs), FPROP_PRECISE_TILES if precise else FPROP_TILES,
+        out.element_size(), a_RK.device.index or 0, k)
     a_desc = TensorDescriptor(a_RK, [rows, k], [a_RK.stride(0), 1], [block_m, block_k])
     b_rows = b_EOK.reshape(experts * o, k)
     b_desc = TensorDescriptor(b_rows, [experts * o, k], [b_rows.stride(0), 1], [block_n, block_k])
-    programs = programs or _multiprocessors(a_RK.device.index or 0)
     launch(_grouped_fprop_kernel, (programs,),
            a_desc, b_desc, out, scale_a_R, scale_b_EO, ends_E, experts, rows, o, out.stride(0),
            K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=next_power_of_2(experts),
@@ -308,9 +312,9 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     experts = aligned_ends_E.shape[0]
     assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
     wide = precise or out_dtype == torch.float32
-    block_m, block_n, block_k, num_warps, num_stages = _launch_shape(
-        (block_m, block_n, block_k, num_warps, num_stages), WGRAD_FP32_OR_PRECISE_TILES if wide else WGRAD_TILES,
-        out_dtype.itemsize)
+    block_m, block_n, block_k, num_warps, num_stages, programs = _launch_shape(
+        (block_m, block_n, block_k, num_warps, num_stages, programs),
+        WGRAD_FP32_OR_PRECISE_TILES if wide else WGRAD_TILES, out_dtype.itemsize, a_MR.device.index or 0)
     assert WGRAD_GROUP_ALIGN % block_k == 0, "a contraction block must not cross a group's aligned end"
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"grouped_mm_wgrad writes bf16 or fp32, not {out_dtype}")
@@ -326,7 +330,6 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
         return out
     a_desc = TensorDescriptor(a_MR, [m, r], [a_MR.stride(0), 1], [block_m, block_k])
     b_desc = TensorDescriptor(b_NR, [n, r], [b_NR.stride(0), 1], [block_n, block_k])
-    programs = programs or _multiprocessors(a_MR.device.index or 0)
     out_desc = None
     if tma_store:
         if n * out.element_size() % 16:

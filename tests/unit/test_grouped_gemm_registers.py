@@ -1,5 +1,6 @@
 """The FP8 grouped GEMM kernels' default launch shapes (`kernels.fp8_grouped_gemm_triton`) compile
-for sm90 without spilling registers to the stack: compiled ahead of time here (Triton's compiler
+for sm90 without spilling registers to the stack, and their programs per multiprocessor fit its
+register file together: compiled ahead of time here (Triton's compiler
 and the ptxas it ships run without a GPU) and read with cuobjdump. Split accumulation keeps a second
 fp32 tile in registers; a launch shape that spilled ran the split data gradient at 350 TFLOP/s
 against 850 without spills on an H100."""
@@ -31,7 +32,11 @@ def _tools():
     return ASTSource, GPUTarget, cuobjdump
 
 
-def _stack_bytes(fn, signature: dict, constants: dict, warps: int, stages: int, fp_fusion: bool = True) -> int:
+REGISTER_FILE = 65536  # 32-bit registers per sm90 multiprocessor
+
+
+def _resources(fn, signature: dict, constants: dict, warps: int, stages: int, fp_fusion: bool = True) -> tuple:
+    """(stack bytes, registers a thread) of ``fn`` compiled for sm90."""
     ASTSource, GPUTarget, cuobjdump = _tools()
     compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": fp_fusion})
@@ -43,13 +48,20 @@ def _stack_bytes(fn, signature: dict, constants: dict, warps: int, stages: int, 
                                check=True).stdout
     finally:
         os.remove(path)
-    stack = re.search(r"STACK:(\d+)", usage)
-    assert stack is not None, usage
-    return int(stack.group(1))
+    stack, registers = re.search(r"STACK:(\d+)", usage), re.search(r"REG:(\d+)", usage)
+    assert stack is not None and registers is not None, usage
+    return int(stack.group(1)), int(registers.group(1))
 
 
-def _fprop_stack(tiles: tuple, precise: bool, k: int = 4096) -> int:
-    bm, bn, bk, warps, stages = tiles
+def _fits(tiles: tuple, resources: tuple) -> bool:
+    """No stack, and the table's programs per multiprocessor fit its register file together."""
+    stack, registers = resources
+    warps, per_multiprocessor = tiles[3], tiles[5]
+    return stack == 0 and registers * warps * 32 * per_multiprocessor <= REGISTER_FILE
+
+
+def _fprop(tiles: tuple, precise: bool, k: int = 4096) -> tuple:
+    bm, bn, bk, warps, stages, _ = tiles
     stages = stages if stages is not None else (4 if k < 2048 else 3)  # the wrapper's rule
     signature = {"a_desc": f"tensordesc<fp8e4nv[{bm},{bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn},{bk}]>",
                  "out_ptr": "*bf16", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "ends_ptr": "*i32",
@@ -57,11 +69,11 @@ def _fprop_stack(tiles: tuple, precise: bool, k: int = 4096) -> int:
     constants = {"K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_E": 8, "NUM_PROGRAMS": 132,
                  "NUM_STAGES": stages, "FLATTEN": True, "WARP_SPECIALIZE": False, "PRECISE": precise}
     signature.update({name: "constexpr" for name in constants})
-    return _stack_bytes(kernels._grouped_fprop_kernel, signature, constants, warps, stages)
+    return _resources(kernels._grouped_fprop_kernel, signature, constants, warps, stages)
 
 
-def _wgrad_stack(tiles: tuple, precise: bool, fp32_accumulate: bool) -> int:
-    bm, bn, bk, warps, stages = tiles
+def _wgrad(tiles: tuple, precise: bool, fp32_accumulate: bool) -> tuple:
+    bm, bn, bk, warps, stages, _ = tiles
     dtype = "fp32" if fp32_accumulate else "bf16"
     signature = {"a_desc": f"tensordesc<fp8e4nv[{bm},{bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn},{bk}]>",
                  "out_ptr": f"*{dtype}", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "ends_ptr": "*i32",
@@ -71,18 +83,21 @@ def _wgrad_stack(tiles: tuple, precise: bool, fp32_accumulate: bool) -> int:
                  "ACCUMULATE": fp32_accumulate, "TMA_REDUCE": fp32_accumulate and kernels.TMA_REDUCE}
     signature.update({name: "constexpr" for name in constants})
     # the accumulating epilogue compiles without fused multiply-adds (`grouped_mm_wgrad`)
-    return _stack_bytes(kernels._grouped_wgrad_kernel, signature, constants, warps, stages,
-                        fp_fusion=not fp32_accumulate)
+    return _resources(kernels._grouped_wgrad_kernel, signature, constants, warps, stages,
+                      fp_fusion=not fp32_accumulate)
 
 
 def test_the_default_forward_launch_shapes_do_not_spill():
-    assert _fprop_stack(kernels.FPROP_TILES, precise=False) == 0
-    assert _fprop_stack(kernels.FPROP_PRECISE_TILES, precise=True) == 0
+    assert _fits(kernels.FPROP_TILES, _fprop(kernels.FPROP_TILES, precise=False))
+    assert _fits(kernels.FPROP_PRECISE_TILES, _fprop(kernels.FPROP_PRECISE_TILES, precise=True))
     # the check sees a spill: the fast path's tile under split accumulation
-    assert _fprop_stack(kernels.FPROP_TILES, precise=True) > 0
+    assert not _fits(kernels.FPROP_TILES, _fprop(kernels.FPROP_TILES, precise=True))
 
 
 def test_the_default_weight_gradient_launch_shape_for_fp32_gradients_does_not_spill():
     # the default recipe's weight gradient: split accumulation added into an fp32 .grad, TMA stores
-    assert _wgrad_stack(kernels.WGRAD_FP32_OR_PRECISE_TILES, precise=True, fp32_accumulate=True) == 0
-    assert _wgrad_stack(kernels.WGRAD_TILES, precise=False, fp32_accumulate=False) == 0
+    wide = kernels.WGRAD_FP32_OR_PRECISE_TILES
+    assert _fits(wide, _wgrad(wide, precise=True, fp32_accumulate=True))
+    assert _fits(kernels.WGRAD_TILES, _wgrad(kernels.WGRAD_TILES, precise=False, fp32_accumulate=False))
+    # the check sees two programs that cannot share a multiprocessor's registers
+    assert not _fits(wide[:5] + (2,), _wgrad(wide, precise=True, fp32_accumulate=True))
