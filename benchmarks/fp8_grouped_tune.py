@@ -84,6 +84,10 @@ PRECISE_CONFIGS = [
     # two programs per multiprocessor (one's epilogue beside the other's products): small enough
     # tiles for two programs' registers (185 a thread, 4 warps) and shared memory (90 KB each)
     (64, 128, 128, 4, 3, "occ2"),
+    # the compiler's warp specialization (a producer warp issuing the loads; compiles for sm90
+    # without stack at these shapes)
+    (128, 128, 128, 8, 3, "ws"),
+    (256, 128, 128, 8, 3, "ws"),
 ]
 # The weight gradient as the step runs it (``--precise``): split accumulation, fp32 tiles added
 # into an fp32 ``.grad`` (``accumulate_into``), stored by TMA after a load and an add in registers
@@ -101,6 +105,7 @@ PRECISE_WGRAD_CONFIGS = [
     # (ptxas for sm90: 185 and 176 registers over 4 warps, 90 KB of shared memory each, no stack)
     (64, 128, 128, 4, 3, "tma", "occ2"),
     (128, 64, 128, 4, 3, "tma", "occ2"),
+    (128, 128, 128, 8, 4, "tma", "ws"),
 ]
 
 
