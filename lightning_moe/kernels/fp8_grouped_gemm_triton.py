@@ -104,8 +104,9 @@ MAX_EXPERTS = 1024  # the kernel holds every group's tile count in registers (me
 
 # Launch shapes, (block_m, block_n, block_k, num_warps, num_stages; None: the kernel's rule,
 # persistent programs per multiprocessor), that the wrappers take when the caller gives none.
-# Split accumulation keeps a second fp32 copy of the tile in registers (Triton's ``max_num_imprecise_acc``: the tensor cores sum a ``BLOCK_K`` slice
-# into it, which is then added to the accumulator), so a 128 x 256 tile over 8 warps needs about
+# Split accumulation keeps a second fp32 copy of the tile in registers (Triton's
+# ``max_num_imprecise_acc``: the tensor cores sum a ``BLOCK_K`` slice into it, which is then added
+# to the accumulator), so a 128 x 256 tile over 8 warps needs about
 # 256 registers a thread and spills to the stack (ptxas for sm90: 255 registers and 200 bytes of
 # stack in the forward kernel, 424 in the weight gradient's) and ran at 350-730 TFLOP/s on an H100
 # (`fp8_grouped_tune.py --precise`). 256 x 128 over 8 warps fits the forward kernel in 255
@@ -147,7 +148,8 @@ def _launch_shape(given: tuple, default: tuple, out_bytes: int, device_index: in
     benchmark shapes), capped to what a program's share of shared memory holds beside the
     epilogue's staging of half a tile of ``out_bytes`` elements (what the compiler allocated in
     every shape measured), so that a block size given without stages still compiles."""
-    block_m, block_n, block_k, num_warps, num_stages = (d if g is None else g for g, d in zip(given[:5], default[:5]))
+    block_m, block_n, block_k, num_warps, num_stages = (d if g is None else g
+                                                         for g, d in zip(given[:5], default[:5]))
     per_multiprocessor = default[5]
     programs = given[5] or per_multiprocessor * _multiprocessors(device_index)
     if given[4] is None:
@@ -186,9 +188,9 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     the last group end are left unwritten (uninitialized unless ``out``, a bf16 ``[R, O]`` view
     with unit column stride, is given). Launch shape: the arguments given, the rest from
     `FPROP_TILES` (`FPROP_PRECISE_TILES` with ``precise``). ``programs``: persistent programs
-    (default: the table's programs per multiprocessor). ``warp_specialize``: the compiler's automatic warp specialization of the tile
-    loop instead of its flattening (a tuning option; the same sums either way). ``precise``: split
-    accumulation (see the module's header), else fast."""
+    (default: the table's programs per multiprocessor). ``warp_specialize``: the compiler's
+    automatic warp specialization of the tile loop instead of its flattening (a tuning option; the
+    same sums either way). ``precise``: split accumulation (see the module's header), else fast."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows, k = a_RK.shape
@@ -200,8 +202,8 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
     if rows == 0:
         return out
     block_m, block_n, block_k, num_warps, num_stages, programs = _launch_shape(
-        (block_m, block_n, block_k, num_warps, num_stages, programs), FPROP_PRECISE_TILES if precise else FPROP_TILES,
-        out.element_size(), a_RK.device.index or 0, k)
+        (block_m, block_n, block_k, num_warps, num_stages, programs),
+        FPROP_PRECISE_TILES if precise else FPROP_TILES, out.element_size(), a_RK.device.index or 0, k)
     a_desc = TensorDescriptor(a_RK, [rows, k], [a_RK.stride(0), 1], [block_m, block_k])
     b_rows = b_EOK.reshape(experts * o, k)
     b_desc = TensorDescriptor(b_rows, [experts * o, k], [b_rows.stride(0), 1], [block_n, block_k])

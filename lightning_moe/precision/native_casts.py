@@ -58,15 +58,10 @@ def dense_delayed_backward_operands(x_RK: Tensor, dy_RN: Tensor, recipe: FP8Reci
     the tile kernel (its amax is not recorded again: the forward's cast recorded it). The same
     values and scales as `quantize_operand` on ``dy``, ``dy.T`` and ``x.T``, which would copy
     both transposes in the activations' dtype and cast each in several passes."""
-    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
-    from lightning_moe.precision.delayed import SLOTS
-
     qdy, sdy = dense_operand(dy_RN, recipe, state, "grad", True)
     # a byte copy: float8 transposes need no arithmetic
     qdy_t = qdy.view(torch.uint8).t().contiguous().view(qdy.dtype)
-    q_KR = transposed_out(x_RK)
-    _, _, s_col = delayed_cast(x_RK, whole(x_RK), state.scale[SLOTS["input"]], None, write_row=False, out_col=q_KR,
-                               stride_out_col=q_KR.shape[1], amax_prepass=state.fresh)
+    _, _, q_KR, s_col = _input_transposed_cast(x_RK, state, row_copy=False)
     return qdy, sdy, qdy_t, sdy, q_KR, s_col.reshape(-1)[:1]  # one group: every column has its scale
 
 
@@ -76,13 +71,24 @@ def dense_input_both_layouts(x_RK: Tensor, state: DelayedState) -> tuple[Tensor,
     bytes of `dense_operand` (a cast is elementwise with one scale, so the transposed copy holds the
     row copy's bytes transposed, zeros in the padding columns): the backward's weight gradient takes
     ``q_t`` instead of transposing the row copy."""
+    q, scale_inv_R, q_KR, _ = _input_transposed_cast(x_RK, state, row_copy=True)
+    return q, scale_inv_R[:1], q_KR
+
+
+def _input_transposed_cast(x_RK: Tensor, state: DelayedState, row_copy: bool
+                           ) -> tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
+    """The delayed input cast's tile kernel over ``x`` as one group: the transposed copy
+    (`transposed_out`: ``[K, R padded to 16]``) and its column scales, with the row copy and its
+    amax recorded (``row_copy``; the forward's cast) or alone, recording nothing (the forward's
+    cast recorded it)."""
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
     from lightning_moe.precision.delayed import SLOTS, amax_record_row
 
     q_KR = transposed_out(x_RK)
-    q, scale_inv_R, _ = delayed_cast(x_RK, whole(x_RK), state.scale[SLOTS["input"]], amax_record_row(state, "input"),
-                                     out_col=q_KR, stride_out_col=q_KR.shape[1], amax_prepass=state.fresh)
-    return q, scale_inv_R[:1], q_KR
+    record = amax_record_row(state, "input") if row_copy else None
+    q, scale_inv_R, s_col = delayed_cast(x_RK, whole(x_RK), state.scale[SLOTS["input"]], record, write_row=row_copy,
+                                         out_col=q_KR, stride_out_col=q_KR.shape[1], amax_prepass=state.fresh)
+    return q, scale_inv_R, q_KR, s_col
 
 
 def fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:

@@ -14,8 +14,8 @@ grouped kernels, on operands already cast (`precision.native_casts`).
 - on Hopper with Triton, the grouped products (fast or split accumulation) run on our own kernels
   (``kernels.fp8_grouped_gemm_triton``: no host sync; `TRITON_GROUPED_GEMM`; split-accumulation
   forward and data-gradient products over large experts on torch's grouped kernel,
-  `SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS`; an fp32 master
-  weight's gradient is written in fp32, not rounded to bf16 as torch's grouped kernel's). The
+  `SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS`; an fp32 master weight's gradient is written in
+  fp32, not rounded to bf16 as torch's grouped kernel's). The
   weight gradient's kernel reads its transposed operands in an aligned group layout
   (`native_casts.wgrad_aligned_ends`) so that no contraction block crosses into the next group.
 """
@@ -134,8 +134,8 @@ def group_gemm(qa_RK: Tensor, sa_R: Tensor, qb_EOK: Tensor, sb_EO: Tensor, offse
     per-row scales ``[R]``, ``b`` stored ``[E, O, K]`` with per-output scales ``[E, O]``.
     ``triton``: `triton_grouped` holds for this product (the kernel still declines operands a
     TMA descriptor cannot take, and split accumulation over experts of at least
-    `SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS` goes to torch's grouped kernel). Returns bf16 ``[R, O]``; rows past the last group are zero
-    (per-expert) or unspecified."""
+    `SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS` goes to torch's grouped kernel). Returns bf16
+    ``[R, O]``; rows past the last group are zero (per-expert) or unspecified."""
     if triton and (fast or qb_EOK.shape[1] * qb_EOK.shape[2] < SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS):
         from lightning_moe.kernels.fp8_grouped_gemm_triton import MAX_EXPERTS, grouped_mm_fprop, tma_operands
 

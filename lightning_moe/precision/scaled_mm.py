@@ -82,6 +82,15 @@ class _ScaledLinear(torch.autograd.Function):
         with no_autocast(x):
             x2 = x.reshape(-1, x.shape[-1])
             fused = fused_rowwise(recipe, state, x2)
+            delayed = not fused and fused_delayed(recipe, state, x2, weight)
+            # `DENSE_TRANSPOSED_COPIES`: both layouts of the input now (the tile kernel writes E4M3
+            # only, the input's format under both of delayed scaling's formats) and the weight's
+            # transposed copy once per optimizer step where the cache holds the weight; the latter
+            # rides on ctx like the fused path's (an activation-checkpointing recompute runs outside
+            # the cache and transposes in the backward instead)
+            transposed_copies = DENSE_TRANSPOSED_COPIES and delayed and needs_backward
+            transposed_input = bool(transposed_copies and x2.numel() and recipe.format("input") is E4M3)
+            weight_t = None
             if fused:
                 from lightning_moe.kernels.fp8_quant_triton import rowwise_quantize
 
@@ -98,11 +107,6 @@ class _ScaledLinear(torch.autograd.Function):
                     qw, sw = rowwise_quantize(weight)
                     weight_dgrad = None  # quantized again in the backward
             else:
-                delayed = fused_delayed(recipe, state, x2, weight)
-                # both layouts of the input now (`DENSE_TRANSPOSED_COPIES`); the tile kernel
-                # writes E4M3 only, the input's format under both of delayed scaling's formats
-                transposed_input = bool(DENSE_TRANSPOSED_COPIES and delayed and needs_backward and x2.numel()
-                                        and recipe.format("input") is E4M3)
                 if transposed_input:
                     assert state is not None  # fused_delayed
                     qx, sx, qx_t = dense_input_both_layouts(x2, state)
@@ -110,11 +114,7 @@ class _ScaledLinear(torch.autograd.Function):
                     qx, sx = dense_operand(x2, recipe, state, "input", delayed)
                 qw, sw = cached(cache, weight_key, weight, "dense_fprop",
                                 lambda: dense_operand(weight, recipe, state, "weight", delayed))
-                # The weight's transposed copy once per optimizer step where the cache holds the
-                # weight; it rides on ctx like the fused path's (an activation-checkpointing
-                # recompute runs outside the cache and transposes in the backward instead).
-                weight_t = None
-                if DENSE_TRANSPOSED_COPIES and delayed and needs_backward and caching(cache, weight_key):
+                if transposed_copies and caching(cache, weight_key):
                     weight_t = cached(cache, weight_key, weight, "dense_fprop_transposed", lambda: qw.t().contiguous())
             y = scaled_mm_rows(qx, sx, qw, sw, out_dtype, fast=recipe.fast("fprop"))
             if bias is not None:
@@ -130,7 +130,7 @@ class _ScaledLinear(torch.autograd.Function):
         else:
             ctx.save_for_backward(*(((qx_t if transposed_input else qx), sx, qw, sw) if tensorwise else (x2, weight)))
             ctx.input_transposed, ctx.weight_transposed = transposed_input, weight_t
-        ctx.fused, ctx.delayed = fused, not fused and fused_delayed(recipe, state, x2, weight)
+        ctx.fused, ctx.delayed = fused, delayed
         ctx.tensorwise, ctx.recipe, ctx.state, ctx.cache, ctx.weight_key = tensorwise, recipe, state, cache, weight_key
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype

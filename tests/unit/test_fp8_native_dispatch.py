@@ -262,7 +262,8 @@ def test_split_accumulation_over_large_experts_takes_torchs_grouped_kernel(monke
     triton_log, grouped_log, host_log = _stand_in_triton_kernels(monkeypatch)
     w = _weight()
     elements = w.shape[1] * w.shape[2]
-    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS", elements if large else elements + 1)
+    limit = elements if large else elements + 1
+    monkeypatch.setattr(native_gemms, "SPLIT_ACCUMULATION_TORCH_MIN_EXPERT_ELEMENTS", limit)
     offsets = torch.tensor([32, 32, 80], dtype=torch.int32)  # 3 experts
     _step(FP8Recipe("rowwise"), offsets, w)  # fast forward, split data and weight gradients
     if large:
