@@ -628,6 +628,13 @@ def main(argv=None) -> None:
                         help="scaled_mm.DENSE_TRANSPOSED_COPIES (experiment): a delayed dense linear's input cast "
                              "in both layouts in the forward and its weight's transposed FP8 copy cached per "
                              "optimizer step, instead of the backward's float8 transposes")
+    parser.add_argument("--dense-grad-both-layouts", choices=["on", "off"], default="off",
+                        help="scaled_mm.DENSE_GRAD_BOTH_LAYOUTS (experiment): with the transposed copies, a delayed "
+                             "dense linear's output gradient cast in both layouts by one read instead of transposed")
+    parser.add_argument("--single-group-chunk-rows", type=int, default=0, metavar="N",
+                        help="fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS (experiment): a dense operand's both-layout "
+                             "cast in runs of N rows per program on the Triton kernel; 0: one program per column "
+                             "block (bf16 on the CUDA kernel)")
     parser.add_argument("--fused-rotary", choices=["on", "off"], default="on",
                         help="off: per-head qk-norm and rotary embedding through the eager fp32 ops instead of "
                              "one Triton kernel each way (models.rotary.FUSED_KERNEL)")
@@ -680,10 +687,16 @@ def main(argv=None) -> None:
         cross_entropy.FUSED_KERNEL = False
     if args.lm_head_chunk_tokens < 0:
         raise SystemExit(f"--lm-head-chunk-tokens {args.lm_head_chunk_tokens}: give a positive chunk, or 0 for off")
-    if args.dense_transposed_copies == "on":
-        import lightning_moe.precision.scaled_mm as scaled_mm
+    import lightning_moe.precision.scaled_mm as scaled_mm
 
-        scaled_mm.DENSE_TRANSPOSED_COPIES = True
+    scaled_mm.DENSE_TRANSPOSED_COPIES = args.dense_transposed_copies == "on"
+    scaled_mm.DENSE_GRAD_BOTH_LAYOUTS = args.dense_grad_both_layouts == "on"
+    if args.single_group_chunk_rows < 0 or args.single_group_chunk_rows % 16:
+        raise SystemExit(f"--single-group-chunk-rows {args.single_group_chunk_rows}: give a multiple of 16 rows "
+                         "(the transposed stores stay aligned), or 0 for off")
+    import lightning_moe.kernels.fp8_delayed_triton as fp8_delayed_triton
+
+    fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = args.single_group_chunk_rows
     if args.fused_rotary == "off":
         import lightning_moe.models.rotary as rotary
 

@@ -94,14 +94,16 @@ def _meta(D: int, K: int) -> tuple[int, int, int]:
     return kp, bd, warps
 
 
-def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Optional[Tensor] = None) -> Tensor:
-    """``out[t] = sum_k w[t,k] * y[dest[t,k]]`` -> [T, D] in ``y``'s dtype (``w`` None: all ones,
-    each token's rows summed as they are)."""
+def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Optional[Tensor] = None,
+            out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``out[t] = sum_k w[t,k] * y[dest[t,k]]`` -> [T, D] in ``out_dtype`` (default ``y``'s; ``w``
+    None: all ones, each token's rows summed as they are). The sum is fp32 either way, so an fp32
+    ``out_dtype`` gives the bits of widening ``y`` first, without writing the widened rows."""
     y_RD = y_RD.contiguous()
     num_tokens, k = dest_TK.shape
     dest_TK = dest_TK.contiguous()
     d = y_RD.shape[1]
-    out = torch.empty(num_tokens, d, dtype=y_RD.dtype, device=y_RD.device)
+    out = torch.empty(num_tokens, d, dtype=out_dtype or y_RD.dtype, device=y_RD.device)
     if num_tokens == 0:
         return out
     bd = min(next_power_of_2(d), 1024)

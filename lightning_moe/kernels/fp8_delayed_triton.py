@@ -49,7 +49,6 @@ from lightning_moe.kernels.fp8_quant_triton import (
     _column_layout,
     _group_bounds,
     _scale_for_format,
-    _scale_from_amax,
     _zero_aligned_gap,
 )
 from lightning_moe.kernels.launch import cdiv, launch, next_power_of_2, on_launch_stream
@@ -77,6 +76,13 @@ AMAX_FOLD_ROWS: dict[str, int] = {"plain": 16, "gather": 16}
 # multiprocessor). The SwiGLU casts at 64 x 32 x 8 warps ran fastest capped (a few spilled bytes, more
 # warps resident); capping the plain and gathered casts lost.
 MAX_REGISTERS: dict[str, int] = {"swiglu": 64, "swiglu_grad": 128}
+
+# Experiment toggle (benchmarks patch it; `train_step.py --single-group-chunk-rows`): rows per program
+# of a one-group tile cast (a dense operand's both-layout cast), a multiple of the tile's rows, on the
+# Triton kernel (256: 8,192 tokens of 2,048 columns run 32 x 16 programs instead of 16, one per column
+# block). 0: one program per column block, bf16 operands on the CUDA kernel. The same bytes either way.
+# Off: measured slower together with the dense gradient's both-layout cast (see benchmarks/NOTES.md).
+SINGLE_GROUP_CHUNK_ROWS = 0
 
 
 def register_cap(kind: str) -> dict:
@@ -210,7 +216,7 @@ def _missing_amax_kernel(x_ptr, offsets_ptr, scale_ptr, amax_ptr, R, C, G, src_p
 def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, scale, in_group, out_base, C,
                        stride_qc, amax, src_ptr, T, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
                        SWIGLU: tl.constexpr, GATHER: tl.constexpr, BR: tl.constexpr, prob_ptr,
-                       ROW_PROBS: tl.constexpr):
+                       ROW_PROBS: tl.constexpr, E5M2: tl.constexpr = False):
     # Rows [max(r0, lo), min(r0 + BR, hi)) cast with the group's scale into the requested
     # copies (a group's unaligned head and tail); returns the running per-column amax ``[BC]``.
     rows = r0 + tl.arange(0, BR)
@@ -218,20 +224,31 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
     m = row_mask[:, None] & cmask[None, :]
     x = _load_operand(x_ptr, rows, row_mask, cols, m, C, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS)
     return _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
-                       WRITE_ROW, WRITE_COL, False)
+                       WRITE_ROW, WRITE_COL, False, E5M2)
+
+
+@triton.jit
+def _to_fp8(x, E5M2: tl.constexpr):
+    # Saturation is the scale's job (delayed scaling clips nothing); the conversion rounds to nearest even.
+    if E5M2:
+        q = x.to(tl.float8e5)
+    else:
+        q = x.to(tl.float8e4nv)
+    return q
 
 
 @triton.jit
 def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_base, C, stride_qc, amax,
-                WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, AMAX_ROWS: tl.constexpr):
+                WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, AMAX_ROWS: tl.constexpr, E5M2: tl.constexpr = False):
     # The fp32 operand tile ``x`` (rows ``rows``, valid where ``m``) cast into the requested copies;
     # returns the running amax (for the record): per column ``[BC]`` (AMAX_ROWS 0), or per element
     # of an ``[AMAX_ROWS, BC]`` accumulator, which needs no reduction across the tile's rows
     # (threads and warps) until the loop ends. AMAX_ROWS below the tile's rows folds the tile's
     # row blocks onto it first (rows r, r + AMAX_ROWS, ...: the same thread's under the tile's
-    # layout), so the accumulator holds fewer registers.
+    # layout), so the accumulator holds fewer registers. E5M2: both copies in E5M2 (a dense
+    # GEMM's hybrid-format gradient), else E4M3.
     if WRITE_ROW:
-        tl.store(q_row_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], (x * scale).to(tl.float8e4nv), mask=m)
+        tl.store(q_row_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], _to_fp8(x * scale, E5M2), mask=m)
     if WRITE_COL:
         # The same values, cast again from a per-column copy of the scale rather than storing the
         # row copy's float8 tile transposed: with fp32 input that transposed float8 store wrote
@@ -240,7 +257,7 @@ def _cast_store(x, rows, m, q_row_ptr, q_col_ptr, cols, scale, in_group, out_bas
         # Explicitly transposed tiles (the fp32 values, or the float8 bytes) measured no faster
         # than letting the compiler reshuffle this one (measured).
         tl.store(q_col_ptr + out_base + cols[None, :].to(tl.int64) * stride_qc + rows[:, None],
-                 (x * col_scale[None, :]).to(tl.float8e4nv), mask=m & in_group)
+                 _to_fp8(x * col_scale[None, :], E5M2), mask=m & in_group)
     if AMAX_ROWS > 0:
         return _fold_abs_max(amax, x, AMAX_ROWS)
     return tl.maximum(amax, tl.max(_abs_ignoring_nan(x), 0))
@@ -260,9 +277,12 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                          WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr, RECORD: tl.constexpr,
                          SWIGLU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, GROUP_AXIS: tl.constexpr = 0,
                          GATHER: tl.constexpr = False, ALIGN: tl.constexpr = 0, ROW_PROBS: tl.constexpr = False,
-                         AMAX_ROWS: tl.constexpr = 0):
-    # Program (group, column block); GROUP_AXIS = 1 puts the column blocks on the grid's fastest
-    # axis, so the programs resident together read neighbouring columns of the same rows.
+                         AMAX_ROWS: tl.constexpr = 0, CHUNK_ROWS: tl.constexpr = 0, E5M2: tl.constexpr = False):
+    # Program (group, column block, row chunk); GROUP_AXIS = 1 puts the column blocks on the
+    # grid's fastest axis, so the programs resident together read neighbouring columns of the same
+    # rows. CHUNK_ROWS > 0: the grid's third axis splits each group's rows into runs of that many
+    # (a dense operand is one group: without the split it would run one program per column block);
+    # 0: one program casts its whole group.
     group = tl.program_id(GROUP_AXIS)
     cols = tl.program_id(1 - GROUP_AXIS) * BC + tl.arange(0, BC)
     cmask = cols < C
@@ -279,14 +299,18 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
             block = c0 + tl.arange(0, BC)
             group_amax = tl.maximum(group_amax, tl.max(_operand_column_amax(
                 x_ptr, start, end, block, block < C, C, 32, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS), 0))
-        scale = _scale_from_amax(group_amax)
+        scale = _scale_for_format(group_amax, 57344.0 if E5M2 else 448.0)
     scale_inv = tl.math.div_rn(1.0, scale)
     out_base = group.to(tl.int64) * stride_qg + _aligned_group_shift(aligned_ends_ptr, group, in_group, start, ALIGN)
+    group_start, group_end = start, end
+    if CHUNK_ROWS > 0:  # this program's run of the group's rows
+        start = tl.minimum(start + tl.program_id(2).to(tl.int64) * CHUNK_ROWS, group_end)
+        end = tl.minimum(start + CHUNK_ROWS, group_end)
     lo, hi = _aligned_body(start, end)
     amax = tl.zeros([BC], dtype=tl.float32)
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, start, start, tl.minimum(lo, end), cols, cmask, scale,
                               in_group, out_base, C, stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU,
-                              GATHER, 16, prob_ptr, ROW_PROBS)
+                              GATHER, 16, prob_ptr, ROW_PROBS, E5M2)
     # The body [lo, hi), whose bounds are multiples of 16: the next tile's load is issued before
     # this tile is cast, so two tiles are in flight per program, the next one held in ``x``'s
     # dtype (about 1.17x the bandwidth of one tile at a time; the compiler's software pipelining
@@ -307,16 +331,17 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
         ahead_p = _load_probs(prob_ptr, next_rows, next_rows < hi, ROW_PROBS)
         body_amax = _cast_store(x, tile_rows, (tile_rows < hi)[:, None] & cmask[None, :], q_row_ptr, q_col_ptr,
                                 cols, scale, in_group, out_base, C, stride_qc, body_amax, WRITE_ROW, WRITE_COL,
-                                BODY_AMAX_ROWS)
+                                BODY_AMAX_ROWS, E5M2)
     amax = tl.maximum(amax, tl.max(body_amax, 0))
     amax = _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, hi, hi, end, cols, cmask, scale, in_group, out_base, C,
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,
-                              ROW_PROBS)
+                              ROW_PROBS, E5M2)
     if WRITE_ROW:
         if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the group's row scales
             _store_row_scales(s_row_ptr, start, end, scale_inv)
     if WRITE_COL:
-        _zero_aligned_gap(q_col_ptr, out_base, start, end, cols, cmask, stride_qc, in_group, ALIGN)
+        _zero_aligned_gap(q_col_ptr, out_base, group_start, group_end, cols, cmask, stride_qc,
+                          in_group & (end == group_end), ALIGN)  # by the group's last run
         tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
                  mask=cmask & in_group)
     if RECORD:
@@ -324,12 +349,13 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
 
 
 @triton.jit
-def _fill_missing_scales_kernel(scale_ptr, amax_ptr, out_ptr, G, BLOCK: tl.constexpr):
-    # out[g] = scale[g] where it is > 0, else the scale of the current amax (a NaN scale too).
+def _fill_missing_scales_kernel(scale_ptr, amax_ptr, out_ptr, G, BLOCK: tl.constexpr, FMT_MAX: tl.constexpr = 448.0):
+    # out[g] = scale[g] where it is > 0, else the scale of the current amax (a NaN scale too) for
+    # the format whose largest value is FMT_MAX.
     g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = g < G
     history = tl.load(scale_ptr + g, mask=m, other=1.0)
-    current = _scale_from_amax(tl.load(amax_ptr + g, mask=m, other=0.0))
+    current = _scale_for_format(tl.load(amax_ptr + g, mask=m, other=0.0), FMT_MAX)
     tl.store(out_ptr + g, tl.where(history > 0.0, history, current), mask=m)
 
 
@@ -406,8 +432,8 @@ def delayed_cast(
         out_col: preallocated float8 buffer for the transposed copy: row ``r`` of group ``g``,
             column ``c`` goes to ``out_col.flatten()[g * stride_out_group + c * stride_out_col
             + r]`` (rows past the last group are not written); None: no transposed copy.
-        e5m2: cast the row copy to E5M2 instead (hybrid-format gradients of dense GEMMs; the
-            grouped kernels take E4M3 only, so there is no transposed E5M2 copy).
+        e5m2: cast to E5M2 instead (hybrid-format gradients of dense GEMMs; ``out_col`` then
+            float8_e5m2 too, with one group: the grouped kernels take E4M3 only).
         swiglu: ``x`` is a fused projection output ``h = [gate | up]`` ``[R, 2C]`` and the
             operand cast is ``silu(gate) * up`` ``[R, C]``, computed on the fly with the SwiGLU
             kernel's arithmetic and rounding (the same bits as casting its output), so the
@@ -442,8 +468,10 @@ def delayed_cast(
     """
     if not write_row and out_col is None:
         raise ValueError("delayed_cast: nothing to write; ask for the row copy, the transposed one or both")
-    if e5m2 and out_col is not None:
-        raise ValueError("delayed_cast: E5M2 is supported for the row copy alone")
+    if e5m2 and out_col is not None and (offsets_G.numel() != 1 or swiglu or gather_rows is not None
+                                         or out_col.dtype != torch.float8_e5m2):
+        raise ValueError("delayed_cast: an E5M2 transposed copy is for one group of plain rows (a dense gradient), "
+                         "into a float8_e5m2 buffer")
     if swiglu and out_col is None:
         raise ValueError("delayed_cast: swiglu=True needs out_col (the transposed copy's buffer)")
     if aligned_ends is not None and out_col is None:
@@ -548,9 +576,12 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
             cur_amax = reduce_amax(cur_amax)
         filled = torch.empty_like(scale_G)
         launch(_fill_missing_scales_kernel, (cdiv(groups, 1024),), scale_G, cur_amax, filled, groups, BLOCK=1024,
-               num_warps=4)
+               FMT_MAX=57344.0 if e5m2 else 448.0, num_warps=4)
         scale_G = filled
-    if fp8_cast_cuda.applies(x_RC, cols, offsets_G, swiglu, out_col, e5m2, gather_rows):
+    # One group (a dense operand): its rows split into runs over the grid's third axis, on the Triton
+    # kernel (the CUDA kernel runs one block per column block and group, too few for one group).
+    chunk_rows = SINGLE_GROUP_CHUNK_ROWS if groups == 1 and not (swiglu or gather) else 0
+    if not chunk_rows and fp8_cast_cuda.applies(x_RC, cols, offsets_G, swiglu, out_col, e5m2, gather_rows):
         fp8_cast_cuda.launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
                                           stride_out_col, stride_out_group, gather_rows, aligned_ends)
         return
@@ -562,7 +593,7 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     block_r, block_c, warps = TILE_SHAPES[kind]
     options = register_cap(kind)
     launch(
-        _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups),
+        _delayed_cast_kernel, (cdiv(cols, block_c), cast_groups, cdiv(rows, chunk_rows) if chunk_rows else 1),
         x_RC, offsets_G, scale_G,
         q_row if write_row else dummy, s_row if write_row else dummy,
         out_col if out_col is not None else dummy, s_col if s_col is not None else dummy,
@@ -570,5 +601,5 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
         rows, cols, groups, stride_out_col, stride_out_group, src, num_src, aligned_ends_ptr, probs,
         WRITE_ROW=write_row, WRITE_COL=out_col is not None, RECORD=record_G is not None, SWIGLU=swiglu,
         BR=block_r, BC=block_c, GROUP_AXIS=1, GATHER=gather, ALIGN=align, ROW_PROBS=weighted,
-        AMAX_ROWS=amax_rows(kind, block_r), num_warps=warps, **options,
+        AMAX_ROWS=amax_rows(kind, block_r), CHUNK_ROWS=chunk_rows, E5M2=e5m2, num_warps=warps, **options,
     )

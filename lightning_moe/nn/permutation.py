@@ -230,13 +230,17 @@ class _Permute(torch.autograd.Function):
         return permute_backward(grad_RD, ctx.plan), None
 
 
-def permute_backward(grad_RD: Tensor, plan: PermutationPlan) -> Tensor:
-    """The gradient of :func:`permute`: each token's K row gradients summed, [R, D] -> [T, D]."""
+def permute_backward(grad_RD: Tensor, plan: PermutationPlan, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """The gradient of :func:`permute`: each token's K row gradients summed, [R, D] -> [T, D], in
+    ``out_dtype`` (default ``grad``'s): the bits of ``grad.to(out_dtype)`` summed, without writing
+    the converted rows on a GPU (the kernel sums in fp32)."""
     grad_RD = grad_RD.contiguous()
     if use_triton(grad_RD):
         from lightning_moe.kernels.combine_triton import combine
 
-        return combine(grad_RD, plan.dest_TK)  # unweighted: each token's row gradients summed
+        return combine(grad_RD, plan.dest_TK, out_dtype=out_dtype)  # unweighted: each token's rows summed
+    if out_dtype is not None:
+        grad_RD = grad_RD.to(out_dtype)
     source = grad_RD if plan.dense_rows else _with_zero_row(grad_RD)
     num_tokens, topk = plan.dest_TK.shape
     grad_TKD = source.index_select(0, plan.dest_TK.reshape(-1)).view(num_tokens, topk, source.shape[1])

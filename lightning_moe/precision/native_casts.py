@@ -75,6 +75,21 @@ def dense_input_both_layouts(x_RK: Tensor, state: DelayedState) -> tuple[Tensor,
     return q, scale_inv_R[:1], q_KR
 
 
+def dense_grad_both_layouts(dy_RN: Tensor, recipe: FP8Recipe, state: DelayedState) -> tuple[Tensor, Tensor, Tensor]:
+    """A delayed dense linear's output gradient cast in both layouts by one read of ``dy`` (the tile
+    kernel, in the recipe's gradient format: E5M2 under hybrid): ``(q [R, N], scale_inv [1],
+    q_t [N, R padded to 16])``, its amax recorded. The bytes of `dense_operand` on ``dy`` and of
+    that row copy transposed (zeros in the padding columns), which the backward would otherwise copy."""
+    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
+    from lightning_moe.precision.delayed import SLOTS, amax_record_row
+
+    e5m2 = recipe.format("grad") is E5M2
+    q_NR = transposed_out(dy_RN, dtype=torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
+    q, scale_inv_R, _ = delayed_cast(dy_RN, whole(dy_RN), state.scale[SLOTS["grad"]], amax_record_row(state, "grad"),
+                                     out_col=q_NR, stride_out_col=q_NR.shape[1], e5m2=e5m2, amax_prepass=state.fresh)
+    return q, scale_inv_R[:1], q_NR
+
+
 def _input_transposed_cast(x_RK: Tensor, state: DelayedState, row_copy: bool
                            ) -> tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
     """The delayed input cast's tile kernel over ``x`` as one group: the transposed copy
@@ -150,7 +165,7 @@ def transposed_width(rows: int, aligned_groups: int = 0) -> int:
 
 
 def transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int] = None,
-                   aligned_groups: int = 0) -> Tensor:
+                   aligned_groups: int = 0, dtype: torch.dtype = torch.float8_e4m3fn) -> Tensor:
     """Float8 ``[C, R]`` for ``t^T`` (``C`` = ``cols``, ``R`` = ``rows``, default ``t``'s) with
     ``R`` padded to 16 by zero columns (the padding is the contraction the dense weight-gradient
     GEMM reads; the rest is written by a quantizer).
@@ -163,7 +178,7 @@ def transposed_out(t_RC: Tensor, cols: Optional[int] = None, rows: Optional[int]
     tokens, about half of it written)."""
     rows = t_RC.shape[0] if rows is None else rows
     cols = t_RC.shape[1] if cols is None else cols
-    q_CR = torch.empty(cols, transposed_width(rows, aligned_groups), dtype=torch.float8_e4m3fn, device=t_RC.device)
+    q_CR = torch.empty(cols, transposed_width(rows, aligned_groups), dtype=dtype, device=t_RC.device)
     if not aligned_groups:
         q_CR[:, rows:].zero_()
     return q_CR

@@ -34,6 +34,7 @@ from lightning_moe.precision.native_casts import (
     both_weight_layouts_now,
     caching,
     dense_delayed_backward_operands,
+    dense_grad_both_layouts,
     dense_input_both_layouts,
     dense_operand,
     fused_both,
@@ -64,12 +65,19 @@ from lightning_moe.precision.weight_prefetch import PrefetchedWeight
 
 
 # Experiment toggle (benchmarks patch it; `train_step.py --dense-transposed-copies`): a delayed dense
-# linear's input is cast in both layouts by one read in the forward, the transposed copy saved for
-# the weight gradient, and its weight's transposed FP8 copy is kept in the weight cache (made once
-# per optimizer step), instead of the backward transposing both FP8 copies every micro-batch (two of
-# the three float8 transposes a dense linear's backward makes; about 5% of the FP8 qwen3 step in the
-# profile at accumulate 2). The same bytes either way. Off until a same-run measurement of the step.
+# linear's input is cast in both layouts by one read in the forward, the transposed copy saved for the
+# weight gradient (see `DENSE_GRAD_BOTH_LAYOUTS` for the output gradient), and its weight's transposed
+# FP8 copy is kept in the weight cache (made once per optimizer step), instead of the backward
+# transposing those FP8 copies every micro-batch. The same bytes either way. Measured 1.4-1.5% faster
+# FP8 steps (qwen3 and mixtral shapes, accumulate 8, same call); off until measured beside the other
+# changes of that session (see benchmarks/NOTES.md).
 DENSE_TRANSPOSED_COPIES = False
+
+# Experiment toggle (benchmarks patch it; `train_step.py --dense-grad-both-layouts`): under
+# `DENSE_TRANSPOSED_COPIES` the backward casts its output gradient in both layouts by one read (the
+# tile kernel, E5M2 under hybrid) instead of transposing the row copy. The same bytes; off until a
+# same-run measurement of the step (see benchmarks/NOTES.md).
+DENSE_GRAD_BOTH_LAYOUTS = False
 
 
 class _ScaledLinear(torch.autograd.Function):
@@ -145,11 +153,15 @@ class _ScaledLinear(torch.autograd.Function):
         with no_autocast(dy):
             dy2 = dy.reshape(-1, dy.shape[-1])
             if ctx.tensorwise:
-                qdy, sdy = dense_operand(dy2, recipe, state, "grad", ctx.delayed)
+                if DENSE_GRAD_BOTH_LAYOUTS and ctx.input_transposed and dy2.numel():  # one read, both layouts
+                    qdy, sdy, qdy_t = dense_grad_both_layouts(dy2, recipe, state)
+                else:
+                    qdy, sdy = dense_operand(dy2, recipe, state, "grad", ctx.delayed)
+                    qdy_t = qdy.t().contiguous()
+                sdy_t = sdy
                 qx, sx, qw, sw = ctx.saved_tensors  # qx: the transposed copy with ctx.input_transposed
                 qw_t = ctx.weight_transposed if ctx.weight_transposed is not None else qw.t().contiguous()
                 sw_t = sw
-                qdy_t, sdy_t = qdy.t().contiguous(), sdy
                 qx_t, sx_t = (qx if ctx.input_transposed else qx.t().contiguous()), sx
             elif ctx.fused:
                 qx_t, sx_t, weight = ctx.saved_tensors
@@ -470,7 +482,10 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dw = group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ctx.ends,
                                        fast=recipe.fast("wgrad"), aligned_ends=aligned_ends, out_dtype=ctx.w_dtype,
                                        accumulate_into=accumulation_grad(call.accumulate_into, experts * k * n))
-            dx = dx.to(ctx.x_dtype)
+            if call.gather is None:
+                dx = dx.to(ctx.x_dtype)
+            # else the permutation's backward below sums the rows into x's dtype itself (the same
+            # bits, without writing every row widened: a gathered fc1 over an fp32 residual stream)
             grad_probs = None
             if ctx.handoff is not None and call.input_swiglu and ctx.needs_input_grad[0]:
                 # fc1's output gradient goes to fc1's backward already cast (see `_SwiGLUGradHandoff`)
@@ -493,7 +508,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
         if call.gather is not None:
             from lightning_moe.nn.permutation import permute_backward
 
-            dx = permute_backward(dx, call.gather)  # the gradient of the permutation the cast read
+            dx = permute_backward(dx, call.gather, out_dtype=ctx.x_dtype)  # the permutation the cast read
         return dx, dw, None, grad_probs, None
 
 

@@ -2,7 +2,9 @@
 in both layouts (one read) and whose weight's transposed FP8 copy comes from the weight cache trains
 with the same bits as the backward's transposes (fp32 master weights under bf16 inputs, hybrid and
 E4M3, a fresh state and one with scales, three micro-batches under one cache), and makes fewer
-float8 copies."""
+float8 copies; so too with the experiments `scaled_mm.DENSE_GRAD_BOTH_LAYOUTS` (the output gradient
+in both layouts by one read) and `fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS` (the one-group casts
+in row runs on the Triton kernel)."""
 
 import pytest
 import torch
@@ -12,11 +14,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs a Hopper GPU (the native FP8 casts)")]
 
 
-def _train(on: bool, fmt: str, fresh: bool, monkeypatch):
+def _train(on: bool, fmt: str, fresh: bool, monkeypatch, grad_both: bool = False, chunk: int = 0):
+    from lightning_moe.kernels import fp8_delayed_triton
     from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, scaled_mm
     from lightning_moe.precision.delayed import DelayedState
 
     monkeypatch.setattr(scaled_mm, "DENSE_TRANSPOSED_COPIES", on)
+    monkeypatch.setattr(scaled_mm, "DENSE_GRAD_BOTH_LAYOUTS", grad_both)
+    monkeypatch.setattr(fp8_delayed_triton, "SINGLE_GROUP_CHUNK_ROWS", chunk)
     torch.manual_seed(0)
     w = (torch.randn(1536, 2048, device="cuda") / 48).requires_grad_(True)
     scale = torch.zeros(3, 1, device="cuda") if fresh else torch.tensor([[40.0], [60.0], [3000.0]], device="cuda")
@@ -34,13 +39,14 @@ def _train(on: bool, fmt: str, fresh: bool, monkeypatch):
     return seen + [w.grad, state.amax_history.clone()], copies
 
 
+@pytest.mark.parametrize("grad_both, chunk", [(False, 0), (True, 256), (True, 0)])
 @pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-def test_transposed_copies_train_with_the_same_bits_and_fewer_copies(monkeypatch, fmt, fresh):
+def test_transposed_copies_train_with_the_same_bits_and_fewer_copies(monkeypatch, fmt, fresh, grad_both, chunk):
     plain, plain_copies = _train(False, fmt, fresh, monkeypatch)
-    copies, fewer = _train(True, fmt, fresh, monkeypatch)
+    copies, fewer = _train(True, fmt, fresh, monkeypatch, grad_both, chunk)
     for i, (a, b) in enumerate(zip(plain, copies)):
         assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), i
-    # 3 micro-batches: 3 transposes each before (weight, gradient, input); after, the gradient's
-    # each time and the weight's once (the weight cache)
-    assert plain_copies == 9 and fewer == 4, (plain_copies, fewer)
+    # 3 micro-batches: 3 transposes each before (weight, gradient, input); after, the gradient's each
+    # time (unless cast in both layouts) and the weight's once (the weight cache)
+    assert plain_copies == 9 and fewer == (1 if grad_both else 4), (plain_copies, fewer)

@@ -33,6 +33,23 @@ def test_combine_forward_backward(k, d):
     torch.testing.assert_close(gy, ref_gy[:r], rtol=1e-6, atol=1e-6)  # unowned rows zero, not stale memory
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_combine_into_fp32_equals_combining_the_widened_rows(weighted):
+    """``combine(y, ..., out_dtype=fp32)`` over bf16 rows: the bits of widening the rows first (the
+    permutation's backward under an fp32 residual stream), without the widened copy."""
+    from lightning_moe.kernels.combine_triton import combine
+
+    torch.manual_seed(3)
+    t, k, d = 700, 8, 2048
+    r = t * k + 5
+    dest = torch.randperm(r + 1, device="cuda")[: t * k].view(t, k)
+    y = torch.randn(r, d, device="cuda").to(torch.bfloat16)
+    w = torch.rand(t, k, device="cuda") if weighted else None
+    out = combine(y, dest, w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out.view(torch.int32), combine(y.float(), dest, w).view(torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_matches_torch(dtype):
     from lightning_moe.kernels.swiglu_triton import swiglu

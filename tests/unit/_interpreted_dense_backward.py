@@ -32,9 +32,14 @@ def main() -> None:
     from _triton_on_cpu import force_triton_paths
 
     force_triton_paths()
+    from lightning_moe.kernels import fp8_delayed_triton
     from lightning_moe.precision import FP8Recipe
     from lightning_moe.precision.delayed import DelayedState
-    from lightning_moe.precision.native_casts import dense_delayed_backward_operands, dense_operand
+    from lightning_moe.precision.native_casts import (
+        dense_delayed_backward_operands,
+        dense_grad_both_layouts,
+        dense_operand,
+    )
     from lightning_moe.precision.operands import quantize_operand
 
     def state(fresh: bool) -> DelayedState:
@@ -50,7 +55,8 @@ def main() -> None:
             sys.exit(1)
 
     torch.manual_seed(0)
-    rows, k, n = 200, 128, 64
+    rows, k, n = 600, 128, 64  # over two of the one-group tile cast's 256-row runs, not a multiple of 16
+    fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = 256  # the transposed casts in row runs (the experiment)
     for dtype in (torch.bfloat16, torch.float32):
         for fmt in ("hybrid", "e4m3"):
             for fresh in (False, True):
@@ -76,6 +82,18 @@ def main() -> None:
                 check(f"{case} scales", all(torch.equal(a.reshape(-1)[:1].float(), b.reshape(-1)[:1].float())
                                             and a.numel() == 1 for a, b in ((sdy, gdy), (sdy_t, gdy_t), (sx_t, gx_t))))
                 check(f"{case} amax records", torch.equal(fast.amax_history, generic.amax_history))
+                # the gradient in both layouts by the tile kernel (recording the same amax again: a
+                # max), in row runs and one program per column block
+                for chunk in (256, 0):
+                    fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = chunk
+                    qdy2, sdy2, qdy2_t = dense_grad_both_layouts(dy, recipe, fast)
+                    check(f"{case} gradient both layouts (runs of {chunk})",
+                          torch.equal(bytes_of(qdy2), bytes_of(qdy)) and qdy2_t.dtype == qdy.dtype
+                          and qdy2_t.shape == (n, padded) and torch.equal(bytes_of(qdy2_t)[:, :rows], bytes_of(qdy).t())
+                          and bool((bytes_of(qdy2_t)[:, rows:] == 0).all()) and torch.equal(sdy2, sdy.reshape(-1)[:1])
+                          and torch.equal(fast.amax_history, generic.amax_history))
+                fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = 256
+    fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = 0
 
     transposed_copies_train_the_same(check)
 
@@ -84,7 +102,9 @@ def transposed_copies_train_the_same(check) -> None:
     """`scaled_mm.DENSE_TRANSPOSED_COPIES`: the input cast in both layouts in the forward and the
     weight's transposed copy from the weight cache give the same output, gradients and amax records
     as the backward's transposes, over two micro-batches under one cache (the second takes the
-    cached copies), for a fresh state and one with scales, hybrid and E4M3."""
+    cached copies), for a fresh state and one with scales, hybrid and E4M3; so too with the
+    experiments `scaled_mm.DENSE_GRAD_BOTH_LAYOUTS` and `fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS`."""
+    from lightning_moe.kernels import fp8_delayed_triton
     from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, scaled_mm
     from lightning_moe.precision.delayed import DelayedState
 
@@ -92,31 +112,40 @@ def transposed_copies_train_the_same(check) -> None:
         scale = torch.zeros(3, 1) if fresh else torch.tensor([[40.0], [60.0], [3000.0]])
         return DelayedState(torch.zeros(4, 3, 1), scale, fresh)
 
-    def run(on: bool, fmt: str, fresh: bool):
+    def run(on: bool, fmt: str, fresh: bool, grad_both: bool = False, chunk: int = 0):
         scaled_mm.DENSE_TRANSPOSED_COPIES = on
+        scaled_mm.DENSE_GRAD_BOTH_LAYOUTS = grad_both
+        fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = chunk
         torch.manual_seed(1)
         w = (torch.randn(96, 64) / 8).requires_grad_(True)
         st, cache, seen = state(fresh), FP8WeightCache(), []
         with caching_fp8_weights(cache):
-            for rows in (40, 24):  # the second micro-batch: rows not a multiple of 16 either
+            for rows in (40, 600):  # the second: rows not a multiple of 16, over several 256-row runs
                 x = torch.randn(rows, 64, dtype=torch.bfloat16, requires_grad=True)
                 y = scaled_mm.scaled_linear(x, w, None, FP8Recipe("delayed", fmt=fmt), st, weight_key="w")
                 y.float().square().sum().backward()
                 seen += [y.detach(), x.grad]
         return seen + [w.grad, st.amax_history.clone()], cache.hits
 
+    defaults = (scaled_mm.DENSE_TRANSPOSED_COPIES, scaled_mm.DENSE_GRAD_BOTH_LAYOUTS,
+                fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS)
     try:
         for fmt in ("hybrid", "e4m3"):
             for fresh in (False, True):
-                (plain, plain_hits), (copies, copies_hits) = run(False, fmt, fresh), run(True, fmt, fresh)
-                # bits, NaN included (E4M3 gradients past the history's scale overflow to NaN)
-                same = all(torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))
-                           for a, b in zip(plain, copies))
-                check(f"transposed copies {fmt} {'fresh' if fresh else 'history'} train the same", same)
-                # the second micro-batch took the row copy and the transposed copy from the cache
-                check(f"transposed copies {fmt} {'fresh' if fresh else 'history'} cached", copies_hits == plain_hits + 1)
+                plain, plain_hits = run(False, fmt, fresh)
+                for variant, options in (("", {}), (" with the gradient's and row runs", {"grad_both": True,
+                                                                                           "chunk": 256})):
+                    copies, copies_hits = run(True, fmt, fresh, **options)
+                    name = f"transposed copies{variant} {fmt} {'fresh' if fresh else 'history'}"
+                    # bits, NaN included (E4M3 gradients past the history's scale overflow to NaN)
+                    same = all(torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))
+                               for a, b in zip(plain, copies))
+                    check(f"{name} train the same", same)
+                    # the second micro-batch took the row copy and the transposed copy from the cache
+                    check(f"{name} cached", copies_hits == plain_hits + 1)
     finally:
-        scaled_mm.DENSE_TRANSPOSED_COPIES = False
+        (scaled_mm.DENSE_TRANSPOSED_COPIES, scaled_mm.DENSE_GRAD_BOTH_LAYOUTS,
+         fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS) = defaults
 
 
 if __name__ == "__main__":

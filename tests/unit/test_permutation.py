@@ -145,3 +145,18 @@ def test_dropped_marked_equals_keep_mask(alignment, capacity):
     assert (masked.num_rows, masked.dense_rows, masked.padding_rows) == (
         marked.num_rows, marked.dense_rows, marked.padding_rows)
     assert not marked.dense_rows
+
+
+def test_permute_backward_into_another_dtype_sums_the_widened_rows():
+    """``permute_backward(grad, plan, out_dtype)``: the bits of widening the rows first (a gathered
+    fc1's gradient into an fp32 residual stream; the GPU kernel sums without the widened copy)."""
+    from lightning_moe.nn.permutation import permute_backward
+
+    torch.manual_seed(0)
+    experts = torch.randint(0, 4, (12, 2), dtype=torch.int32)
+    plan = plan_permutation(experts, 4, alignment=8)
+    grad = torch.randn(plan.num_rows, 16).to(torch.bfloat16)
+    out = permute_backward(grad, plan, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, permute_backward(grad.float(), plan))
+    assert permute_backward(grad, plan).dtype == torch.bfloat16
