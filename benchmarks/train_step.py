@@ -631,6 +631,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dense-grad-both-layouts", choices=["on", "off"], default="off",
                         help="scaled_mm.DENSE_GRAD_BOTH_LAYOUTS (experiment): with the transposed copies, a delayed "
                              "dense linear's output gradient cast in both layouts by one read instead of transposed")
+    parser.add_argument("--tiled-fp8-transposes", choices=["on", "off"], default="off",
+                        help="native_gemms.TILED_FP8_TRANSPOSES (experiment): a dense linear's float8 transposes by "
+                             "the tiled byte transpose kernel instead of torch's elementwise copy")
     parser.add_argument("--single-group-chunk-rows", type=int, default=0, metavar="N",
                         help="fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS (experiment): a dense operand's both-layout "
                              "cast in runs of N rows per program on the Triton kernel; 0: one program per column "
@@ -691,6 +694,9 @@ def main(argv=None) -> None:
 
     scaled_mm.DENSE_TRANSPOSED_COPIES = args.dense_transposed_copies == "on"
     scaled_mm.DENSE_GRAD_BOTH_LAYOUTS = args.dense_grad_both_layouts == "on"
+    import lightning_moe.precision.native_gemms as native_gemms
+
+    native_gemms.TILED_FP8_TRANSPOSES = args.tiled_fp8_transposes == "on"
     if args.single_group_chunk_rows < 0 or args.single_group_chunk_rows % 16:
         raise SystemExit(f"--single-group-chunk-rows {args.single_group_chunk_rows}: give a multiple of 16 rows "
                          "(the transposed stores stay aligned), or 0 for off")

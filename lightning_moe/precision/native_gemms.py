@@ -39,6 +39,26 @@ def pad_fp8(q: Tensor, multiple: int = ALIGN) -> Tensor:
     return F.pad(q.view(torch.uint8), (0, pad)).view(q.dtype) if pad else q
 
 
+# Experiment toggle (benchmarks patch it; `train_step.py --tiled-fp8-transposes`): a dense linear's
+# float8 transposes (its backward's output gradient, input and weight) by the tiled byte transpose of
+# ``kernels.transpose_triton`` instead of torch's elementwise copy. The same bytes; off until a
+# same-run measurement of the step.
+TILED_FP8_TRANSPOSES = False
+
+
+def transposed_fp8(q: Tensor, multiple: int = 1) -> Tensor:
+    """``q [R, C]`` float8 transposed into a contiguous ``[C, R]``, ``R`` padded to ``multiple`` with
+    zero columns where the tiled kernel runs (`TILED_FP8_TRANSPOSES` on a GPU; a caller that pads
+    afterwards, as `pad_fp8` does, gets the same bytes either way)."""
+    from lightning_moe.kernels import use_triton
+
+    if TILED_FP8_TRANSPOSES and use_triton(q):
+        from lightning_moe.kernels.transpose_triton import transpose_bytes
+
+        return transpose_bytes(q, multiple)
+    return q.t().contiguous()
+
+
 def column_major(q: Tensor) -> Tensor:
     """Same values, column-major storage (``_scaled_mm``'s second operand)."""
     return q.t().contiguous().t()

@@ -29,6 +29,7 @@ from lightning_moe.precision.autocast import compute_dtype, no_autocast
 from lightning_moe.precision.delayed import DelayedState, fresh_amax_group
 from lightning_moe.precision.formats import E4M3
 from lightning_moe.precision.native_casts import (
+    ALIGN,
     FusedGroupedOperands,
     assert_groups_aligned,
     both_weight_layouts_now,
@@ -56,6 +57,7 @@ from lightning_moe.precision.native_gemms import (
     host_group_ends,
     pad_fp8,
     scaled_mm_rows,
+    transposed_fp8,
     triton_grouped,
 )
 from lightning_moe.precision.operands import Layout, quantize_operand
@@ -123,7 +125,7 @@ class _ScaledLinear(torch.autograd.Function):
                 qw, sw = cached(cache, weight_key, weight, "dense_fprop",
                                 lambda: dense_operand(weight, recipe, state, "weight", delayed))
                 if transposed_copies and caching(cache, weight_key):
-                    weight_t = cached(cache, weight_key, weight, "dense_fprop_transposed", lambda: qw.t().contiguous())
+                    weight_t = cached(cache, weight_key, weight, "dense_fprop_transposed", lambda: transposed_fp8(qw))
             y = scaled_mm_rows(qx, sx, qw, sw, out_dtype, fast=recipe.fast("fprop"))
             if bias is not None:
                 y = y + bias.to(out_dtype)
@@ -157,12 +159,12 @@ class _ScaledLinear(torch.autograd.Function):
                     qdy, sdy, qdy_t = dense_grad_both_layouts(dy2, recipe, state)
                 else:
                     qdy, sdy = dense_operand(dy2, recipe, state, "grad", ctx.delayed)
-                    qdy_t = qdy.t().contiguous()
+                    qdy_t = transposed_fp8(qdy, ALIGN)
                 sdy_t = sdy
                 qx, sx, qw, sw = ctx.saved_tensors  # qx: the transposed copy with ctx.input_transposed
-                qw_t = ctx.weight_transposed if ctx.weight_transposed is not None else qw.t().contiguous()
+                qw_t = ctx.weight_transposed if ctx.weight_transposed is not None else transposed_fp8(qw)
                 sw_t = sw
-                qx_t, sx_t = (qx if ctx.input_transposed else qx.t().contiguous()), sx
+                qx_t, sx_t = (qx if ctx.input_transposed else transposed_fp8(qx, ALIGN)), sx
             elif ctx.fused:
                 qx_t, sx_t, weight = ctx.saved_tensors
                 if ctx.weight_dgrad is not None:

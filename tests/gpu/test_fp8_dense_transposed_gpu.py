@@ -3,8 +3,9 @@ in both layouts (one read) and whose weight's transposed FP8 copy comes from the
 with the same bits as the backward's transposes (fp32 master weights under bf16 inputs, hybrid and
 E4M3, a fresh state and one with scales, three micro-batches under one cache), and makes fewer
 float8 copies; so too with the experiments `scaled_mm.DENSE_GRAD_BOTH_LAYOUTS` (the output gradient
-in both layouts by one read) and `fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS` (the one-group casts
-in row runs on the Triton kernel)."""
+in both layouts by one read), `fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS` (the one-group casts
+in row runs on the Triton kernel) and `native_gemms.TILED_FP8_TRANSPOSES` (the transposes left by
+the tiled byte transpose, none by torch's copy), the last also with the transposed copies off."""
 
 import pytest
 import torch
@@ -14,11 +15,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs a Hopper GPU (the native FP8 casts)")]
 
 
-def _train(on: bool, fmt: str, fresh: bool, monkeypatch, grad_both: bool = False, chunk: int = 0):
+def _train(on: bool, fmt: str, fresh: bool, monkeypatch, grad_both: bool = False, chunk: int = 0,
+           tiled: bool = False):
     from lightning_moe.kernels import fp8_delayed_triton
-    from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, scaled_mm
+    from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, native_gemms, scaled_mm
     from lightning_moe.precision.delayed import DelayedState
 
+    monkeypatch.setattr(native_gemms, "TILED_FP8_TRANSPOSES", tiled)
     monkeypatch.setattr(scaled_mm, "DENSE_TRANSPOSED_COPIES", on)
     monkeypatch.setattr(scaled_mm, "DENSE_GRAD_BOTH_LAYOUTS", grad_both)
     monkeypatch.setattr(fp8_delayed_triton, "SINGLE_GROUP_CHUNK_ROWS", chunk)
@@ -39,14 +42,18 @@ def _train(on: bool, fmt: str, fresh: bool, monkeypatch, grad_both: bool = False
     return seen + [w.grad, state.amax_history.clone()], copies
 
 
-@pytest.mark.parametrize("grad_both, chunk", [(False, 0), (True, 256), (True, 0)])
+@pytest.mark.parametrize("on, grad_both, chunk, tiled", [(True, False, 0, False), (True, True, 256, False),
+                                                        (True, True, 0, False), (True, False, 0, True),
+                                                        (False, False, 0, True)])
 @pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-def test_transposed_copies_train_with_the_same_bits_and_fewer_copies(monkeypatch, fmt, fresh, grad_both, chunk):
+def test_transposed_copies_train_with_the_same_bits_and_fewer_copies(monkeypatch, fmt, fresh, on, grad_both, chunk,
+                                                                      tiled):
     plain, plain_copies = _train(False, fmt, fresh, monkeypatch)
-    copies, fewer = _train(True, fmt, fresh, monkeypatch, grad_both, chunk)
+    copies, fewer = _train(on, fmt, fresh, monkeypatch, grad_both, chunk, tiled)
     for i, (a, b) in enumerate(zip(plain, copies)):
         assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), i
     # 3 micro-batches: 3 transposes each before (weight, gradient, input); after, the gradient's each
-    # time (unless cast in both layouts) and the weight's once (the weight cache)
-    assert plain_copies == 9 and fewer == (1 if grad_both else 4), (plain_copies, fewer)
+    # time (unless cast in both layouts) and the weight's once (the weight cache); none by torch's
+    # copy where the tiled kernel takes them
+    assert plain_copies == 9 and fewer == (0 if tiled else 1 if grad_both else 4), (plain_copies, fewer)

@@ -96,6 +96,7 @@ def main() -> None:
     fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = 0
 
     transposed_copies_train_the_same(check)
+    tiled_transposes(check)
 
 
 def transposed_copies_train_the_same(check) -> None:
@@ -104,18 +105,35 @@ def transposed_copies_train_the_same(check) -> None:
     as the backward's transposes, over two micro-batches under one cache (the second takes the
     cached copies), for a fresh state and one with scales, hybrid and E4M3; so too with the
     experiments `scaled_mm.DENSE_GRAD_BOTH_LAYOUTS` and `fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS`."""
+    from lightning_moe import kernels
     from lightning_moe.kernels import fp8_delayed_triton
-    from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, scaled_mm
+    from lightning_moe.precision import FP8Recipe, FP8WeightCache, caching_fp8_weights, native_gemms, scaled_mm
     from lightning_moe.precision.delayed import DelayedState
+
+    from lightning_moe.kernels import transpose_triton
+
+    forced = kernels.use_triton
+    accepted = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+    tiled_calls = []
+    transpose_bytes = transpose_triton.transpose_bytes
+
+    def counted(*args, **kwargs):
+        tiled_calls.append(1)
+        return transpose_bytes(*args, **kwargs)
+
+    transpose_triton.transpose_bytes = counted
 
     def state(fresh: bool) -> DelayedState:
         scale = torch.zeros(3, 1) if fresh else torch.tensor([[40.0], [60.0], [3000.0]])
         return DelayedState(torch.zeros(4, 3, 1), scale, fresh)
 
-    def run(on: bool, fmt: str, fresh: bool, grad_both: bool = False, chunk: int = 0):
+    def run(on: bool, fmt: str, fresh: bool, grad_both: bool = False, chunk: int = 0, tiled: bool = False):
         scaled_mm.DENSE_TRANSPOSED_COPIES = on
         scaled_mm.DENSE_GRAD_BOTH_LAYOUTS = grad_both
         fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = chunk
+        native_gemms.TILED_FP8_TRANSPOSES = tiled
+        # the interpreter's stand-in for `use_triton` takes float tensors; the transposes are of float8 ones
+        kernels.use_triton = (lambda t: t.dtype in accepted) if tiled else forced
         torch.manual_seed(1)
         w = (torch.randn(96, 64) / 8).requires_grad_(True)
         st, cache, seen = state(fresh), FP8WeightCache(), []
@@ -128,24 +146,49 @@ def transposed_copies_train_the_same(check) -> None:
         return seen + [w.grad, st.amax_history.clone()], cache.hits
 
     defaults = (scaled_mm.DENSE_TRANSPOSED_COPIES, scaled_mm.DENSE_GRAD_BOTH_LAYOUTS,
-                fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS)
+                fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS, native_gemms.TILED_FP8_TRANSPOSES)
     try:
         for fmt in ("hybrid", "e4m3"):
             for fresh in (False, True):
                 plain, plain_hits = run(False, fmt, fresh)
-                for variant, options in (("", {}), (" with the gradient's and row runs", {"grad_both": True,
-                                                                                           "chunk": 256})):
-                    copies, copies_hits = run(True, fmt, fresh, **options)
+                for variant, options in (("", {"on": True}),
+                                         (" with the gradient's and row runs", {"on": True, "grad_both": True,
+                                                                                "chunk": 256}),
+                                         (" tiled", {"on": True, "tiled": True}),
+                                         (" off, tiled", {"on": False, "tiled": True})):
+                    tiled_calls.clear()
+                    copies, copies_hits = run(fmt=fmt, fresh=fresh, **options)
                     name = f"transposed copies{variant} {fmt} {'fresh' if fresh else 'history'}"
                     # bits, NaN included (E4M3 gradients past the history's scale overflow to NaN)
                     same = all(torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))
                                for a, b in zip(plain, copies))
                     check(f"{name} train the same", same)
                     # the second micro-batch took the row copy and the transposed copy from the cache
-                    check(f"{name} cached", copies_hits == plain_hits + 1)
+                    check(f"{name} cached", copies_hits == plain_hits + options["on"])
+                    if options.get("tiled"):
+                        check(f"{name} took the tiled transposes", len(tiled_calls) > 0)
     finally:
         (scaled_mm.DENSE_TRANSPOSED_COPIES, scaled_mm.DENSE_GRAD_BOTH_LAYOUTS,
-         fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS) = defaults
+         fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS, native_gemms.TILED_FP8_TRANSPOSES) = defaults
+        kernels.use_triton = forced
+        transpose_triton.transpose_bytes = transpose_bytes
+
+
+def tiled_transposes(check) -> None:
+    """`kernels.transpose_triton.transpose_bytes`: the bytes of ``q.t().contiguous()``, zero columns
+    up to the padding, for shapes off the 128-byte tile and both float8 formats."""
+    from lightning_moe.kernels.transpose_triton import transpose_bytes
+
+    torch.manual_seed(2)
+    for rows, cols in ((600, 64), (37, 200), (128, 128), (1, 300)):
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            q = torch.randint(0, 256, (rows, cols), dtype=torch.uint8).view(dtype)
+            for multiple in (1, 16):
+                out = transpose_bytes(q, multiple).view(torch.uint8)
+                padded = -(-rows // multiple) * multiple
+                ok = (out.shape == (cols, padded) and torch.equal(out[:, :rows], q.view(torch.uint8).t())
+                      and bool((out[:, rows:] == 0).all()))
+                check(f"tiled transpose {rows}x{cols} {str(dtype).replace('torch.', '')} to {multiple}", ok)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The delayed-scaling cast kernels compile for sm90 in every variant the library launches: Triton's
-interpreter (the CPU tests' path) runs Python, not the compiler, and accepts code the compiler refuses
-(two ``return`` statements of different float8 types under a constexpr branch passed the interpreter
-and failed to compile on the GPU). Compiled ahead of time here: Triton's compiler runs without a GPU."""
+"""The delayed-scaling cast kernels and the float8 byte transpose compile for sm90 in every variant
+the library launches: Triton's interpreter (the CPU tests' path) runs Python, not the compiler, and
+accepts code the compiler refuses (two ``return`` statements of different float8 types under a
+constexpr branch passed the interpreter and failed to compile on the GPU). Compiled ahead of time
+here: Triton's compiler runs without a GPU."""
 
 import pytest
 
@@ -46,3 +47,11 @@ def test_plain_tile_cast_compiles_for_sm90(e5m2, chunk_rows, x_dtype):
 def test_missing_scales_kernel_compiles_for_sm90(fmt_max):
     types = dict(scale_ptr="*fp32", amax_ptr="*fp32", out_ptr="*fp32", G="i32")
     _compile(fd._fill_missing_scales_kernel, types, dict(BLOCK=1024, FMT_MAX=fmt_max), 4)
+
+
+def test_tiled_byte_transpose_compiles_for_sm90():
+    from lightning_moe.kernels import transpose_triton as tt
+
+    types = dict(src_ptr="*u8", dst_ptr="*u8", R="i32", C="i32", R_OUT="i32")
+    ptx = _compile(tt._transpose_bytes_kernel, types, dict(BR=tt._TILE, BC=tt._TILE), 4)
+    assert "st.global" in ptx
