@@ -690,19 +690,22 @@ def main(argv=None) -> None:
         cross_entropy.FUSED_KERNEL = False
     if args.lm_head_chunk_tokens < 0:
         raise SystemExit(f"--lm-head-chunk-tokens {args.lm_head_chunk_tokens}: give a positive chunk, or 0 for off")
-    import lightning_moe.precision.scaled_mm as scaled_mm
+    if args.dense_transposed_copies == "on" or args.dense_grad_both_layouts == "on":
+        import lightning_moe.precision.scaled_mm as scaled_mm
 
-    scaled_mm.DENSE_TRANSPOSED_COPIES = args.dense_transposed_copies == "on"
-    scaled_mm.DENSE_GRAD_BOTH_LAYOUTS = args.dense_grad_both_layouts == "on"
-    import lightning_moe.precision.native_gemms as native_gemms
+        scaled_mm.DENSE_TRANSPOSED_COPIES = args.dense_transposed_copies == "on"
+        scaled_mm.DENSE_GRAD_BOTH_LAYOUTS = args.dense_grad_both_layouts == "on"
+    if args.tiled_fp8_transposes == "on":
+        import lightning_moe.precision.native_gemms as native_gemms
 
-    native_gemms.TILED_FP8_TRANSPOSES = args.tiled_fp8_transposes == "on"
+        native_gemms.TILED_FP8_TRANSPOSES = True
     if args.single_group_chunk_rows < 0 or args.single_group_chunk_rows % 16:
-        raise SystemExit(f"--single-group-chunk-rows {args.single_group_chunk_rows}: give a multiple of 16 rows "
-                         "(the transposed stores stay aligned), or 0 for off")
-    import lightning_moe.kernels.fp8_delayed_triton as fp8_delayed_triton
+        raise SystemExit(f"--single-group-chunk-rows {args.single_group_chunk_rows}: give a multiple of 16 rows, "
+                         "or 0 for off")
+    if args.single_group_chunk_rows:
+        import lightning_moe.kernels.fp8_delayed_triton as fp8_delayed_triton
 
-    fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = args.single_group_chunk_rows
+        fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = args.single_group_chunk_rows
     if args.fused_rotary == "off":
         import lightning_moe.models.rotary as rotary
 

@@ -98,7 +98,8 @@ def combine(y_RD: Tensor, dest_TK: Tensor, w_TK: Optional[Tensor] = None,
             out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``out[t] = sum_k w[t,k] * y[dest[t,k]]`` -> [T, D] in ``out_dtype`` (default ``y``'s; ``w``
     None: all ones, each token's rows summed as they are). The sum is fp32 either way, so an fp32
-    ``out_dtype`` gives the bits of widening ``y`` first, without writing the widened rows."""
+    ``out_dtype`` gives the bits of widening ``y`` first, without writing the widened rows (another
+    ``out_dtype`` rounds the fp32 sum once, unlike rounding each row first)."""
     y_RD = y_RD.contiguous()
     num_tokens, k = dest_TK.shape
     dest_TK = dest_TK.contiguous()

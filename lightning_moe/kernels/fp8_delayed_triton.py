@@ -14,8 +14,10 @@ share the group's scale, so the transposed one is the same float8 values transpo
   or the forward weight layout ``[E, N, K]``) with ``scale_inv [G, C]`` (the group's,
   repeated over columns, as the grouped kernel's 2-D x 2-D form takes them).
 
-Dense linears (one group) take the row copy alone, in E5M2 for the hybrid format's gradients;
-the grouped kernels take E4M3 only.
+Dense linears (one group) take the row copy alone, in E5M2 for the hybrid format's gradients, or
+both copies from the tile kernel (their input in E4M3, their gradient in E5M2 under hybrid; see
+`native_casts.dense_input_both_layouts` and `dense_grad_both_layouts`); the grouped kernels take
+E4M3 only.
 
 Numbers are those of the generic path (``precision.operands``): a group without history
 (scale 0: first step, or an expert never routed to) is scaled from its current amax. The tile
@@ -27,8 +29,9 @@ the generic path, and scale 1 in the tile kernel. Scale, cast and rounding
 follow ``fp8_quant_triton`` (``x * scale`` in fp32, saturating round to nearest even,
 ``scale_inv = 1 / scale`` in IEEE division).
 
-The tile case of bf16 operands, plain or gathered (not the SwiGLU kinds), runs the CUDA C kernel of
-`fp8_cast_cuda` instead where it compiles (the same bytes, fewer instructions per element; see there).
+The tile case of bf16 operands, plain or gathered (not the SwiGLU kinds, not E5M2, not a one-group cast
+split into row runs by `SINGLE_GROUP_CHUNK_ROWS`), runs the CUDA C kernel of `fp8_cast_cuda` instead
+where it compiles (the same bytes, fewer instructions per element; see there).
 """
 
 from __future__ import annotations
@@ -78,11 +81,15 @@ AMAX_FOLD_ROWS: dict[str, int] = {"plain": 16, "gather": 16}
 MAX_REGISTERS: dict[str, int] = {"swiglu": 64, "swiglu_grad": 128}
 
 # Experiment toggle (benchmarks patch it; `train_step.py --single-group-chunk-rows`): rows per program
-# of a one-group tile cast (a dense operand's both-layout cast), a multiple of the tile's rows, on the
+# of a one-group tile cast of plain rows (a dense operand's both-layout cast), a multiple of 16, on the
 # Triton kernel (256: 8,192 tokens of 2,048 columns run 32 x 16 programs instead of 16, one per column
 # block). 0: one program per column block, bf16 operands on the CUDA kernel. The same bytes either way.
 # Off: measured slower together with the dense gradient's both-layout cast (see benchmarks/NOTES.md).
 SINGLE_GROUP_CHUNK_ROWS = 0
+
+# The largest finite values of the float8 formats, the scales' targets.
+E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+E5M2_MAX: tl.constexpr = tl.constexpr(57344.0)
 
 
 def register_cap(kind: str) -> dict:
@@ -229,7 +236,7 @@ def _delayed_cast_tile(x_ptr, q_row_ptr, q_col_ptr, r0, lo, hi, cols, cmask, sca
 
 @triton.jit
 def _to_fp8(x, E5M2: tl.constexpr):
-    # Saturation is the scale's job (delayed scaling clips nothing); the conversion rounds to nearest even.
+    # The fp32 values (already scaled) to E5M2 or E4M3, round to nearest even, as the module docstring says.
     if E5M2:
         q = x.to(tl.float8e5)
     else:
@@ -299,7 +306,7 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
             block = c0 + tl.arange(0, BC)
             group_amax = tl.maximum(group_amax, tl.max(_operand_column_amax(
                 x_ptr, start, end, block, block < C, C, 32, SWIGLU, src_ptr, T, GATHER, prob_ptr, ROW_PROBS), 0))
-        scale = _scale_for_format(group_amax, 57344.0 if E5M2 else 448.0)
+        scale = _scale_for_format(group_amax, E5M2_MAX if E5M2 else E4M3_MAX)
     scale_inv = tl.math.div_rn(1.0, scale)
     out_base = group.to(tl.int64) * stride_qg + _aligned_group_shift(aligned_ends_ptr, group, in_group, start, ALIGN)
     group_start, group_end = start, end
@@ -337,13 +344,13 @@ def _delayed_cast_kernel(x_ptr, offsets_ptr, scale_ptr, q_row_ptr, s_row_ptr, q_
                               stride_qc, amax, src_ptr, T, WRITE_ROW, WRITE_COL, SWIGLU, GATHER, 16, prob_ptr,
                               ROW_PROBS, E5M2)
     if WRITE_ROW:
-        if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the group's row scales
+        if tl.program_id(1 - GROUP_AXIS) == 0:  # one column block writes the row scales of its run
             _store_row_scales(s_row_ptr, start, end, scale_inv)
     if WRITE_COL:
         _zero_aligned_gap(q_col_ptr, out_base, group_start, group_end, cols, cmask, stride_qc,
                           in_group & (end == group_end), ALIGN)  # by the group's last run
         tl.store(s_col_ptr + group.to(tl.int64) * C + cols, tl.zeros([BC], dtype=tl.float32) + scale_inv,
-                 mask=cmask & in_group)
+                 mask=cmask & in_group & (end == group_end))  # by the group's last run
     if RECORD:
         tl.atomic_max(record_ptr + group, tl.max(amax, 0), mask=in_group)
 
@@ -377,7 +384,7 @@ def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_pt
         lo = tl.where(go_right, mid + 1, lo)
     group = lo
     history = tl.load(scale_ptr + group, mask=group < G, other=0.0)
-    current = _scale_for_format(tl.load(cur_amax_ptr + group), 57344.0 if E5M2 else 448.0)
+    current = _scale_for_format(tl.load(cur_amax_ptr + group), E5M2_MAX if E5M2 else E4M3_MAX)
     scale = tl.where(history > 0.0, history, current)
     base = row * C
     source = base  # with GATHER: row src[row] of x [T, C], zeros for the padding sentinel T
@@ -390,11 +397,7 @@ def _delayed_row_kernel(x_ptr, offsets_ptr, scale_ptr, cur_amax_ptr, q_ptr, s_pt
     for c0 in range(0, C, BL):
         cols = c0 + tl.arange(0, BL)
         x = tl.load(x_ptr + source + cols, mask=(cols < C) & held, other=0.0).to(tl.float32)
-        if E5M2:
-            q = (x * scale).to(tl.float8e5)
-        else:
-            q = (x * scale).to(tl.float8e4nv)
-        tl.store(q_ptr + base + cols, q, mask=cols < C)
+        tl.store(q_ptr + base + cols, _to_fp8(x * scale, E5M2), mask=cols < C)
         if RECORD:
             amax = tl.maximum(amax, _abs_ignoring_nan(x))
     tl.store(s_ptr + row, tl.math.div_rn(1.0, scale))
@@ -469,7 +472,7 @@ def delayed_cast(
     if not write_row and out_col is None:
         raise ValueError("delayed_cast: nothing to write; ask for the row copy, the transposed one or both")
     if e5m2 and out_col is not None and (offsets_G.numel() != 1 or swiglu or gather_rows is not None
-                                         or out_col.dtype != torch.float8_e5m2):
+                                         or aligned_ends is not None or out_col.dtype != torch.float8_e5m2):
         raise ValueError("delayed_cast: an E5M2 transposed copy is for one group of plain rows (a dense gradient), "
                          "into a float8_e5m2 buffer")
     if swiglu and out_col is None:
@@ -515,6 +518,16 @@ def delayed_cast(
                              stride_out_col, stride_out_group, e5m2, swiglu, gather_rows, aligned_ends, row_probs,
                              amax_prepass or reduce_amax is not None, reduce_amax)
     return q_row, s_row, s_col
+
+
+def _single_group_chunk_rows(rows: int, groups: int, special: bool) -> int:
+    """Rows per program of a one-group tile cast of plain rows (`SINGLE_GROUP_CHUNK_ROWS`, at least
+    what keeps the grid's third axis within CUDA's 65,535), or 0: one program per column block."""
+    if not SINGLE_GROUP_CHUNK_ROWS or groups != 1 or special:
+        return 0
+    if SINGLE_GROUP_CHUNK_ROWS % 16:
+        raise ValueError(f"SINGLE_GROUP_CHUNK_ROWS = {SINGLE_GROUP_CHUNK_ROWS}: use a multiple of 16 rows (or 0)")
+    return max(SINGLE_GROUP_CHUNK_ROWS, cdiv(cdiv(rows, 65535), 16) * 16)
 
 
 def _current_amaxes(x_RC: Tensor, offsets_G: Tensor, scale_G: Tensor, rows: int, cols: int, amax_groups: int,
@@ -564,7 +577,9 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
     dummy = scale_G  # pointer for the operands a launch does not touch (never dereferenced)
     src, num_src = (gather_rows, x_RC.shape[0]) if gather else (dummy, 0)
     probs = row_probs if weighted else dummy
-    if record_G is None or amax_prepass:
+    chunk_rows = _single_group_chunk_rows(rows, groups, swiglu or gather or aligned_ends is not None)
+    # In row runs each program of a group without a scale would read the whole group: the pre-pass instead.
+    if record_G is None or amax_prepass or chunk_rows:
         # Evaluation (amax recording paused) may run on groups that never get a history (a loaded
         # checkpoint holds no FP8 state, and evaluation updates none), and a state's first step
         # has no scale at all: there the kernel's own amax would read each group once per column
@@ -576,11 +591,8 @@ def _launch_delayed_cast(x_RC: Tensor, rows: int, cols: int, offsets_G: Tensor, 
             cur_amax = reduce_amax(cur_amax)
         filled = torch.empty_like(scale_G)
         launch(_fill_missing_scales_kernel, (cdiv(groups, 1024),), scale_G, cur_amax, filled, groups, BLOCK=1024,
-               FMT_MAX=57344.0 if e5m2 else 448.0, num_warps=4)
+               FMT_MAX=(E5M2_MAX if e5m2 else E4M3_MAX).value, num_warps=4)
         scale_G = filled
-    # One group (a dense operand): its rows split into runs over the grid's third axis, on the Triton
-    # kernel (the CUDA kernel runs one block per column block and group, too few for one group).
-    chunk_rows = SINGLE_GROUP_CHUNK_ROWS if groups == 1 and not (swiglu or gather) else 0
     if not chunk_rows and fp8_cast_cuda.applies(x_RC, cols, offsets_G, swiglu, out_col, e5m2, gather_rows):
         fp8_cast_cuda.launch_delayed_cast(x_RC, rows, cols, offsets_G, scale_G, record_G, q_row, s_row, out_col, s_col,
                                           stride_out_col, stride_out_group, gather_rows, aligned_ends)

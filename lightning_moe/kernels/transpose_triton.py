@@ -35,6 +35,8 @@ def transpose_bytes(q_RC: Tensor, multiple: int = 1) -> Tensor:
     """``q [R, C]`` (one-byte elements, contiguous) transposed into a new contiguous ``[C, R']``,
     ``R'`` being ``R`` rounded up to ``multiple`` with zero bytes in the extra columns (+0.0 in
     float8): the same bytes as ``q.t().contiguous()`` padded so."""
+    if multiple < 1:
+        raise ValueError(f"transpose_bytes pads the rows to a multiple of at least 1, got {multiple}")
     if q_RC.element_size() != 1 or q_RC.dim() != 2:
         raise ValueError(f"transpose_bytes takes a 2-D tensor of one-byte elements, got {q_RC.dtype} "
                          f"{tuple(q_RC.shape)}")

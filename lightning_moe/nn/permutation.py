@@ -232,8 +232,10 @@ class _Permute(torch.autograd.Function):
 
 def permute_backward(grad_RD: Tensor, plan: PermutationPlan, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """The gradient of :func:`permute`: each token's K row gradients summed, [R, D] -> [T, D], in
-    ``out_dtype`` (default ``grad``'s): the bits of ``grad.to(out_dtype)`` summed, without writing
-    the converted rows on a GPU (the kernel sums in fp32)."""
+    ``out_dtype``: ``grad``'s (None) or fp32, the bits of ``grad.float()`` summed, without writing
+    the widened rows on a GPU (the kernel sums in fp32 either way)."""
+    if out_dtype not in (None, grad_RD.dtype, torch.float32):
+        raise ValueError(f"permute_backward sums into the gradient's dtype or fp32, not {out_dtype}")
     grad_RD = grad_RD.contiguous()
     if use_triton(grad_RD):
         from lightning_moe.kernels.combine_triton import combine

@@ -80,30 +80,32 @@ def dense_grad_both_layouts(dy_RN: Tensor, recipe: FP8Recipe, state: DelayedStat
     kernel, in the recipe's gradient format: E5M2 under hybrid): ``(q [R, N], scale_inv [1],
     q_t [N, R padded to 16])``, its amax recorded. The bytes of `dense_operand` on ``dy`` and of
     that row copy transposed (zeros in the padding columns), which the backward would otherwise copy."""
-    from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
-    from lightning_moe.precision.delayed import SLOTS, amax_record_row
-
-    e5m2 = recipe.format("grad") is E5M2
-    q_NR = transposed_out(dy_RN, dtype=torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
-    q, scale_inv_R, _ = delayed_cast(dy_RN, whole(dy_RN), state.scale[SLOTS["grad"]], amax_record_row(state, "grad"),
-                                     out_col=q_NR, stride_out_col=q_NR.shape[1], e5m2=e5m2, amax_prepass=state.fresh)
+    q, scale_inv_R, q_NR, _ = _transposed_cast(dy_RN, state, "grad", row_copy=True,
+                                               e5m2=recipe.format("grad") is E5M2)
     return q, scale_inv_R[:1], q_NR
 
 
 def _input_transposed_cast(x_RK: Tensor, state: DelayedState, row_copy: bool
                            ) -> tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """The delayed input cast's tile kernel over ``x`` as one group: the transposed copy
-    (`transposed_out`: ``[K, R padded to 16]``) and its column scales, with the row copy and its
-    amax recorded (``row_copy``; the forward's cast) or alone, recording nothing (the forward's
-    cast recorded it)."""
+    """The delayed input cast's tile kernel over ``x`` as one group (`_transposed_cast`, E4M3)."""
+    return _transposed_cast(x_RK, state, "input", row_copy)
+
+
+def _transposed_cast(t_RC: Tensor, state: DelayedState, role: str, row_copy: bool, e5m2: bool = False
+                     ) -> tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
+    """The delayed tile cast of a dense operand as one group with ``role``'s scale: the transposed copy
+    (`transposed_out`: ``[C, R padded to 16]``) and its column scales, with the row copy and its amax
+    recorded (``row_copy``; the forward's cast of an input, or a gradient's) or alone, recording
+    nothing (the input's forward cast recorded it)."""
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
     from lightning_moe.precision.delayed import SLOTS, amax_record_row
 
-    q_KR = transposed_out(x_RK)
-    record = amax_record_row(state, "input") if row_copy else None
-    q, scale_inv_R, s_col = delayed_cast(x_RK, whole(x_RK), state.scale[SLOTS["input"]], record, write_row=row_copy,
-                                         out_col=q_KR, stride_out_col=q_KR.shape[1], amax_prepass=state.fresh)
-    return q, scale_inv_R, q_KR, s_col
+    q_CR = transposed_out(t_RC, dtype=torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
+    record = amax_record_row(state, role) if row_copy else None
+    q, scale_inv_R, s_col = delayed_cast(t_RC, whole(t_RC), state.scale[SLOTS[role]], record, write_row=row_copy,
+                                         out_col=q_CR, stride_out_col=q_CR.shape[1], e5m2=e5m2,
+                                         amax_prepass=state.fresh)
+    return q, scale_inv_R, q_CR, s_col
 
 
 def fused_rowwise(recipe: FP8Recipe, state: Optional[DelayedState], t: Tensor) -> bool:

@@ -93,11 +93,11 @@ class _ScaledLinear(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
             fused = fused_rowwise(recipe, state, x2)
             delayed = not fused and fused_delayed(recipe, state, x2, weight)
-            # `DENSE_TRANSPOSED_COPIES`: both layouts of the input now (the tile kernel writes E4M3
-            # only, the input's format under both of delayed scaling's formats) and the weight's
-            # transposed copy once per optimizer step where the cache holds the weight; the latter
-            # rides on ctx like the fused path's (an activation-checkpointing recompute runs outside
-            # the cache and transposes in the backward instead)
+            # `DENSE_TRANSPOSED_COPIES`: both layouts of the input now (in E4M3, the input's format
+            # under both of delayed scaling's formats) and the weight's transposed copy once per
+            # optimizer step where the cache holds the weight; the latter rides on ctx like the fused
+            # path's (an activation-checkpointing recompute runs outside the cache and transposes in
+            # the backward instead)
             transposed_copies = DENSE_TRANSPOSED_COPIES and delayed and needs_backward
             transposed_input = bool(transposed_copies and x2.numel() and recipe.format("input") is E4M3)
             weight_t = None
@@ -484,10 +484,11 @@ class _ScaledGroupedMM(torch.autograd.Function):
             dw = group_weight_gradient(qx_t, sx_t.view(experts, k), qdy_t, sdy_t.view(experts, n), offsets, ctx.ends,
                                        fast=recipe.fast("wgrad"), aligned_ends=aligned_ends, out_dtype=ctx.w_dtype,
                                        accumulate_into=accumulation_grad(call.accumulate_into, experts * k * n))
-            if call.gather is None:
+            # A gathered fc1 over fp32 tokens (an fp32 residual stream): the permutation's backward
+            # below sums the rows into fp32 itself, the bits of widening them first without the copy.
+            sum_widened = call.gather is not None and ctx.x_dtype == torch.float32
+            if not sum_widened:
                 dx = dx.to(ctx.x_dtype)
-            # else the permutation's backward below sums the rows into x's dtype itself (the same
-            # bits, without writing every row widened: a gathered fc1 over an fp32 residual stream)
             grad_probs = None
             if ctx.handoff is not None and call.input_swiglu and ctx.needs_input_grad[0]:
                 # fc1's output gradient goes to fc1's backward already cast (see `_SwiGLUGradHandoff`)
@@ -510,7 +511,8 @@ class _ScaledGroupedMM(torch.autograd.Function):
         if call.gather is not None:
             from lightning_moe.nn.permutation import permute_backward
 
-            dx = permute_backward(dx, call.gather, out_dtype=ctx.x_dtype)  # the permutation the cast read
+            # the gradient of the permutation the cast read
+            dx = permute_backward(dx, call.gather, out_dtype=torch.float32 if sum_widened else None)
         return dx, dw, None, grad_probs, None
 
 

@@ -32,7 +32,7 @@ def _train(on: bool, fmt: str, fresh: bool, monkeypatch, grad_both: bool = False
     cache, seen = FP8WeightCache(), []
     copies = 0
     with caching_fp8_weights(cache), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for rows in (4096, 4000, 4096):
+        for rows in (4096, 4001, 4096):  # the second not a multiple of 16: the transposes' padding
             x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             y = scaled_mm.scaled_linear(x, w, None, FP8Recipe("delayed", fmt=fmt), state, weight_key="w")
             (y.float().square().mean() * 1e-3).backward()
@@ -57,3 +57,17 @@ def test_transposed_copies_train_with_the_same_bits_and_fewer_copies(monkeypatch
     # time (unless cast in both layouts) and the weight's once (the weight cache); none by torch's
     # copy where the tiled kernel takes them
     assert plain_copies == 9 and fewer == (0 if tiled else 1 if grad_both else 4), (plain_copies, fewer)
+
+
+@pytest.mark.parametrize("rows, cols", [(4001, 2048), (128, 4096), (37, 200), (8192, 512)])
+@pytest.mark.parametrize("multiple", [1, 16])
+def test_tiled_transpose_writes_torchs_bytes(rows, cols, multiple):
+    from lightning_moe.kernels.transpose_triton import transpose_bytes
+
+    q = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, device="cuda").view(torch.float8_e5m2)
+    torch.full((cols * (rows + 16),), 7, dtype=torch.uint8, device="cuda")  # freed bytes the output may reuse
+    out = transpose_bytes(q, multiple).view(torch.uint8)
+    padded = -(-rows // multiple) * multiple
+    assert out.shape == (cols, padded)
+    assert torch.equal(out[:, :rows], q.view(torch.uint8).t())
+    assert bool((out[:, rows:] == 0).all())

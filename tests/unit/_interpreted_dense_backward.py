@@ -15,7 +15,12 @@ test compares every byte with the generic path (`test_fp8_delayed_gpu.py`).
 And `scaled_mm.DENSE_TRANSPOSED_COPIES` (the input cast in both layouts in the forward, the weight's
 transposed copy from the weight cache): the same outputs, gradients and amax records bit for bit as
 the backward's transposes over two micro-batches under one cache, the second taking the cached copy
-(`test_fp8_dense_transposed_gpu.py` on a GPU).
+(`test_fp8_dense_transposed_gpu.py` on a GPU); so too with the experiments: the output gradient cast
+in both layouts by the tile kernel (`DENSE_GRAD_BOTH_LAYOUTS`, also checked alone against the row
+cast, with and without a scale for the gradient), the one-group casts in row runs
+(`fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS`, 600 rows: three runs of 256) and the tiled float8
+transposes (`native_gemms.TILED_FP8_TRANSPOSES`, with the copies on and off, and the bytes of
+`transpose_bytes` alone at shapes off its tile).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def main() -> None:
     force_triton_paths()
     from lightning_moe.kernels import fp8_delayed_triton
     from lightning_moe.precision import FP8Recipe
-    from lightning_moe.precision.delayed import DelayedState
+    from lightning_moe.precision.delayed import SLOTS, DelayedState
     from lightning_moe.precision.native_casts import (
         dense_delayed_backward_operands,
         dense_grad_both_layouts,
@@ -92,6 +97,20 @@ def main() -> None:
                           and qdy2_t.shape == (n, padded) and torch.equal(bytes_of(qdy2_t)[:, :rows], bytes_of(qdy).t())
                           and bool((bytes_of(qdy2_t)[:, rows:] == 0).all()) and torch.equal(sdy2, sdy.reshape(-1)[:1])
                           and torch.equal(fast.amax_history, generic.amax_history))
+                if not fresh:
+                    # a gradient without a scale in a state that has the others: the tile kernel's own
+                    # amax (one program per column block) or the pre-pass (row runs), E5M2 under hybrid
+                    for chunk in (256, 0):
+                        fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = chunk
+                        no_grad_scale, row_copy = state(False), state(False)
+                        no_grad_scale.scale[SLOTS["grad"]] = 0.0
+                        row_copy.scale[SLOTS["grad"]] = 0.0
+                        q_both, s_both, q_both_t = dense_grad_both_layouts(dy, recipe, no_grad_scale)
+                        q_row, s_rowcopy = dense_operand(dy, recipe, row_copy, "grad", True)
+                        check(f"{case} gradient both layouts without its scale (runs of {chunk})",
+                              torch.equal(bytes_of(q_both), bytes_of(q_row)) and torch.equal(s_both, s_rowcopy)
+                              and torch.equal(bytes_of(q_both_t)[:, :rows], bytes_of(q_row).t())
+                              and torch.equal(no_grad_scale.amax_history, row_copy.amax_history))
                 fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = 256
     fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS = 0
 
@@ -166,7 +185,9 @@ def transposed_copies_train_the_same(check) -> None:
                     # the second micro-batch took the row copy and the transposed copy from the cache
                     check(f"{name} cached", copies_hits == plain_hits + options["on"])
                     if options.get("tiled"):
-                        check(f"{name} took the tiled transposes", len(tiled_calls) > 0)
+                        # two micro-batches: with the copies, the weight's once (then cached) and the
+                        # gradient's each time; without, the gradient's, the input's and the weight's
+                        check(f"{name} took the tiled transposes", len(tiled_calls) == (3 if options["on"] else 6))
     finally:
         (scaled_mm.DENSE_TRANSPOSED_COPIES, scaled_mm.DENSE_GRAD_BOTH_LAYOUTS,
          fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS, native_gemms.TILED_FP8_TRANSPOSES) = defaults

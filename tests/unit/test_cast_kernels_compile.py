@@ -1,8 +1,8 @@
-"""The delayed-scaling cast kernels and the float8 byte transpose compile for sm90 in every variant
-the library launches: Triton's interpreter (the CPU tests' path) runs Python, not the compiler, and
-accepts code the compiler refuses (two ``return`` statements of different float8 types under a
-constexpr branch passed the interpreter and failed to compile on the GPU). Compiled ahead of time
-here: Triton's compiler runs without a GPU."""
+"""The delayed-scaling cast kernels and the float8 byte transpose compile for sm90: the E5M2 and
+row-run variants and the main others. Triton's interpreter (the CPU tests' path) runs Python, not the
+compiler, and accepts code the compiler refuses (two ``return`` statements of different float8 types
+under a constexpr branch passed the interpreter and failed to compile on the GPU). Compiled ahead of
+time here: Triton's compiler runs without a GPU."""
 
 import pytest
 
@@ -41,6 +41,17 @@ def test_plain_tile_cast_compiles_for_sm90(e5m2, chunk_rows, x_dtype):
     ptx = _compile(fd._delayed_cast_kernel, types, constants, warps)
     # the conversions the format asks for, and no other
     assert ("e5m2" in ptx) == e5m2 and ("e4m3" in ptx) == (not e5m2)
+
+
+@pytest.mark.parametrize("write_row, record, align", [(False, False, 0), (True, True, 128), (False, True, 128)])
+def test_other_tile_cast_variants_compile_for_sm90(write_row, record, align):
+    """The transposed copy alone (the dense input's in the backward), evaluation's cast (no record) and
+    the weight-gradient kernel's aligned group layout, in row runs."""
+    block_r, block_c, warps = fd.TILE_SHAPES["plain"]
+    constants = dict(WRITE_ROW=write_row, WRITE_COL=True, RECORD=record, SWIGLU=False, BR=block_r, BC=block_c,
+                     GROUP_AXIS=1, GATHER=False, ALIGN=align, ROW_PROBS=False,
+                     AMAX_ROWS=fd.amax_rows("plain", block_r), CHUNK_ROWS=256, E5M2=False)
+    _compile(fd._delayed_cast_kernel, ARG_TYPES, constants, warps)
 
 
 @pytest.mark.parametrize("fmt_max", [448.0, 57344.0])

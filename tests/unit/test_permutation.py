@@ -147,9 +147,11 @@ def test_dropped_marked_equals_keep_mask(alignment, capacity):
     assert not marked.dense_rows
 
 
-def test_permute_backward_into_another_dtype_sums_the_widened_rows():
-    """``permute_backward(grad, plan, out_dtype)``: the bits of widening the rows first (a gathered
-    fc1's gradient into an fp32 residual stream; the GPU kernel sums without the widened copy)."""
+def test_permute_backward_into_fp32_sums_the_widened_rows():
+    """``permute_backward(grad, plan, out_dtype=fp32)``: the bits of widening the rows first (a
+    gathered fc1's gradient into an fp32 residual stream). On CPU that is how it sums; the GPU
+    kernel's sum without the widened copy is compared in `tests/gpu/test_kernels_gpu.py`. Another
+    dtype is refused: the kernel would round its sum once, unlike rounding each row first."""
     from lightning_moe.nn.permutation import permute_backward
 
     torch.manual_seed(0)
@@ -160,3 +162,5 @@ def test_permute_backward_into_another_dtype_sums_the_widened_rows():
     assert out.dtype == torch.float32
     assert torch.equal(out, permute_backward(grad.float(), plan))
     assert permute_backward(grad, plan).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="gradient's dtype or fp32"):
+        permute_backward(grad, plan, out_dtype=torch.float16)
