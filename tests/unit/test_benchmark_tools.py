@@ -1,6 +1,7 @@
 """The CPU-testable parts of the benchmark scripts (the GPU runs report through them)."""
 
 import pytest
+import torch
 
 from benchmarks.compare_curves import compare, moving_average
 
@@ -144,3 +145,23 @@ def test_the_hf_peer_is_the_same_model_shape_and_trains():
     assert len(times) == 2 and len(losses) == 3 and all(0 < loss < 10 for loss in losses)
     with pytest.raises(ValueError, match="qk-norm"):
         hf_config(get_preset("mixtral_8x7b", num_layers=1))
+
+
+@pytest.mark.parametrize("model", ["qwen3", "mixtral"])
+def test_transpose_benchmark_operands_are_the_dense_attention_layers(model):
+    """`benchmarks/fp8_transpose.py` times the float8 copies the dense attention's backward transposes:
+    the weights' shapes are those of the reference decoder's projections, the activations' widths their
+    input and output widths."""
+    pytest.importorskip("triton")  # benchmarks.fp8_transpose imports the Triton kernel
+    from benchmarks.fp8_transpose import PRESETS, TOKENS, operands
+    from lightning_moe.models import get_preset
+    from lightning_moe.models.decoder import Attention
+
+    with torch.device("meta"):
+        attention = Attention(get_preset(PRESETS[model]))
+    shapes = operands(model)
+    for name, proj in (("q", attention.q_proj), ("k/v", attention.k_proj), ("o", attention.o_proj)):
+        assert shapes[f"{name} weight"] == tuple(proj.weight.shape)
+        assert shapes[f"{name} output gradient"] == (TOKENS, proj.weight.shape[0])
+    assert shapes["q/k/v input"] == (TOKENS, attention.q_proj.weight.shape[1])
+    assert shapes["o input"] == (TOKENS, attention.o_proj.weight.shape[1])
