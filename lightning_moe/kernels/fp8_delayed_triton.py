@@ -22,7 +22,8 @@ E4M3 only.
 Numbers are those of the generic path (``precision.operands``): a group without history
 (scale 0: first step, or an expert never routed to) is scaled from its current amax. The tile
 kernel finds it itself (each program of such a group reads the whole group first, which happens
-only where no history exists yet), so a cast is one launch; the row kernel, one program per row,
+only where no history exists yet; a cast in row runs takes the pre-pass instead), so a cast is one
+launch; the row kernel, one program per row,
 needs a pre-pass that skips every group that has a scale. Rows past the last group (the extra
 tail group of ``groups_axis``, read by no GEMM) take their current amax in the row kernel, as in
 the generic path, and scale 1 in the tile kernel. Scale, cast and rounding
