@@ -634,6 +634,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tiled-fp8-transposes", choices=["on", "off"], default="off",
                         help="native_gemms.TILED_FP8_TRANSPOSES (experiment): a dense linear's float8 transposes by "
                              "the tiled byte transpose kernel instead of torch's elementwise copy")
+    parser.add_argument("--wgrad-prefetch-old", choices=["on", "off"], default="off",
+                        help="fp8_grouped_gemm_triton.WGRAD_PREFETCH_OLD (experiment): the FP8 expert weight "
+                             "gradient loads each tile's old .grad values before its contraction")
     parser.add_argument("--single-group-chunk-rows", type=int, default=0, metavar="N",
                         help="fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS (experiment): a dense operand's both-layout "
                              "cast in runs of N rows per program on the Triton kernel; 0: one program per column "
@@ -699,6 +702,10 @@ def main(argv=None) -> None:
         import lightning_moe.precision.native_gemms as native_gemms
 
         native_gemms.TILED_FP8_TRANSPOSES = True
+    if args.wgrad_prefetch_old == "on":
+        import lightning_moe.kernels.fp8_grouped_gemm_triton as fp8_grouped_gemm_triton
+
+        fp8_grouped_gemm_triton.WGRAD_PREFETCH_OLD = True
     if args.single_group_chunk_rows < 0 or args.single_group_chunk_rows % 16:
         raise SystemExit(f"--single-group-chunk-rows {args.single_group_chunk_rows}: give a multiple of 16 rows, "
                          "or 0 for off")

@@ -131,6 +131,14 @@ WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4, 1)
 TMA_REDUCE = False
 
 
+# Experiment toggle (benchmarks patch it; `train_step.py --wgrad-prefetch-old`,
+# `fp8_grouped_tune.py --precise`'s "prefetch" shapes): the accumulating weight gradient loads each
+# tile's old ``.grad`` values before the tile's contraction, so the loads are in flight while it runs
+# (their registers held through it: 221 registers a thread at the fp32 default shape against 177, no
+# spill, offline sm90), instead of after it with the warps waiting. The same bits. Off until measured.
+WGRAD_PREFETCH_OLD = False
+
+
 def _tma_reduce() -> bool:
     return (TMA_REDUCE and hasattr(getattr(tl.core, "tensor_descriptor_base", None), "atomic_add")
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
@@ -222,7 +230,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
                           NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
                           out_desc=None, FLATTEN: tl.constexpr = True, WARP_SPECIALIZE: tl.constexpr = False,
                           PRECISE: tl.constexpr = False, ACCUMULATE: tl.constexpr = False,
-                          TMA_REDUCE: tl.constexpr = False):
+                          TMA_REDUCE: tl.constexpr = False, PREFETCH_OLD: tl.constexpr = False):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
@@ -243,21 +251,29 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         col0 = (local // m_tiles) * BLOCK_N
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(ends_ptr + e)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        add_old: tl.constexpr = ACCUMULATE and not (TMA_STORE and TMA_REDUCE)
+        if add_old and PREFETCH_OLD:
+            # the old values' loads issued before the contraction, in flight while it runs (their
+            # registers held through it), instead of after it with the warps waiting
+            old = tl.load(out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :],
+                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(start, end, BLOCK_K, num_stages=NUM_STAGES):
             a = a_desc.load([row0, k0])
             b = b_desc.load([col0, k0])
             acc = _accumulate(a, b, acc, BLOCK_K, PRECISE)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        row_ok = rows < M
-        col_ok = cols < N
         sa = tl.load(scale_a_ptr + e * M + rows, mask=row_ok, other=0.0)
         sb = tl.load(scale_b_ptr + e * N + cols, mask=col_ok, other=0.0)
         out = acc * sa[:, None] * sb[None, :]
-        if ACCUMULATE and not (TMA_STORE and TMA_REDUCE):
-            old_ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-            out = tl.load(old_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0) + out
+        if add_old:
+            if not PREFETCH_OLD:
+                old = tl.load(out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :],
+                              mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            out = old + out
         out = out.to(out_ptr.dtype.element_ty)
         if TMA_STORE:
             # The tile leaves by TMA in two column halves (half the staging buffer): the copy
@@ -288,7 +304,7 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
                      programs: Optional[int] = None,
                      out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False,
                      warp_specialize: bool = False, precise: bool = False,
-                     accumulate_into: Optional[Tensor] = None) -> Tensor:
+                     accumulate_into: Optional[Tensor] = None, prefetch_old: Optional[bool] = None) -> Tensor:
     """``out_dtype`` (bf16 or fp32) ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
@@ -306,7 +322,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     ``accumulate_into``: a contiguous fp32 ``[E, M, N]`` tensor (a parameter's ``.grad``) that the
     kernel adds the gradient into and returns, instead of a new one (Megatron-Core's
     gradient-accumulation fusion): each element ``old + dw`` in fp32, the bits of ``out += dw``
-    after an fp32 ``dw``."""
+    after an fp32 ``dw``. ``prefetch_old`` (default `WGRAD_PREFETCH_OLD`): its old values loaded
+    before each tile's contraction instead of after."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, r = a_MR.shape
@@ -345,6 +362,7 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
            WARP_SPECIALIZE=warp_specialize, PRECISE=precise, num_warps=num_warps,
            # The epilogue's old + product must stay a multiply then an add, each rounded, as the
            # unfused store and add: no contraction into a fused multiply-add.
-           **({"ACCUMULATE": True, "TMA_REDUCE": tma_store and _tma_reduce(), "enable_fp_fusion": False}
+           **({"ACCUMULATE": True, "TMA_REDUCE": tma_store and _tma_reduce(), "enable_fp_fusion": False,
+               "PREFETCH_OLD": prefetch_old if prefetch_old is not None else WGRAD_PREFETCH_OLD}
               if accumulate_into is not None else {}))
     return out

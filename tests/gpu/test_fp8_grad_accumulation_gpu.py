@@ -20,10 +20,13 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("prefetch_old", [False, True])  # `fp8_grouped_gemm_triton.WGRAD_PREFETCH_OLD`
 @pytest.mark.parametrize("precise", [False, True])
-def test_wgrad_kernel_adds_into_the_gradient_with_autograds_bits(precise):
+def test_wgrad_kernel_adds_into_the_gradient_with_autograds_bits(monkeypatch, precise, prefetch_old):
+    from lightning_moe.kernels import fp8_grouped_gemm_triton
     from lightning_moe.precision.native_gemms import group_weight_gradient
 
+    monkeypatch.setattr(fp8_grouped_gemm_triton, "WGRAD_PREFETCH_OLD", prefetch_old)
     g = torch.Generator(device="cuda").manual_seed(0)
     m, n = 2048, 1536
     layouts = [[256, 256, 768, 1280], [0, 512, 512, 1024], [512, 1024, 1536, 1536]]  # an empty expert in each

@@ -3,7 +3,8 @@ under Triton's interpreter: its tiles stored by TMA (``tma_store=True``) against
 stores and with split accumulation, in bf16 and fp32, with an expert without tokens and ``M``, ``N`` no multiples of the tile
 (the descriptor must clip each tile at its expert's rows and the output's columns); and the fp32
 gradient added into an existing one by the kernel (``accumulate_into``) over three micro-batches
-against the plain outputs added as autograd adds them, bit for bit. Run as a
+against the plain outputs added as autograd adds them, bit for bit (also with the old values loaded
+before each tile's contraction, ``prefetch_old``). Run as a
 script with ``TRITON_INTERPRET=1`` (see `_interpreted_casts.py`); prints one line per case and
 exits non-zero on the first mismatch.
 """
@@ -36,7 +37,7 @@ def check(m: int, n: int, out_dtype: torch.dtype) -> bool:
     return torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and bool((outs[1][1] == 0).all())
 
 
-def check_accumulate(m: int, n: int, tma: bool, precise: bool) -> bool:
+def check_accumulate(m: int, n: int, tma: bool, precise: bool, prefetch_old: bool = False) -> bool:
     """Three micro-batches' weight gradients added by the kernel into an fp32 ``.grad``
     (``accumulate_into``, beta = 1) against the plain fp32 outputs added as autograd's
     ``AccumulateGrad`` adds them (the first taken as it is, then ``grad += dw``): uneven groups, an
@@ -59,7 +60,8 @@ def check_accumulate(m: int, n: int, tma: bool, precise: bool) -> bool:
     first = micro[0]
     fused = kernels.grouped_mm_wgrad(*first, **options)
     for a, sa, b, sb, ends in micro[1:]:
-        out = kernels.grouped_mm_wgrad(a, sa, b, sb, ends, accumulate_into=fused, **options)
+        out = kernels.grouped_mm_wgrad(a, sa, b, sb, ends, accumulate_into=fused, prefetch_old=prefetch_old,
+                                       **options)
         assert out is fused
     return torch.equal(fused.view(torch.int32), unfused.view(torch.int32))
 
@@ -70,10 +72,12 @@ def main() -> None:
         print("wgrad tma", m, n, dtype, "equal" if same else "DIFFERENT", flush=True)
         if not same:
             sys.exit(1)
-    for m, n, tma, precise in [(48, 96, False, False), (40, 72, False, True), (48, 96, True, True)]:
-        same = check_accumulate(m, n, tma, precise)
-        print("wgrad accumulate", m, n, f"tma={tma}", f"precise={precise}", "equal" if same else "DIFFERENT",
-              flush=True)
+    for m, n, tma, precise, prefetch in [(48, 96, False, False, False), (40, 72, False, True, False),
+                                         (48, 96, True, True, False), (40, 72, True, True, True),
+                                         (48, 96, False, False, True)]:
+        same = check_accumulate(m, n, tma, precise, prefetch)
+        print("wgrad accumulate", m, n, f"tma={tma}", f"precise={precise}", f"prefetch_old={prefetch}",
+              "equal" if same else "DIFFERENT", flush=True)
         if not same:
             sys.exit(1)
 

@@ -72,7 +72,7 @@ def _fprop(tiles: tuple, precise: bool, k: int = 4096) -> tuple:
     return _resources(kernels._grouped_fprop_kernel, signature, constants, warps, stages)
 
 
-def _wgrad(tiles: tuple, precise: bool, fp32_accumulate: bool) -> tuple:
+def _wgrad(tiles: tuple, precise: bool, fp32_accumulate: bool, prefetch_old: bool = False) -> tuple:
     bm, bn, bk, warps, stages, _ = tiles
     dtype = "fp32" if fp32_accumulate else "bf16"
     signature = {"a_desc": f"tensordesc<fp8e4nv[{bm},{bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn},{bk}]>",
@@ -80,7 +80,8 @@ def _wgrad(tiles: tuple, precise: bool, fp32_accumulate: bool) -> tuple:
                  "E": "i32", "M": "i32", "N": "i32", "out_desc": f"tensordesc<{dtype}[1,{bm},{bn // 2}]>"}
     constants = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_PROGRAMS": 132, "NUM_STAGES": stages,
                  "TMA_STORE": True, "FLATTEN": True, "WARP_SPECIALIZE": False, "PRECISE": precise,
-                 "ACCUMULATE": fp32_accumulate, "TMA_REDUCE": fp32_accumulate and kernels.TMA_REDUCE}
+                 "ACCUMULATE": fp32_accumulate, "TMA_REDUCE": fp32_accumulate and kernels.TMA_REDUCE,
+                 "PREFETCH_OLD": prefetch_old}
     signature.update({name: "constexpr" for name in constants})
     # the accumulating epilogue compiles without fused multiply-adds (`grouped_mm_wgrad`)
     return _resources(kernels._grouped_wgrad_kernel, signature, constants, warps, stages,
@@ -101,3 +102,5 @@ def test_the_default_weight_gradient_launch_shape_for_fp32_gradients_does_not_sp
     assert _fits(kernels.WGRAD_TILES, _wgrad(kernels.WGRAD_TILES, precise=False, fp32_accumulate=False))
     # the check sees two programs that cannot share a multiprocessor's registers
     assert not _fits(wide[:5] + (2,), _wgrad(wide, precise=True, fp32_accumulate=True))
+    # the experiment `WGRAD_PREFETCH_OLD`: the old values' registers held through the contraction fit too
+    assert _fits(wide, _wgrad(wide, precise=True, fp32_accumulate=True, prefetch_old=True))
