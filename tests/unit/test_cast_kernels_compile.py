@@ -66,3 +66,15 @@ def test_tiled_byte_transpose_compiles_for_sm90():
     types = dict(src_ptr="*u8", dst_ptr="*u8", R="i32", C="i32", R_OUT="i32")
     ptx = _compile(tt._transpose_bytes_kernel, types, dict(BR=tt._TILE, BC=tt._TILE), 4)
     assert "st.global" in ptx
+
+
+@pytest.mark.parametrize("e5m2", [False, True])
+@pytest.mark.parametrize("x_dtype", ["*bf16", "*fp32"])
+def test_row_cast_compiles_for_sm90(e5m2, x_dtype):
+    """The row copy alone (every dense operand's cast on the default path)."""
+    types = dict(x_ptr=x_dtype, offsets_ptr="*i32", scale_ptr="*fp32", cur_amax_ptr="*fp32",
+                 q_ptr="*fp8e5" if e5m2 else "*fp8e4nv", s_ptr="*fp32", record_ptr="*fp32", C="i32", G="i32",
+                 src_ptr="*fp32", T="i32")
+    ptx = _compile(fd._delayed_row_kernel, types, dict(SEARCH_STEPS=1, RECORD=True, E5M2=e5m2, BL=2048,
+                                                        GATHER=False), 2)
+    assert ("e5m2" in ptx) == e5m2 and ("e4m3" in ptx) == (not e5m2)
