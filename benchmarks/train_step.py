@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import math
 import os
 import random
@@ -579,6 +580,22 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
     return times[args.warmup :], [float(x) for x in losses]
 
 
+# On/off experiment toggles (off: the module constant's default, False): flag, module, constant, and
+# what "on" does.
+EXPERIMENT_TOGGLES = [
+    ("--dense-transposed-copies", "lightning_moe.precision.scaled_mm", "DENSE_TRANSPOSED_COPIES",
+     "a delayed dense linear's input cast in both layouts in the forward and its weight's transposed FP8 copy "
+     "cached per optimizer step, instead of the backward's float8 transposes"),
+    ("--dense-grad-both-layouts", "lightning_moe.precision.scaled_mm", "DENSE_GRAD_BOTH_LAYOUTS",
+     "with the transposed copies, a delayed dense linear's output gradient cast in both layouts by one read "
+     "instead of transposed"),
+    ("--tiled-fp8-transposes", "lightning_moe.precision.native_gemms", "TILED_FP8_TRANSPOSES",
+     "a dense linear's float8 transposes by the tiled byte transpose kernel instead of torch's elementwise copy"),
+    ("--wgrad-prefetch-old", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_PREFETCH_OLD",
+     "the FP8 expert weight gradient loads each tile's old .grad values before its contraction"),
+]
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and micro-batch shape (`build_module`, `batches`), shared with the tools that
     build the same model."""
@@ -624,19 +641,9 @@ def main(argv=None) -> None:
                         help="ModelConfig.lm_head_chunk_tokens: the training loss's LM head and cross-entropy N tokens "
                              "at a time, no [tokens, vocab] logits (default: the ModelConfig default); 0: off, the "
                              "unchunked head (logits, then the fused cross-entropy)")
-    parser.add_argument("--dense-transposed-copies", choices=["on", "off"], default="off",
-                        help="scaled_mm.DENSE_TRANSPOSED_COPIES (experiment): a delayed dense linear's input cast "
-                             "in both layouts in the forward and its weight's transposed FP8 copy cached per "
-                             "optimizer step, instead of the backward's float8 transposes")
-    parser.add_argument("--dense-grad-both-layouts", choices=["on", "off"], default="off",
-                        help="scaled_mm.DENSE_GRAD_BOTH_LAYOUTS (experiment): with the transposed copies, a delayed "
-                             "dense linear's output gradient cast in both layouts by one read instead of transposed")
-    parser.add_argument("--tiled-fp8-transposes", choices=["on", "off"], default="off",
-                        help="native_gemms.TILED_FP8_TRANSPOSES (experiment): a dense linear's float8 transposes by "
-                             "the tiled byte transpose kernel instead of torch's elementwise copy")
-    parser.add_argument("--wgrad-prefetch-old", choices=["on", "off"], default="off",
-                        help="fp8_grouped_gemm_triton.WGRAD_PREFETCH_OLD (experiment): the FP8 expert weight "
-                             "gradient loads each tile's old .grad values before its contraction")
+    for flag, module, constant, effect in EXPERIMENT_TOGGLES:
+        parser.add_argument(flag, choices=["on", "off"], default="off",
+                            help=f"{module.rsplit('.', 1)[-1]}.{constant} (experiment): {effect}")
     parser.add_argument("--single-group-chunk-rows", type=int, default=0, metavar="N",
                         help="fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS (experiment): a dense operand's both-layout "
                              "cast in runs of N rows per program on the Triton kernel; 0: one program per column "
@@ -693,19 +700,9 @@ def main(argv=None) -> None:
         cross_entropy.FUSED_KERNEL = False
     if args.lm_head_chunk_tokens < 0:
         raise SystemExit(f"--lm-head-chunk-tokens {args.lm_head_chunk_tokens}: give a positive chunk, or 0 for off")
-    if args.dense_transposed_copies == "on" or args.dense_grad_both_layouts == "on":
-        import lightning_moe.precision.scaled_mm as scaled_mm
-
-        scaled_mm.DENSE_TRANSPOSED_COPIES = args.dense_transposed_copies == "on"
-        scaled_mm.DENSE_GRAD_BOTH_LAYOUTS = args.dense_grad_both_layouts == "on"
-    if args.tiled_fp8_transposes == "on":
-        import lightning_moe.precision.native_gemms as native_gemms
-
-        native_gemms.TILED_FP8_TRANSPOSES = True
-    if args.wgrad_prefetch_old == "on":
-        import lightning_moe.kernels.fp8_grouped_gemm_triton as fp8_grouped_gemm_triton
-
-        fp8_grouped_gemm_triton.WGRAD_PREFETCH_OLD = True
+    for flag, module, constant, _ in EXPERIMENT_TOGGLES:
+        if getattr(args, flag[2:].replace("-", "_")) == "on":  # imported only when asked
+            setattr(importlib.import_module(module), constant, True)
     if args.single_group_chunk_rows < 0 or args.single_group_chunk_rows % 16:
         raise SystemExit(f"--single-group-chunk-rows {args.single_group_chunk_rows}: give a multiple of 16 rows, "
                          "or 0 for off")

@@ -61,7 +61,7 @@ def dense_delayed_backward_operands(x_RK: Tensor, dy_RN: Tensor, recipe: FP8Reci
     qdy, sdy = dense_operand(dy_RN, recipe, state, "grad", True)
     # a byte copy: float8 transposes need no arithmetic
     qdy_t = qdy.view(torch.uint8).t().contiguous().view(qdy.dtype)
-    _, _, q_KR, s_col = _input_transposed_cast(x_RK, state, row_copy=False)
+    _, _, q_KR, s_col = _transposed_cast(x_RK, state, "input", row_copy=False)
     return qdy, sdy, qdy_t, sdy, q_KR, s_col.reshape(-1)[:1]  # one group: every column has its scale
 
 
@@ -71,7 +71,7 @@ def dense_input_both_layouts(x_RK: Tensor, state: DelayedState) -> tuple[Tensor,
     bytes of `dense_operand` (a cast is elementwise with one scale, so the transposed copy holds the
     row copy's bytes transposed, zeros in the padding columns): the backward's weight gradient takes
     ``q_t`` instead of transposing the row copy."""
-    q, scale_inv_R, q_KR, _ = _input_transposed_cast(x_RK, state, row_copy=True)
+    q, scale_inv_R, q_KR, _ = _transposed_cast(x_RK, state, "input", row_copy=True)
     return q, scale_inv_R[:1], q_KR
 
 
@@ -83,12 +83,6 @@ def dense_grad_both_layouts(dy_RN: Tensor, recipe: FP8Recipe, state: DelayedStat
     q, scale_inv_R, q_NR, _ = _transposed_cast(dy_RN, state, "grad", row_copy=True,
                                                e5m2=recipe.format("grad") is E5M2)
     return q, scale_inv_R[:1], q_NR
-
-
-def _input_transposed_cast(x_RK: Tensor, state: DelayedState, row_copy: bool
-                           ) -> tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """The delayed input cast's tile kernel over ``x`` as one group (`_transposed_cast`, E4M3)."""
-    return _transposed_cast(x_RK, state, "input", row_copy)
 
 
 def _transposed_cast(t_RC: Tensor, state: DelayedState, role: str, row_copy: bool, e5m2: bool = False
