@@ -204,6 +204,14 @@ def sync(args) -> None:
         torch.cuda.synchronize()
 
 
+def profiled_optimizer_step(warmup: int, steps: int) -> int:
+    """The optimizer step (counted from 0) that ``--profile`` traces under ``Trainer``: the last but
+    one of the fit where there are two or more after the warm-up, else the last. The last writes the
+    module's metrics (a host sync, and on its first logging each metric is registered by host-to-
+    device copies), which no other step does while ``log_every_n_steps`` exceeds the fit."""
+    return warmup + steps - (2 if steps >= 2 else 1)
+
+
 def data_parallel_size(args) -> int:
     """Ranks that take different micro-batches: the devices over the tensor-parallel size (`main`
     checks that it divides them)."""
@@ -503,32 +511,44 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
             losses.append(self.window_loss)
             self.window_loss = 0.0
 
-    class ProfileLastStep(Callback):
-        """``--profile --skip-bare``: the kernels of the last optimizer step (all its micro-batches
-        and the optimizer), as Lightning runs it."""
+    class ProfileSteadyStep(Callback):
+        """``--profile --skip-bare``: the kernels of one optimizer step (all its micro-batches and
+        the optimizer), as Lightning runs it: the last but one (`profiled_optimizer_step`). The
+        fit's last step is not representative: it is the one whose metrics the module logs, and
+        its first logging of each metric registers it (the metric's states are made on the host
+        and copied to the device, each copy from pageable memory waiting for the queue to drain)."""
 
         prof = None
+        step = profiled_optimizer_step(args.warmup, args.steps)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == (args.warmup + args.steps - 1) * args.accumulate:
+            if batch_idx == self.step * args.accumulate:
                 from torch.profiler import ProfilerActivity, profile
 
                 sync(args)  # host sync: the profiled step starts on an idle GPU
                 self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 self.prof.__enter__()
+            elif batch_idx == (self.step + 1) * args.accumulate:
+                self._write()
 
         def on_train_end(self, trainer, pl_module):
-            if self.prof is not None:
-                from benchmarks._profile import print_profile, summarize_profile
+            self._write()  # the profiled step was the fit's last
 
-                sync(args)  # host sync: every kernel of the step inside the trace
-                self.prof.__exit__(None, None, None)
-                summary = summarize_profile(self.prof, top_kernels=60)
-                print_profile(summary, rows=40)
-                tag = args.tag or f"{args.preset}_{args.layers}l"
-                graphed = "_cuda_graph" if cuda_graph is not None else ""  # the eager run's file kept beside it
-                write_results(f"train_step_{tag}{graphed}_profile", {"config": vars(args), "profile": summary},
-                              results_dir=args.results_dir)
+        def _write(self):
+            if self.prof is None:
+                return
+            from benchmarks._profile import print_profile, summarize_profile
+
+            sync(args)  # host sync: every kernel of the step inside the trace
+            self.prof.__exit__(None, None, None)
+            summary = summarize_profile(self.prof, top_kernels=60)
+            self.prof = None
+            print_profile(summary, rows=40)
+            tag = args.tag or f"{args.preset}_{args.layers}l"
+            graphed = "_cuda_graph" if cuda_graph is not None else ""  # the eager run's file kept beside it
+            write_results(f"train_step_{tag}{graphed}_profile",
+                          {"config": vars(args), "profiled_optimizer_step": self.step, "profile": summary},
+                          results_dir=args.results_dir)
 
     callbacks = [Timer()]
     if cuda_graph is not None:  # --cuda-graph: the same run with CUDAGraphs, captured inside the warm-up
@@ -538,7 +558,7 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
                                     warmup_steps=min(3, args.warmup - 1)))
     callbacks += memory_callbacks(args)
     if args.profile and args.skip_bare and trainer_rank_zero(args):
-        callbacks.append(ProfileLastStep())
+        callbacks.append(ProfileSteadyStep())
     # Every data-parallel rank takes its share (the strategy's distributed sampler) of DP times the
     # micro-batches one rank runs.
     num_batches = (args.warmup + args.steps) * args.accumulate * data_parallel_size(args)

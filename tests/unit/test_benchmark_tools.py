@@ -165,3 +165,25 @@ def test_transpose_benchmark_operands_are_the_dense_attention_layers(model):
         assert shapes[f"{name} output gradient"] == (TOKENS, proj.weight.shape[0])
     assert shapes["q/k/v input"] == (TOKENS, attention.q_proj.weight.shape[1])
     assert shapes["o input"] == (TOKENS, attention.o_proj.weight.shape[1])
+
+
+@pytest.mark.parametrize("warmup, steps", [(1, 2), (1, 3), (5, 20), (0, 1), (3, 1)])
+def test_the_profiled_step_does_not_write_the_modules_metrics(warmup, steps):
+    """`train_step.py --profile`: the traced optimizer step is one the module runs like the steps
+    around it (not the fit's last, which logs the metrics and registers them on first use) where
+    there is such a step after the warm-up, else the last; always a step of the fit."""
+    from types import SimpleNamespace
+
+    from benchmarks.train_step import profiled_optimizer_step
+    from lightning_moe.models import MoELanguageModel
+
+    module = MoELanguageModel("tiny", overrides={"num_layers": 1, "hidden_size": 32, "ffn_hidden_size": 64})
+    step = profiled_optimizer_step(warmup, steps)
+    assert 0 <= step < warmup + steps
+    fit_steps = warmup + steps
+    writes = []
+    for global_step in range(fit_steps):  # Trainer(logger=False, max_steps=fit_steps), log_every_n_steps=50
+        module._trainer = SimpleNamespace(log_every_n_steps=50, max_steps=fit_steps, global_step=global_step)
+        writes.append(module._writes_metrics_this_step())
+    assert writes[-1] and not any(writes[:-1])
+    assert writes[step] == (steps < 2)
