@@ -602,16 +602,16 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
 
 # On/off experiment toggles (off: the module constant's default, False): flag, module, constant, and
 # what "on" does.
-EXPERIMENT_TOGGLES = [
-    ("--dense-transposed-copies", "lightning_moe.precision.scaled_mm", "DENSE_TRANSPOSED_COPIES",
+EXPERIMENT_TOGGLES = [  # (flag, module, constant, the constant's default, effect of "on")
+    ("--dense-transposed-copies", "lightning_moe.precision.scaled_mm", "DENSE_TRANSPOSED_COPIES", False,
      "a delayed dense linear's input cast in both layouts in the forward and its weight's transposed FP8 copy "
      "cached per optimizer step, instead of the backward's float8 transposes"),
-    ("--dense-grad-both-layouts", "lightning_moe.precision.scaled_mm", "DENSE_GRAD_BOTH_LAYOUTS",
+    ("--dense-grad-both-layouts", "lightning_moe.precision.scaled_mm", "DENSE_GRAD_BOTH_LAYOUTS", False,
      "with the transposed copies, a delayed dense linear's output gradient cast in both layouts by one read "
      "instead of transposed"),
-    ("--tiled-fp8-transposes", "lightning_moe.precision.native_gemms", "TILED_FP8_TRANSPOSES",
+    ("--tiled-fp8-transposes", "lightning_moe.precision.native_gemms", "TILED_FP8_TRANSPOSES", True,
      "a dense linear's float8 transposes by the tiled byte transpose kernel instead of torch's elementwise copy"),
-    ("--wgrad-prefetch-old", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_PREFETCH_OLD",
+    ("--wgrad-prefetch-old", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_PREFETCH_OLD", False,
      "the FP8 expert weight gradient loads each tile's old .grad values before its contraction"),
 ]
 
@@ -661,9 +661,10 @@ def main(argv=None) -> None:
                         help="ModelConfig.lm_head_chunk_tokens: the training loss's LM head and cross-entropy N tokens "
                              "at a time, no [tokens, vocab] logits (default: the ModelConfig default); 0: off, the "
                              "unchunked head (logits, then the fused cross-entropy)")
-    for flag, module, constant, effect in EXPERIMENT_TOGGLES:
-        parser.add_argument(flag, choices=["on", "off"], default="off",
-                            help=f"{module.rsplit('.', 1)[-1]}.{constant} (experiment): {effect}")
+    for flag, module, constant, default, effect in EXPERIMENT_TOGGLES:
+        parser.add_argument(flag, choices=["on", "off"], default="on" if default else "off",
+                            help=f"{module.rsplit('.', 1)[-1]}.{constant} ({'default' if default else 'experiment'}):"
+                                 f" {effect}")
     parser.add_argument("--single-group-chunk-rows", type=int, default=0, metavar="N",
                         help="fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS (experiment): a dense operand's both-layout "
                              "cast in runs of N rows per program on the Triton kernel; 0: one program per column "
@@ -720,9 +721,10 @@ def main(argv=None) -> None:
         cross_entropy.FUSED_KERNEL = False
     if args.lm_head_chunk_tokens < 0:
         raise SystemExit(f"--lm-head-chunk-tokens {args.lm_head_chunk_tokens}: give a positive chunk, or 0 for off")
-    for flag, module, constant, _ in EXPERIMENT_TOGGLES:
-        if getattr(args, flag[2:].replace("-", "_")) == "on":  # imported only when asked
-            setattr(importlib.import_module(module), constant, True)
+    for flag, module, constant, default, _ in EXPERIMENT_TOGGLES:
+        on = getattr(args, flag[2:].replace("-", "_")) == "on"
+        if on != default:  # imported only when asked to change it
+            setattr(importlib.import_module(module), constant, on)
     if args.single_group_chunk_rows < 0 or args.single_group_chunk_rows % 16:
         raise SystemExit(f"--single-group-chunk-rows {args.single_group_chunk_rows}: give a multiple of 16 rows, "
                          "or 0 for off")

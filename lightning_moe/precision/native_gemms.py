@@ -39,11 +39,12 @@ def pad_fp8(q: Tensor, multiple: int = ALIGN) -> Tensor:
     return F.pad(q.view(torch.uint8), (0, pad)).view(q.dtype) if pad else q
 
 
-# Experiment toggle (benchmarks patch it; `train_step.py --tiled-fp8-transposes`): a dense linear's
-# float8 transposes (its backward's output gradient, input and weight) by the tiled byte transpose of
-# ``kernels.transpose_triton`` instead of torch's elementwise copy. The same bytes; off until a
-# same-run measurement of the step.
-TILED_FP8_TRANSPOSES = False
+# A dense linear's float8 transposes (its backward's output gradient, input and weight) by the tiled
+# byte transpose of ``kernels.transpose_triton`` (128 x 128 byte tiles, 16-byte loads and stores)
+# instead of torch's elementwise copy, which moves one byte a thread and reads across rows. The same
+# bytes (GPU and interpreter tests); the qwen3-shaped FP8 step measured 6.8% faster at accumulate 8
+# (benchmarks/NOTES.md). Benchmarks patch it off (`train_step.py --tiled-fp8-transposes off`).
+TILED_FP8_TRANSPOSES = True
 
 
 def transposed_fp8(q: Tensor, multiple: int = 1) -> Tensor:

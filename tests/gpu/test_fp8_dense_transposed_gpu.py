@@ -4,8 +4,9 @@ with the same bits as the backward's transposes (fp32 master weights under bf16 
 E4M3, a fresh state and one with scales, three micro-batches under one cache), and makes fewer
 float8 copies; so too with the experiments `scaled_mm.DENSE_GRAD_BOTH_LAYOUTS` (the output gradient
 in both layouts by one read), `fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS` (the one-group casts
-in row runs on the Triton kernel) and `native_gemms.TILED_FP8_TRANSPOSES` (the transposes left by
-the tiled byte transpose, none by torch's copy), the last also with the transposed copies off."""
+in row runs on the Triton kernel), and with `native_gemms.TILED_FP8_TRANSPOSES` (the default: the
+transposes left by the tiled byte transpose, none by torch's copy), also with the transposed copies off.
+The plain run sets every constant off."""
 
 import pytest
 import torch

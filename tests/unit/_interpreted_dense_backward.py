@@ -17,9 +17,9 @@ transposed copy from the weight cache): the same outputs, gradients and amax rec
 the backward's transposes over two micro-batches under one cache, the second taking the cached copy
 (`test_fp8_dense_transposed_gpu.py` on a GPU); so too with the experiments: the output gradient cast
 in both layouts by the tile kernel (`DENSE_GRAD_BOTH_LAYOUTS`, also checked alone against the row
-cast, with and without a scale for the gradient), the one-group casts in row runs
-(`fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS`, 600 rows: three runs of 256) and the tiled float8
-transposes (`native_gemms.TILED_FP8_TRANSPOSES`, with the copies on and off, and the bytes of
+cast, with and without a scale for the gradient) and the one-group casts in row runs
+(`fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS`, 600 rows: three runs of 256); and the tiled float8
+transposes, the default (`native_gemms.TILED_FP8_TRANSPOSES`, with the copies on and off, and the bytes of
 `transpose_bytes` alone at shapes off its tile).
 """
 

@@ -115,7 +115,7 @@ def test_all_gather_dispatch_with_fc1_gathering_the_permutation_is_bit_equal_and
 def test_dense_delayed_backward_operands_match_the_generic_quantizer():
     # 64 lines of operands (the gradient's both-layout cast in row runs and not, with and without its
     # scale), 40 of the transposed copies' training (`scaled_mm.DENSE_TRANSPOSED_COPIES`, with and
-    # without the experiments, the tiled transposes of `native_gemms.TILED_FP8_TRANSPOSES` among them),
+    # without the experiments, and with the tiled transposes of `native_gemms.TILED_FP8_TRANSPOSES`),
     # 16 of the tiled transpose alone
     _equal_lines(_interpreted("_interpreted_dense_backward.py"), "dense", 120)
 
