@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_moe.kernels import accumulate_widened_, widened
-from lightning_moe.precision.native_casts import ALIGN, once_per_version
+from lightning_moe.precision.native_casts import ALIGN, local_triton_operands, once_per_version
 
 
 def pad_fp8(q: Tensor, multiple: int = ALIGN) -> Tensor:
@@ -49,11 +49,10 @@ TILED_FP8_TRANSPOSES = True
 
 def transposed_fp8(q: Tensor, multiple: int = 1) -> Tensor:
     """``q [R, C]`` float8 transposed into a contiguous ``[C, R]``, ``R`` padded to ``multiple`` with
-    zero columns where the tiled kernel runs (`TILED_FP8_TRANSPOSES` on a GPU; a caller that pads
-    afterwards, as `pad_fp8` does, gets the same bytes either way)."""
-    from lightning_moe.kernels import use_triton
-
-    if TILED_FP8_TRANSPOSES and use_triton(q):
+    zero columns where the tiled kernel runs (`TILED_FP8_TRANSPOSES`, a local tensor on a GPU; a
+    caller that pads afterwards, as `pad_fp8` does, gets the same bytes either way)."""
+    # Not a DTensor (a tensor-parallel shard): a Triton kernel sees only a local tensor's memory.
+    if TILED_FP8_TRANSPOSES and local_triton_operands(q):
         from lightning_moe.kernels.transpose_triton import transpose_bytes
 
         return transpose_bytes(q, multiple)

@@ -177,7 +177,7 @@ def test_activation_checkpointing_recomputes_outside_the_cache(monkeypatch):
 def test_fused_quantizers_leave_dtensor_operands_to_the_generic_path(monkeypatch, tmp_path):
     """A Triton kernel sees only a tensor's local memory (a DTensor reports no usable pointer),
     so tensor-parallel shards must take the generic quantizers, whose amax is reduced over the
-    shards."""
+    shards, and torch's float8 transpose."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -197,6 +197,16 @@ def test_fused_quantizers_leave_dtensor_operands_to_the_generic_path(monkeypatch
         assert native_casts.fused_rowwise(rowwise, None, local) and native_casts.fused_delayed(delayed, state, local)
         assert not native_casts.fused_rowwise(rowwise, None, sharded)
         assert not native_casts.fused_delayed(delayed, state, sharded)
+        # the float8 transposes too: a shard is transposed by torch, a local tensor by the tiled kernel
+        tiled = []
+        monkeypatch.setattr(native_gemms, "TILED_FP8_TRANSPOSES", True)
+        monkeypatch.setattr("lightning_moe.kernels.transpose_triton.transpose_bytes",
+                            lambda q, multiple=1: tiled.append(1) or q.t().contiguous())
+        q = local.to(torch.float8_e4m3fn)
+        native_gemms.transposed_fp8(q)
+        assert tiled == [1]
+        q_sharded = DTensor.from_local(q, sharded.device_mesh, [Shard(0)])
+        assert native_gemms.transposed_fp8(q_sharded).to_local().shape == (16, 8) and tiled == [1]
     finally:
         if created:
             dist.destroy_process_group()
