@@ -600,9 +600,9 @@ def lightning_run(args, cuda_graph: Optional[str] = None) -> Optional[tuple[list
     return times[args.warmup :], [float(x) for x in losses]
 
 
-# On/off experiment toggles (off: the module constant's default, False): flag, module, constant, and
-# what "on" does.
-EXPERIMENT_TOGGLES = [  # (flag, module, constant, the constant's default, effect of "on")
+# On/off switches of module constants (experiments, and defaults a run may switch off): flag, module,
+# constant, the constant's default, and what "on" does. A module is imported only to change its constant.
+EXPERIMENT_TOGGLES = [
     ("--dense-transposed-copies", "lightning_moe.precision.scaled_mm", "DENSE_TRANSPOSED_COPIES", False,
      "a delayed dense linear's input cast in both layouts in the forward and its weight's transposed FP8 copy "
      "cached per optimizer step, instead of the backward's float8 transposes"),
