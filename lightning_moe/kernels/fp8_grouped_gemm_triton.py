@@ -225,6 +225,13 @@ def grouped_mm_fprop(a_RK: Tensor, scale_a_R: Tensor, b_EOK: Tensor, scale_b_EO:
 
 
 @triton.jit
+def _old_tile(out_ptr, e, M, N, rows, cols, row_ok, col_ok):
+    # expert e's tile [rows, cols] of the fp32 gradient the kernel adds into, zeros past its edges
+    return tl.load(out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :],
+                   mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr, E, M, N,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
@@ -259,8 +266,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         if add_old and PREFETCH_OLD:
             # the old values' loads issued before the contraction, in flight while it runs (their
             # registers held through it), instead of after it with the warps waiting
-            old = tl.load(out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :],
-                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            old = _old_tile(out_ptr, e, M, N, rows, cols, row_ok, col_ok)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(start, end, BLOCK_K, num_stages=NUM_STAGES):
             a = a_desc.load([row0, k0])
@@ -271,8 +277,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
         out = acc * sa[:, None] * sb[None, :]
         if add_old:
             if not PREFETCH_OLD:
-                old = tl.load(out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + cols[None, :],
-                              mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+                old = _old_tile(out_ptr, e, M, N, rows, cols, row_ok, col_ok)
             out = old + out
         out = out.to(out_ptr.dtype.element_ty)
         if TMA_STORE:
