@@ -611,8 +611,8 @@ EXPERIMENT_TOGGLES = [
      "instead of transposed"),
     ("--tiled-fp8-transposes", "lightning_moe.precision.native_gemms", "TILED_FP8_TRANSPOSES", True,
      "a dense linear's float8 transposes by the tiled byte transpose kernel instead of torch's elementwise copy"),
-    ("--wgrad-prefetch-old", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_PREFETCH_OLD", False,
-     "the FP8 expert weight gradient loads each tile's old .grad values before its contraction"),
+    ("--wgrad-prefetch-old", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_PREFETCH_OLD", True,
+     "the FP8 expert weight gradient loads each tile's old .grad values before its contraction instead of after it"),
 ]
 
 

@@ -131,12 +131,13 @@ WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4, 1)
 TMA_REDUCE = False
 
 
-# Experiment toggle (benchmarks patch it; `train_step.py --wgrad-prefetch-old`,
-# `fp8_grouped_tune.py --precise`'s "prefetch" shapes): the accumulating weight gradient loads each
-# tile's old ``.grad`` values before the tile's contraction, so the loads are in flight while it runs
-# (their registers held through it: 221 registers a thread at the fp32 default shape against 177, no
-# spill, offline sm90), instead of after it with the warps waiting. The same bits. Off until measured.
-WGRAD_PREFETCH_OLD = False
+# The accumulating weight gradient loads each tile's old ``.grad`` values before the tile's
+# contraction, so the loads are in flight while it runs (their registers held through it: 221
+# registers a thread at the fp32 default shape against 177, no spill, offline sm90), instead of after
+# it with the warps waiting. The same bits either way. On an H100 the Mixtral-shaped training step
+# ran 0.3-0.9% faster with it in every same-machine pair (benchmarks/NOTES.md). Benchmarks comparing
+# the two set it False (`train_step.py --wgrad-prefetch-old off`).
+WGRAD_PREFETCH_OLD = True
 
 
 def _tma_reduce() -> bool:

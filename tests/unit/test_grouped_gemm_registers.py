@@ -102,5 +102,5 @@ def test_the_default_weight_gradient_launch_shape_for_fp32_gradients_does_not_sp
     assert _fits(kernels.WGRAD_TILES, _wgrad(kernels.WGRAD_TILES, precise=False, fp32_accumulate=False))
     # the check sees two programs that cannot share a multiprocessor's registers
     assert not _fits(wide[:5] + (2,), _wgrad(wide, precise=True, fp32_accumulate=True))
-    # the experiment `WGRAD_PREFETCH_OLD`: the old values' registers held through the contraction fit too
+    # `WGRAD_PREFETCH_OLD` (the default): the old values' registers held through the contraction fit too
     assert _fits(wide, _wgrad(wide, precise=True, fp32_accumulate=True, prefetch_old=True))
