@@ -48,30 +48,13 @@ def dense_operand(t: Tensor, recipe: FP8Recipe, state: Optional[DelayedState], r
     return q, scale_inv_R[:1]  # every row has the tensor's scale
 
 
-def dense_delayed_backward_operands(x_RK: Tensor, dy_RN: Tensor, recipe: FP8Recipe, state: DelayedState
-                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """A delayed dense linear's backward operands from the one-read Triton casts, as
-    ``(qdy, sdy, qdy_t, sdy_t, qx_t, sx_t)``: the output gradient's row copy (the recipe's gradient
-    format, its amax recorded), its transposed copy (the row copy's bytes transposed: a cast is
-    elementwise with one scale, so these are the bytes of casting the transposed gradient), and
-    the input's transposed copy ``[K, R]`` (rows padded to 16 with zeros) in one read of ``x`` by
-    the tile kernel (its amax is not recorded again: the forward's cast recorded it). The same
-    values and scales as `quantize_operand` on ``dy``, ``dy.T`` and ``x.T``, which would copy
-    both transposes in the activations' dtype and cast each in several passes."""
-    qdy, sdy = dense_operand(dy_RN, recipe, state, "grad", True)
-    # a byte copy: float8 transposes need no arithmetic
-    qdy_t = qdy.view(torch.uint8).t().contiguous().view(qdy.dtype)
-    _, _, q_KR, s_col = _transposed_cast(x_RK, state, "input", row_copy=False)
-    return qdy, sdy, qdy_t, sdy, q_KR, s_col.reshape(-1)[:1]  # one group: every column has its scale
-
-
 def dense_input_both_layouts(x_RK: Tensor, state: DelayedState) -> tuple[Tensor, Tensor, Tensor]:
     """A delayed dense linear's input cast to E4M3 in both layouts by one read of ``x`` (the tile
     kernel): ``(q [R, K], scale_inv [1], q_t [K, R padded to 16])``, its amax recorded once. The
     bytes of `dense_operand` (a cast is elementwise with one scale, so the transposed copy holds the
     row copy's bytes transposed, zeros in the padding columns): the backward's weight gradient takes
     ``q_t`` instead of transposing the row copy."""
-    q, scale_inv_R, q_KR, _ = _transposed_cast(x_RK, state, "input", row_copy=True)
+    q, scale_inv_R, q_KR, _ = _transposed_cast(x_RK, state, "input")
     return q, scale_inv_R[:1], q_KR
 
 
@@ -80,23 +63,20 @@ def dense_grad_both_layouts(dy_RN: Tensor, recipe: FP8Recipe, state: DelayedStat
     kernel, in the recipe's gradient format: E5M2 under hybrid): ``(q [R, N], scale_inv [1],
     q_t [N, R padded to 16])``, its amax recorded. The bytes of `dense_operand` on ``dy`` and of
     that row copy transposed (zeros in the padding columns), which the backward would otherwise copy."""
-    q, scale_inv_R, q_NR, _ = _transposed_cast(dy_RN, state, "grad", row_copy=True,
-                                               e5m2=recipe.format("grad") is E5M2)
+    q, scale_inv_R, q_NR, _ = _transposed_cast(dy_RN, state, "grad", e5m2=recipe.format("grad") is E5M2)
     return q, scale_inv_R[:1], q_NR
 
 
-def _transposed_cast(t_RC: Tensor, state: DelayedState, role: str, row_copy: bool, e5m2: bool = False
-                     ) -> tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """The delayed tile cast of a dense operand as one group with ``role``'s scale: the transposed copy
-    (`transposed_out`: ``[C, R padded to 16]``) and its column scales, with the row copy and its amax
-    recorded (``row_copy``; the forward's cast of an input, or a gradient's) or alone, recording
-    nothing (the input's forward cast recorded it)."""
+def _transposed_cast(t_RC: Tensor, state: DelayedState, role: str, e5m2: bool = False
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The delayed tile cast of a dense operand as one group with ``role``'s scale, its amax
+    recorded: the row copy and its ``scale_inv [R]``, the transposed copy (`transposed_out`:
+    ``[C, R padded to 16]``) and its column scales."""
     from lightning_moe.kernels.fp8_delayed_triton import delayed_cast
     from lightning_moe.precision.delayed import SLOTS, amax_record_row
 
     q_CR = transposed_out(t_RC, dtype=torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn)
-    record = amax_record_row(state, role) if row_copy else None
-    q, scale_inv_R, s_col = delayed_cast(t_RC, whole(t_RC), state.scale[SLOTS[role]], record, write_row=row_copy,
+    q, scale_inv_R, s_col = delayed_cast(t_RC, whole(t_RC), state.scale[SLOTS[role]], amax_record_row(state, role),
                                          out_col=q_CR, stride_out_col=q_CR.shape[1], e5m2=e5m2,
                                          amax_prepass=state.fresh)
     return q, scale_inv_R, q_CR, s_col

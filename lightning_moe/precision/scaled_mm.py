@@ -34,7 +34,6 @@ from lightning_moe.precision.native_casts import (
     assert_groups_aligned,
     both_weight_layouts_now,
     caching,
-    dense_delayed_backward_operands,
     dense_grad_both_layouts,
     dense_input_both_layouts,
     dense_operand,
@@ -176,12 +175,10 @@ class _ScaledLinear(torch.autograd.Function):
                 x2, weight = ctx.saved_tensors
                 qw_t, sw_t, _, _ = cached(ctx.cache, ctx.weight_key, weight, "dense_dgrad", lambda: quantize_operand(
                     weight.t(), recipe, "weight", state=state, native=True))
-                if ctx.delayed and dy2.numel():
-                    qdy, sdy, qdy_t, sdy_t, qx_t, sx_t = dense_delayed_backward_operands(x2, dy2, recipe, state)
-                else:
-                    qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
-                    qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
-                    qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
+                # (per-row or per-block scales: a delayed recipe is tensorwise and took the first branch)
+                qdy, sdy, _, _ = quantize_operand(dy2, recipe, "grad", state=state, native=True)
+                qdy_t, sdy_t, _, _ = quantize_operand(dy2.t(), recipe, "grad", state=state, native=True)
+                qx_t, sx_t, _, _ = quantize_operand(x2.t(), recipe, "input", state=state, native=True)
             dx = scaled_mm_rows(qdy, sdy, qw_t, sw_t, ctx.x_dtype, fast=recipe.fast("dgrad"))
             # Added into the weight's fp32 .grad where `in_place_accumulation_target` chose it and it
             # has one (then None for autograd), else returned.

@@ -1,16 +1,15 @@
-"""The delayed dense linear's backward operands from the one-read casts
-(`native_casts.dense_delayed_backward_operands`) on CPU under Triton's interpreter, against the
-generic delayed quantizer (`quantize_operand` on ``dy``, ``dy.T`` and ``x.T``). Run as a script
-with ``TRITON_INTERPRET=1``; prints one line per case ending in "equal" and exits non-zero on the
-first mismatch.
+"""A delayed dense linear's one-read casts (`native_casts`) on CPU under Triton's interpreter,
+against the generic delayed quantizer (`quantize_operand`). Run as a script with
+``TRITON_INTERPRET=1``; prints one line per case ending in "equal" and exits non-zero on the first
+mismatch.
 
 The interpreter's float8 conversion rounds some values unlike torch's (see `_interpreted_casts.py`),
-so bytes are compared with the interpreter's own row cast: the input's transposed copy holds the row
-cast's bytes transposed and zero padding columns, the gradient's transposed copy the gradient's row
-copy transposed. Scales and the amax history rows equal the generic path's exactly (they depend on
-amaxes only), for hybrid (E5M2 gradients) and E4M3, a state with scales and a fresh one (current
-amaxes), bf16 and fp32 operands with a NaN and rows not a multiple of 16. On a GPU the training
-test compares every byte with the generic path (`test_fp8_delayed_gpu.py`).
+so bytes are compared with the interpreter's own row cast: the input's both-layout cast
+(`dense_input_both_layouts`, in row runs) holds the row cast's bytes and, transposed, zero padding
+columns. Scales and the amax history rows equal the generic path's exactly (they depend on amaxes
+only), for hybrid (E5M2 gradients) and E4M3, a state with scales and a fresh one (current amaxes),
+bf16 and fp32 operands with a NaN and rows not a multiple of 16. On a GPU the training test compares
+every byte with the generic path (`test_fp8_delayed_gpu.py`).
 
 And `scaled_mm.DENSE_TRANSPOSED_COPIES` (the input cast in both layouts in the forward, the weight's
 transposed copy from the weight cache): the same outputs, gradients and amax records bit for bit as
@@ -40,11 +39,7 @@ def main() -> None:
     from lightning_moe.kernels import fp8_delayed_triton
     from lightning_moe.precision import FP8Recipe
     from lightning_moe.precision.delayed import SLOTS, DelayedState
-    from lightning_moe.precision.native_casts import (
-        dense_delayed_backward_operands,
-        dense_grad_both_layouts,
-        dense_operand,
-    )
+    from lightning_moe.precision.native_casts import dense_grad_both_layouts, dense_input_both_layouts, dense_operand
     from lightning_moe.precision.operands import quantize_operand
 
     def state(fresh: bool) -> DelayedState:
@@ -72,20 +67,20 @@ def main() -> None:
                 fast, generic = state(fresh), state(fresh)
                 # the forward's cast of the input (records its amax in both)
                 q_x, _ = dense_operand(x, recipe, fast, "input", True)
-                quantize_operand(x, recipe, "input", state=generic, native=True)
-                qdy, sdy, qdy_t, sdy_t, qx_t, sx_t = dense_delayed_backward_operands(x, dy, recipe, fast)
+                _, gx, _, _ = quantize_operand(x, recipe, "input", state=generic, native=True)
+                # the input in both layouts by the tile kernel (`DENSE_TRANSPOSED_COPIES`' forward cast),
+                # recording the same amax again: a max
+                q_x2, sx, qx_t = dense_input_both_layouts(x, fast)
+                qdy, sdy = dense_operand(dy, recipe, fast, "grad", True)
                 _, gdy, _, _ = quantize_operand(dy, recipe, "grad", state=generic, native=True)
-                _, gdy_t, _, _ = quantize_operand(dy.t(), recipe, "grad", state=generic, native=True)
-                _, gx_t, _, _ = quantize_operand(x.t(), recipe, "input", state=generic, native=True)
                 case = f"{str(dtype).replace('torch.', '')} {fmt} {'fresh' if fresh else 'history'}"
                 padded = -(-rows // 16) * 16
-                check(f"{case} layouts", qx_t.shape == (k, padded) and qdy_t.shape == (n, rows)
-                      and qdy.dtype == qdy_t.dtype and qx_t.dtype == torch.float8_e4m3fn)
+                check(f"{case} layouts", qx_t.shape == (k, padded) and qx_t.dtype == torch.float8_e4m3fn
+                      and torch.equal(bytes_of(q_x2), bytes_of(q_x)))
                 check(f"{case} input bytes", torch.equal(bytes_of(qx_t)[:, :rows], bytes_of(q_x).t())
                       and bool((bytes_of(qx_t)[:, rows:] == 0).all()))
-                check(f"{case} gradient bytes", torch.equal(bytes_of(qdy_t), bytes_of(qdy).t()))
                 check(f"{case} scales", all(torch.equal(a.reshape(-1)[:1].float(), b.reshape(-1)[:1].float())
-                                            and a.numel() == 1 for a, b in ((sdy, gdy), (sdy_t, gdy_t), (sx_t, gx_t))))
+                                            and a.numel() == 1 for a, b in ((sdy, gdy), (sx, gx))))
                 check(f"{case} amax records", torch.equal(fast.amax_history, generic.amax_history))
                 # the gradient in both layouts by the tile kernel (recording the same amax again: a
                 # max), in row runs and one program per column block
