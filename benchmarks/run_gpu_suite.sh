@@ -26,6 +26,10 @@
 # cudagraph (the whole block captured in CUDA graphs, capture_moe_layer: its GPU tests, then qwen3 in
 # rounds of bf16 eager, bf16 graphed and FP8 graphed per parameter mode (CUDAGRAPH_VARIANTS), then
 # mixtral and deepseek in bf16 and FP8 (CUDAGRAPH_OTHERS; empty: skipped)),
+# trainratio (train_step.py FP8 against bf16 at accumulate 8, qwen3 and mixtral interleaved over RATIO_ROUNDS
+# rounds; TRAIN_FP8_EXTRA: a third run per round with those flags), traingraph (the CUDAGraphs callback's
+# full_iteration scope against eager at micro-batch 1, bf16 and FP8), curvesdelayed (after curves' kind: the 300-step
+# curves of the FP8 defaults against bf16 at micro-batch 4),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only),
 # cudacast (the CUDA C cast, kernels/cuda/fp8_delayed_cast.cu: its GPU tests against the Triton kernel's bytes,
@@ -182,6 +186,34 @@ if has trainmulti && [ "$num_gpus" -ge 4 ]; then
     --expert-parallel "$((num_gpus / 2))" --layers "$layers" --steps 10 \
     --tag "qwen3_${layers}l_${num_gpus}gpu_tp2_ep$((num_gpus / 2))"
 fi
+# trainratio: the whole training step's FP8 (`FP8Precision()` defaults, delayed) against bf16, qwen3 (4 layers)
+# and mixtral (2 layers) at accumulate 8, interleaved over RATIO_ROUNDS rounds on one machine (the FP8 step
+# moves between machines more than bf16's: compare only pairs from one call); TRAIN_FP8_EXTRA: the flags of
+# a third run per round (an experiment toggle, e.g. "--wgrad-prefetch-old off"), tagged fp8_variant.
+if has trainratio; then
+  for pair in $(seq 1 "${RATIO_ROUNDS:-2}"); do
+    for model in qwen3 mixtral2l; do
+      shape=(); [ "$model" = mixtral2l ] && shape=(--preset mixtral_8x7b --layers 2)
+      for variant in bf16 fp8 ${TRAIN_FP8_EXTRA:+fp8_variant}; do
+        flags=(); [ "$variant" != bf16 ] && flags=(--precision delayed)
+        # shellcheck disable=SC2206  # TRAIN_FP8_EXTRA is a list of flags
+        [ "$variant" = fp8_variant ] && flags+=($TRAIN_FP8_EXTRA)
+        say "train_step $model $variant, accumulate 8, round $pair"
+        run python3 benchmarks/train_step.py ${shape[@]+"${shape[@]}"} --accumulate 8 --steps 3 --warmup 1 \
+          --skip-bare ${flags[@]+"${flags[@]}"} --tag "ratio_${model}_acc8_${variant}_$pair"
+      done
+    done
+  done
+fi
+# traingraph: the CUDAGraphs callback's whole step (scope full_iteration) against the eager step in the same
+# process, qwen3 at micro-batch 1, bf16 and FP8 delayed
+if has traingraph; then
+  for precision in bf16 delayed; do
+    say "train_step CUDA graphs full_iteration, micro-batch 1, $precision"
+    run python3 benchmarks/train_step.py --cuda-graph full_iteration --micro-batch 1 --accumulate 1 --steps 10 \
+      --warmup 3 --skip-bare --precision "$precision" --tag "graph_full_iteration_mb1_$precision"
+  done
+fi
 if has probe && [ "$num_gpus" -ge 2 ]; then say "EP link probe"; run python3 benchmarks/ep_comm_probe.py; fi
 if has fp8; then
   say "fp8_gemm"; run python3 benchmarks/fp8_gemm.py
@@ -206,6 +238,8 @@ if has curves; then
   curve_pair 1 "" tensorwise --precision tensorwise --expert-backend te
   curve_pair 4 "_mb4" rowwise --precision rowwise --fp8-backend torch
 fi
+# curvesdelayed: the 300-step curves of the FP8 defaults (delayed scaling, native kernels) against bf16
+if has curvesdelayed; then curve_pair 4 "_mb4_defaults" delayed --precision delayed; fi
 # noise: the bf16 curve against itself with each step's 4 sequences split into 2 x 2 micro-batches
 # (same sequences per step, another summation order): how far two bf16 runs drift apart
 if has noise; then
