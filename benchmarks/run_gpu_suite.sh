@@ -28,8 +28,8 @@
 # mixtral and deepseek in bf16 and FP8 (CUDAGRAPH_OTHERS; empty: skipped)),
 # trainratio (train_step.py FP8 against bf16 at accumulate 8, qwen3 and mixtral interleaved over RATIO_ROUNDS
 # rounds; TRAIN_FP8_EXTRA: a third run per round with those flags), traingraph (the CUDAGraphs callback's
-# full_iteration scope against eager at micro-batch 1, bf16 and FP8), curvesdelayed (after curves' kind: the 300-step
-# curves of the FP8 defaults against bf16 at micro-batch 4),
+# full_iteration scope against eager at micro-batch 1, bf16 and FP8), curvesdelayed (the 300-step curves of the
+# FP8 defaults against bf16 at micro-batch 4, as the curves part does for the TE tensorwise and rowwise recipes),
 # trainmulti (4 or more GPUs: train_step.py on all of them, a qwen3-shaped model of $TRAIN_LAYERS
 # layers, default 16, under EP=N and under TP2 x EP=N/2; the Lightning run only),
 # cudacast (the CUDA C cast, kernels/cuda/fp8_delayed_cast.cu: its GPU tests against the Triton kernel's bytes,
