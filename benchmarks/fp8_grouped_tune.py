@@ -4,7 +4,7 @@ of tile configurations. Checks each configuration's output against torch's (rela
 in every run so far: both accumulate each block on the tensor cores in the same order and scale
 in fp32 the same way) and times both back to back.
 
-    python benchmarks/fp8_grouped_tune.py [--cases qwen3_fc1 ...] [--overlap | --precise] [--tag s19a]
+    python benchmarks/fp8_grouped_tune.py [--cases qwen3_fc1 ...] [--overlap | --precise [--epilogue]] [--tag s19a]
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ CASES = {
     "mixtral_fc2_dgrad": (8, 16384, 4096, 14336),
     "deepseek_fc1": (32, 65536, 7168, 4096),
     "deepseek_fc2": (32, 65536, 2048, 7168),
+    # the training step's micro-batch (train_step.py: 2 x 4096 tokens, top-8): about 512 rows an expert
+    "qwen3_step_fc1": (128, 65536, 2048, 1536),
+    "qwen3_step_fc2": (128, 65536, 768, 2048),
 }
 
 # Weight gradients (experts, total rows, M, N): dw [E, M, N] = a [M, rows of e] @ b [N, rows of e]^T,
@@ -113,6 +116,22 @@ PRECISE_WGRAD_CONFIGS = [
     (128, 128, 128, 8, 4, "prefetch"),
 ]
 
+# The accumulating weight gradient's epilogue (``--epilogue``), beside the library's shape (the
+# first): the tile stored whole through a whole tile of staging ("whole": one wait for the previous
+# tile's reads instead of a second one between the halves), an expert's tiles dealt along the
+# output's rows first ("cols"), and the first micro-batch's plain fp32 write ("write": no old values).
+EPILOGUE_WGRAD_CONFIGS = [
+    (128, 128, 128, 8, 4, "tma", "prefetch"),
+    (128, 128, 128, 8, 4, "tma", "prefetch", "whole"),
+    (128, 128, 128, 8, 3, "tma", "prefetch", "whole"),
+    (128, 128, 128, 8, 4, "tma", "prefetch", "whole", "cols"),
+    (128, 128, 128, 8, 4, "tma", "prefetch", "cols"),
+    (128, 128, 128, 8, 4, "tma", "whole"),
+    (128, 128, 128, 8, 4, "tma", "reduce", "whole"),
+    (128, 128, 128, 8, 4, "tma", "write"),
+    (128, 128, 128, 8, 4, "tma", "whole", "write"),
+]
+
 
 # Resources per (kernel, configuration) as first compiled: a configuration a later case launches
 # again (the same constexprs) compiles nothing new.
@@ -190,7 +209,7 @@ def _launch_options(extras: tuple) -> dict:
     return {"programs": programs, "warp_specialize": "ws" in extras}
 
 
-def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> dict:
+def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False, epilogue: bool = False) -> dict:
     from lightning_moe.kernels import fp8_grouped_gemm_triton as kernels
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
     from lightning_moe.precision.native_gemms import group_weight_gradient
@@ -223,6 +242,11 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> d
     zeroed_for = set()
 
     def ours(bm: int, bn: int, bk: int, warps: int, stages: int, extras: tuple) -> torch.Tensor:
+        layout = {"store_halves": "whole" not in extras, "columns_first": "cols" in extras}
+        if precise and "write" in extras:  # the first micro-batch's call: a new fp32 gradient
+            return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
+                                    block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
+                                    out_dtype=torch.float32, precise=True, **layout, **_launch_options(extras))
         if precise:  # the step's call: split accumulation added into an fp32 .grad
             key = (bm, bn, bk, warps, stages, extras)
             if key not in zeroed_for:  # a configuration's first call (its error check) adds into zeros;
@@ -234,7 +258,7 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> d
                 return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
                                         block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
                                         out_dtype=torch.float32, precise=True, accumulate_into=grad,
-                                        prefetch_old="prefetch" in extras, **_launch_options(extras))
+                                        prefetch_old="prefetch" in extras, **layout, **_launch_options(extras))
             finally:
                 kernels.TMA_REDUCE = reduce
         return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,
@@ -242,7 +266,7 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False) -> d
                                 **_launch_options(extras))
 
     if precise:
-        configs = PRECISE_WGRAD_CONFIGS
+        configs = EPILOGUE_WGRAD_CONFIGS if epilogue else PRECISE_WGRAD_CONFIGS
     elif overlap:
         configs = [(128, 256, 128, 8, 4), (128, 256, 128, 8, 4, "tma")] + OVERLAP_CONFIGS
     else:
@@ -261,7 +285,11 @@ def main() -> None:
     parser.add_argument("--precise", action="store_true",
                         help="split accumulation (the default recipe's gradient GEMMs) against torch's split "
                              "accumulation: PRECISE_CONFIGS, and the weight gradient added into an fp32 .grad")
+    parser.add_argument("--epilogue", action="store_true",
+                        help="with --precise: the weight gradient's epilogue variants (EPILOGUE_WGRAD_CONFIGS)")
     args = parser.parse_args()
+    if args.epilogue and not args.precise:
+        parser.error("--epilogue sweeps the accumulating weight gradient: add --precise")
 
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_fprop
     from lightning_moe.precision.native_gemms import torch_group_gemm
@@ -269,7 +297,7 @@ def main() -> None:
     results = {}
     for name in args.cases:
         if name in WGRAD_CASES:
-            results[name] = wgrad_case(name, args.iters, args.overlap, args.precise)
+            results[name] = wgrad_case(name, args.iters, args.overlap, args.precise, args.epilogue)
             continue
         experts, rows, k, o = CASES[name]
         ends = _groups(experts, rows).cuda()

@@ -613,6 +613,10 @@ EXPERIMENT_TOGGLES = [
      "a dense linear's float8 transposes by the tiled byte transpose kernel instead of torch's elementwise copy"),
     ("--wgrad-prefetch-old", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_PREFETCH_OLD", True,
      "the FP8 expert weight gradient loads each tile's old .grad values before its contraction instead of after it"),
+    ("--wgrad-store-halves", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_STORE_HALVES", True,
+     "the FP8 expert weight gradient stores each tile by TMA in two column halves instead of whole"),
+    ("--wgrad-columns-first", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_COLUMNS_FIRST", False,
+     "the FP8 expert weight gradient deals an expert's tiles along the gradient's rows first"),
 ]
 
 

@@ -139,6 +139,13 @@ TMA_REDUCE = False
 # the two set it False (`train_step.py --wgrad-prefetch-old off`).
 WGRAD_PREFETCH_OLD = True
 
+# Experiment toggles (benchmarks patch them): the weight gradient's TMA-stored tile leaves whole
+# through a whole tile of staging instead of in two column halves (`_grouped_wgrad_kernel`'s
+# ``STORE_HALVES``), and an expert's tiles are dealt along the output's rows first
+# (``COLUMNS_FIRST``).
+WGRAD_STORE_HALVES = True
+WGRAD_COLUMNS_FIRST = False
+
 
 def _tma_reduce() -> bool:
     return (TMA_REDUCE and hasattr(getattr(tl.core, "tensor_descriptor_base", None), "atomic_add")
@@ -150,13 +157,14 @@ SHARED_MEMORY_BYTES = 227 * 1024
 
 
 def _launch_shape(given: tuple, default: tuple, out_bytes: int, device_index: int,
-                  k: Optional[int] = None) -> tuple:
+                  k: Optional[int] = None, staged_fraction: float = 0.5) -> tuple:
     """``given`` (block_m, block_n, block_k, num_warps, num_stages, programs; None entries unset)
     completed from ``default`` (its last entry: programs per multiprocessor). Stages not given are
     the default's (None there: 4 for contractions shorter than 2048, else 3, as measured at the
     benchmark shapes), capped to what a program's share of shared memory holds beside the
-    epilogue's staging of half a tile of ``out_bytes`` elements (what the compiler allocated in
-    every shape measured), so that a block size given without stages still compiles."""
+    epilogue's staging of ``staged_fraction`` of a tile of ``out_bytes`` elements (half: what the
+    compiler allocated in every shape measured with the stores in halves), so that a block size
+    given without stages still compiles."""
     block_m, block_n, block_k, num_warps, num_stages = (d if g is None else g
                                                          for g, d in zip(given[:5], default[:5]))
     per_multiprocessor = default[5]
@@ -166,7 +174,7 @@ def _launch_shape(given: tuple, default: tuple, out_bytes: int, device_index: in
             num_stages = 4 if k is not None and k < 2048 else 3
         per_stage = (block_m + block_n) * block_k  # one float8 byte per operand element
         budget = SHARED_MEMORY_BYTES // per_multiprocessor
-        fit = (budget - block_m * (block_n // 2) * out_bytes) // per_stage
+        fit = (budget - int(block_m * block_n * staged_fraction) * out_bytes) // per_stage
         num_stages = max(1, min(num_stages, fit))
     return block_m, block_n, block_k, num_warps, num_stages, programs
 
@@ -238,7 +246,8 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
                           NUM_PROGRAMS: tl.constexpr, NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr = False,
                           out_desc=None, FLATTEN: tl.constexpr = True, WARP_SPECIALIZE: tl.constexpr = False,
                           PRECISE: tl.constexpr = False, ACCUMULATE: tl.constexpr = False,
-                          TMA_REDUCE: tl.constexpr = False, PREFETCH_OLD: tl.constexpr = False):
+                          TMA_REDUCE: tl.constexpr = False, PREFETCH_OLD: tl.constexpr = False,
+                          STORE_HALVES: tl.constexpr = True, COLUMNS_FIRST: tl.constexpr = False):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
@@ -247,7 +256,11 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
     ``ACCUMULATE`` (fp32 output): each tile is added to the output's values (beta = 1), the
     scaled fp32 product plus the old value, one fp32 add, as ``out += dw`` would after a plain
     store; an expert without tokens adds zeros. ``TMA_REDUCE`` (with ``TMA_STORE`` and
-    ``ACCUMULATE``): the add is TMA's reduce-add into the output instead of a load and a store."""
+    ``ACCUMULATE``): the add is TMA's reduce-add into the output instead of a load and a store.
+    ``STORE_HALVES`` (with ``TMA_STORE``): the tile leaves in two column halves through half a tile
+    of staging, else whole (``out_desc``'s block is then the whole tile). ``COLUMNS_FIRST``: an
+    expert's tiles are dealt along the output's rows first (neighbouring programs write
+    neighbouring columns of the same rows) instead of down its columns."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -255,8 +268,12 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
     for t in tl.range(pid, E * per_expert, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         e = t // per_expert
         local = t % per_expert
-        row0 = (local % m_tiles) * BLOCK_M
-        col0 = (local // m_tiles) * BLOCK_N
+        if COLUMNS_FIRST:
+            row0 = (local // n_tiles) * BLOCK_M
+            col0 = (local % n_tiles) * BLOCK_N
+        else:
+            row0 = (local % m_tiles) * BLOCK_M
+            col0 = (local // m_tiles) * BLOCK_N
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(ends_ptr + e)
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -281,7 +298,15 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
                 old = _old_tile(out_ptr, e, M, N, rows, cols, row_ok, col_ok)
             out = old + out
         out = out.to(out_ptr.dtype.element_ty)
-        if TMA_STORE:
+        if TMA_STORE and not STORE_HALVES:
+            # the whole tile through one staging buffer, drained while the next tile's
+            # contraction runs; the next tile's store waits only for this one's reads
+            whole = tl.reshape(out, (1, BLOCK_M, BLOCK_N))
+            if ACCUMULATE and TMA_REDUCE:
+                out_desc.atomic_add([e, row0, col0], whole)
+            else:
+                out_desc.store([e, row0, col0], whole)
+        elif TMA_STORE:
             # The tile leaves by TMA in two column halves (half the staging buffer): the copy
             # engine drains it while the next tile's contraction runs, where the plain store
             # holds the warps until its last byte is issued. The [E, M, N] descriptor clips
@@ -310,7 +335,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
                      programs: Optional[int] = None,
                      out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False,
                      warp_specialize: bool = False, precise: bool = False,
-                     accumulate_into: Optional[Tensor] = None, prefetch_old: Optional[bool] = None) -> Tensor:
+                     accumulate_into: Optional[Tensor] = None, prefetch_old: Optional[bool] = None,
+                     store_halves: Optional[bool] = None, columns_first: Optional[bool] = None) -> Tensor:
     """``out_dtype`` (bf16 or fp32) ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
@@ -329,7 +355,9 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     kernel adds the gradient into and returns, instead of a new one (Megatron-Core's
     gradient-accumulation fusion): each element ``old + dw`` in fp32, the bits of ``out += dw``
     after an fp32 ``dw``. ``prefetch_old`` (default `WGRAD_PREFETCH_OLD`): its old values loaded
-    before each tile's contraction instead of after."""
+    before each tile's contraction instead of after. ``store_halves`` and ``columns_first``
+    (defaults `WGRAD_STORE_HALVES`, `WGRAD_COLUMNS_FIRST`): the kernel's ``STORE_HALVES`` and
+    ``COLUMNS_FIRST``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, r = a_MR.shape
@@ -337,9 +365,12 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     experts = aligned_ends_E.shape[0]
     assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
     wide = precise or out_dtype == torch.float32
+    store_halves = WGRAD_STORE_HALVES if store_halves is None else store_halves
+    columns_first = WGRAD_COLUMNS_FIRST if columns_first is None else columns_first
     block_m, block_n, block_k, num_warps, num_stages, programs = _launch_shape(
         (block_m, block_n, block_k, num_warps, num_stages, programs),
-        WGRAD_FP32_OR_PRECISE_TILES if wide else WGRAD_TILES, out_dtype.itemsize, a_MR.device.index or 0)
+        WGRAD_FP32_OR_PRECISE_TILES if wide else WGRAD_TILES, out_dtype.itemsize, a_MR.device.index or 0,
+        staged_fraction=0.5 if store_halves or not tma_store else 1.0)
     assert WGRAD_GROUP_ALIGN % block_k == 0, "a contraction block must not cross a group's aligned end"
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"grouped_mm_wgrad writes bf16 or fp32, not {out_dtype}")
@@ -360,12 +391,14 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
         if n * out.element_size() % 16:
             raise ValueError(f"grouped_mm_wgrad(tma_store=True): rows of {n} {out_dtype} are not a multiple of 16 "
                              "bytes, as TMA needs; use tma_store=False")
-        out_desc = TensorDescriptor(out, [experts, m, n], [m * n, n, 1], [1, block_m, block_n // 2])
+        out_desc = TensorDescriptor(out, [experts, m, n], [m * n, n, 1],
+                                    [1, block_m, block_n // 2 if store_halves else block_n])
     launch(_grouped_wgrad_kernel, (programs,),
            a_desc, b_desc, out, scale_a_EM, scale_b_EN, aligned_ends_E, experts, m, n,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=programs,
            NUM_STAGES=num_stages, TMA_STORE=tma_store, out_desc=out_desc, FLATTEN=not warp_specialize,
-           WARP_SPECIALIZE=warp_specialize, PRECISE=precise, num_warps=num_warps,
+           WARP_SPECIALIZE=warp_specialize, PRECISE=precise, STORE_HALVES=store_halves,
+           COLUMNS_FIRST=columns_first, num_warps=num_warps,
            # The epilogue's old + product must stay a multiply then an add, each rounded, as the
            # unfused store and add: no contraction into a fused multiply-add.
            **({"ACCUMULATE": True, "TMA_REDUCE": tma_store and _tma_reduce(), "enable_fp_fusion": False,

@@ -214,15 +214,18 @@ def test_weight_gradient_launch_configurations_agree():
     ([96 * (e + 1) - (16 if e % 3 else 0) for e in range(40)], 192, 320),  # M, N not multiples of the tile
 ])
 @pytest.mark.parametrize("out_dtype, stages", [(torch.bfloat16, 4), (torch.float32, 3)])
-def test_weight_gradient_tiles_stored_by_tma_are_the_same(ends, m, n, out_dtype, stages):
+@pytest.mark.parametrize("store_halves, columns_first", [(True, False), (False, False), (False, True)])
+def test_weight_gradient_tiles_stored_by_tma_are_the_same(ends, m, n, out_dtype, stages, store_halves, columns_first):
     """`grouped_mm_wgrad(tma_store=True)`: the same output as the plain stores, the tiles that
     cross the expert's or the output's bounds clipped by the descriptor (nothing written into the
-    next expert); rows that are no multiple of 16 bytes are refused."""
+    next expert), in halves or whole, dealt down the columns or along the rows first; rows that
+    are no multiple of 16 bytes are refused."""
     from lightning_moe.kernels.fp8_grouped_gemm_triton import grouped_mm_wgrad
 
     _, sa, _, sb, _, a, b, aligned_ends = _wgrad_operands(ends, m, n)
     plain = grouped_mm_wgrad(a, sa, b, sb, aligned_ends, out_dtype=out_dtype)
-    stored = grouped_mm_wgrad(a, sa, b, sb, aligned_ends, out_dtype=out_dtype, tma_store=True, num_stages=stages)
+    stored = grouped_mm_wgrad(a, sa, b, sb, aligned_ends, out_dtype=out_dtype, tma_store=True, num_stages=stages,
+                              store_halves=store_halves, columns_first=columns_first)
     assert torch.equal(stored, plain)
     with pytest.raises(ValueError, match="multiple of 16"):
         grouped_mm_wgrad(a, sa, b[:100 - 3], sb[:, :100 - 3].contiguous(), aligned_ends, tma_store=True)

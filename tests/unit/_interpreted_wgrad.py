@@ -4,7 +4,8 @@ stores and with split accumulation, in bf16 and fp32, with an expert without tok
 (the descriptor must clip each tile at its expert's rows and the output's columns); and the fp32
 gradient added into an existing one by the kernel (``accumulate_into``) over three micro-batches
 against the plain outputs added as autograd adds them, bit for bit (also with the old values loaded
-before each tile's contraction, ``prefetch_old``). Run as a
+before each tile's contraction, ``prefetch_old``, the tile stored whole, ``store_halves=False``, and
+an expert's tiles dealt along the rows first, ``columns_first``). Run as a
 script with ``TRITON_INTERPRET=1`` (see `_interpreted_casts.py`); prints one line per case and
 exits non-zero on the first mismatch.
 """
@@ -37,7 +38,8 @@ def check(m: int, n: int, out_dtype: torch.dtype) -> bool:
     return torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and bool((outs[1][1] == 0).all())
 
 
-def check_accumulate(m: int, n: int, tma: bool, precise: bool, prefetch_old: bool = False) -> bool:
+def check_accumulate(m: int, n: int, tma: bool, precise: bool, prefetch_old: bool = False,
+                     store_halves: bool = True, columns_first: bool = False) -> bool:
     """Three micro-batches' weight gradients added by the kernel into an fp32 ``.grad``
     (``accumulate_into``, beta = 1) against the plain fp32 outputs added as autograd's
     ``AccumulateGrad`` adds them (the first taken as it is, then ``grad += dw``): uneven groups, an
@@ -58,10 +60,10 @@ def check_accumulate(m: int, n: int, tma: bool, precise: bool, prefetch_old: boo
         dw = kernels.grouped_mm_wgrad(a, sa, b, sb, ends, **options)
         unfused = dw if unfused is None else unfused.add_(dw)
     first = micro[0]
-    fused = kernels.grouped_mm_wgrad(*first, **options)
+    fused = kernels.grouped_mm_wgrad(*first, store_halves=store_halves, columns_first=columns_first, **options)
     for a, sa, b, sb, ends in micro[1:]:
         out = kernels.grouped_mm_wgrad(a, sa, b, sb, ends, accumulate_into=fused, prefetch_old=prefetch_old,
-                                       **options)
+                                       store_halves=store_halves, columns_first=columns_first, **options)
         assert out is fused
     return torch.equal(fused.view(torch.int32), unfused.view(torch.int32))
 
@@ -72,12 +74,16 @@ def main() -> None:
         print("wgrad tma", m, n, dtype, "equal" if same else "DIFFERENT", flush=True)
         if not same:
             sys.exit(1)
-    for m, n, tma, precise, prefetch in [(48, 96, False, False, False), (40, 72, False, True, False),
-                                         (48, 96, True, True, False), (40, 72, True, True, True),
-                                         (48, 96, False, False, True)]:
-        same = check_accumulate(m, n, tma, precise, prefetch)
+    # (m, n, tma, precise, prefetch_old, store_halves, columns_first); the last two: the whole tile
+    # stored through one staging buffer, and an expert's tiles dealt along the rows first
+    for m, n, tma, precise, prefetch, halves, columns in [
+            (48, 96, False, False, False, True, False), (40, 72, False, True, False, True, False),
+            (48, 96, True, True, False, True, False), (40, 72, True, True, True, True, False),
+            (48, 96, False, False, True, True, False), (40, 72, True, True, True, False, False),
+            (48, 96, True, True, True, False, True)]:
+        same = check_accumulate(m, n, tma, precise, prefetch, halves, columns)
         print("wgrad accumulate", m, n, f"tma={tma}", f"precise={precise}", f"prefetch_old={prefetch}",
-              "equal" if same else "DIFFERENT", flush=True)
+              f"store_halves={halves}", f"columns_first={columns}", "equal" if same else "DIFFERENT", flush=True)
         if not same:
             sys.exit(1)
 
