@@ -613,8 +613,10 @@ EXPERIMENT_TOGGLES = [
      "a dense linear's float8 transposes by the tiled byte transpose kernel instead of torch's elementwise copy"),
     ("--wgrad-prefetch-old", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_PREFETCH_OLD", True,
      "the FP8 expert weight gradient loads each tile's old .grad values before its contraction instead of after it"),
-    ("--wgrad-store-halves", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_STORE_HALVES", True,
-     "the FP8 expert weight gradient stores each tile by TMA in two column halves instead of whole"),
+    ("--wgrad-fp32-store-whole", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_FP32_STORE_WHOLE", True,
+     "the FP8 expert weight gradient stores each fp32 tile by TMA whole instead of in two column halves"),
+    ("--wgrad-tma-reduce", "lightning_moe.kernels.fp8_grouped_gemm_triton", "TMA_REDUCE", False,
+     "the FP8 expert weight gradient adds each tile into .grad by TMA's reduce-add instead of loading the old values"),
     ("--wgrad-columns-first", "lightning_moe.kernels.fp8_grouped_gemm_triton", "WGRAD_COLUMNS_FIRST", False,
      "the FP8 expert weight gradient deals an expert's tiles along the gradient's rows first"),
 ]

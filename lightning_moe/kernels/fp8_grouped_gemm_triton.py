@@ -139,11 +139,18 @@ TMA_REDUCE = False
 # the two set it False (`train_step.py --wgrad-prefetch-old off`).
 WGRAD_PREFETCH_OLD = True
 
-# Experiment toggles (benchmarks patch them): the weight gradient's TMA-stored tile leaves whole
-# through a whole tile of staging instead of in two column halves (`_grouped_wgrad_kernel`'s
-# ``STORE_HALVES``), and an expert's tiles are dealt along the output's rows first
-# (``COLUMNS_FIRST``).
-WGRAD_STORE_HALVES = True
+# The weight gradient's fp32 tiles (fp32 master weights, the accumulating path) leave by TMA whole,
+# through a whole tile of staging (`_grouped_wgrad_kernel`'s ``STORE_HALVES`` off): one wait for
+# the previous tile's reads instead of a second one between the halves. On an H100 the accumulating
+# products ran 4-5% faster (qwen3's training micro-batch fc1 1.73 against 1.82 ms, fc2 0.93 against
+# 0.98; Mixtral fc1 6.33 against 6.59; `fp8_grouped_tune.py --precise --epilogue`), the same bits.
+# bf16 tiles keep the halves: a whole 128 x 256 bf16 tile's staging would cost an operand stage.
+# Benchmarks comparing the two set it False (`train_step.py --wgrad-fp32-store-whole off`).
+WGRAD_FP32_STORE_WHOLE = True
+
+# Experiment toggle (benchmarks patch it): an expert's tiles dealt along the output's rows first
+# (``COLUMNS_FIRST``): faster at qwen3's fc2 weight gradient (0.84 against 0.93 ms), slower at its
+# fc1 and at Mixtral's (7.16 against 6.33 ms).
 WGRAD_COLUMNS_FIRST = False
 
 # Experiment toggle (benchmarks patch it): the accumulating weight gradient prefetches into L2 the
@@ -392,9 +399,9 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     kernel adds the gradient into and returns, instead of a new one (Megatron-Core's
     gradient-accumulation fusion): each element ``old + dw`` in fp32, the bits of ``out += dw``
     after an fp32 ``dw``. ``prefetch_old`` (default `WGRAD_PREFETCH_OLD`): its old values loaded
-    before each tile's contraction instead of after. ``store_halves`` and ``columns_first``
-    (defaults `WGRAD_STORE_HALVES`, `WGRAD_COLUMNS_FIRST`): the kernel's ``STORE_HALVES`` and
-    ``COLUMNS_FIRST``; ``prefetch_l2_tiles`` (default `WGRAD_PREFETCH_L2_TILES`, with
+    before each tile's contraction instead of after. ``store_halves`` (default: False for fp32
+    tiles under `WGRAD_FP32_STORE_WHOLE`, else True) and ``columns_first`` (default
+    `WGRAD_COLUMNS_FIRST`): the kernel's ``STORE_HALVES`` and ``COLUMNS_FIRST``; ``prefetch_l2_tiles`` (default `WGRAD_PREFETCH_L2_TILES`, with
     ``accumulate_into``): its ``PREFETCH_L2_TILES``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -403,7 +410,8 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     experts = aligned_ends_E.shape[0]
     assert r == r_b and a_MR.dtype == b_NR.dtype == torch.float8_e4m3fn
     wide = precise or out_dtype == torch.float32
-    store_halves = WGRAD_STORE_HALVES if store_halves is None else store_halves
+    if store_halves is None:
+        store_halves = not (WGRAD_FP32_STORE_WHOLE and out_dtype == torch.float32)
     columns_first = WGRAD_COLUMNS_FIRST if columns_first is None else columns_first
     block_m, block_n, block_k, num_warps, num_stages, programs = _launch_shape(
         (block_m, block_n, block_k, num_warps, num_stages, programs),

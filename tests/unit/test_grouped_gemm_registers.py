@@ -75,13 +75,14 @@ def _fprop(tiles: tuple, precise: bool, k: int = 4096) -> tuple:
 def _wgrad(tiles: tuple, precise: bool, fp32_accumulate: bool, prefetch_old: bool = False) -> tuple:
     bm, bn, bk, warps, stages, _ = tiles
     dtype = "fp32" if fp32_accumulate else "bf16"
+    halves = not (kernels.WGRAD_FP32_STORE_WHOLE and fp32_accumulate)  # the wrapper's default
     signature = {"a_desc": f"tensordesc<fp8e4nv[{bm},{bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn},{bk}]>",
                  "out_ptr": f"*{dtype}", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "ends_ptr": "*i32",
-                 "E": "i32", "M": "i32", "N": "i32", "out_desc": f"tensordesc<{dtype}[1,{bm},{bn // 2 if kernels.WGRAD_STORE_HALVES else bn}]>"}
+                 "E": "i32", "M": "i32", "N": "i32", "out_desc": f"tensordesc<{dtype}[1,{bm},{bn // 2 if halves else bn}]>"}
     constants = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_PROGRAMS": 132, "NUM_STAGES": stages,
                  "TMA_STORE": True, "FLATTEN": True, "WARP_SPECIALIZE": False, "PRECISE": precise,
                  "ACCUMULATE": fp32_accumulate, "TMA_REDUCE": fp32_accumulate and kernels.TMA_REDUCE,
-                 "PREFETCH_OLD": prefetch_old, "STORE_HALVES": kernels.WGRAD_STORE_HALVES,
+                 "PREFETCH_OLD": prefetch_old, "STORE_HALVES": halves,
                  "COLUMNS_FIRST": kernels.WGRAD_COLUMNS_FIRST, "PREFETCH_L2_TILES": kernels.WGRAD_PREFETCH_L2_TILES}
     signature.update({name: "constexpr" for name in constants})
     # the accumulating epilogue compiles without fused multiply-adds (`grouped_mm_wgrad`)
