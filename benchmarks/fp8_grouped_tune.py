@@ -119,13 +119,11 @@ PRECISE_WGRAD_CONFIGS = [
 # The accumulating weight gradient's epilogue (``--epilogue``), beside the library's shape (the
 # first): the tile stored whole through a whole tile of staging ("whole": one wait for the previous
 # tile's reads instead of a second one between the halves), an expert's tiles dealt along the
-# output's rows first ("cols"), the old values of the program's tile one or two tiles ahead
-# prefetched into L2 ("l2", "l2x2"), and the first micro-batch's plain fp32 write ("write": no old values).
+# output's rows first ("cols"), and the first micro-batch's plain fp32 write ("write": no old values).
+# (A PTX L2 prefetch of the old values of the tile one or two ahead lost at every shape, 9-29%,
+# fp8_grouped_tune_epilogue.json, and was removed.)
 EPILOGUE_WGRAD_CONFIGS = [
     (128, 128, 128, 8, 4, "tma", "prefetch"),
-    (128, 128, 128, 8, 4, "tma", "prefetch", "l2"),
-    (128, 128, 128, 8, 4, "tma", "prefetch", "l2x2"),
-    (128, 128, 128, 8, 4, "tma", "prefetch", "whole", "l2"),
     (128, 128, 128, 8, 4, "tma", "prefetch", "whole"),
     (128, 128, 128, 8, 3, "tma", "prefetch", "whole"),
     (128, 128, 128, 8, 4, "tma", "prefetch", "whole", "cols"),
@@ -247,7 +245,6 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False, epil
 
     def ours(bm: int, bn: int, bk: int, warps: int, stages: int, extras: tuple) -> torch.Tensor:
         layout = {"store_halves": "whole" not in extras, "columns_first": "cols" in extras}
-        l2_tiles = 2 if "l2x2" in extras else 1 if "l2" in extras else 0
         if precise and "write" in extras:  # the first micro-batch's call: a new fp32 gradient
             return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
                                     block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
@@ -263,8 +260,7 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False, epil
                 return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
                                         block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
                                         out_dtype=torch.float32, precise=True, accumulate_into=grad,
-                                        prefetch_old="prefetch" in extras, prefetch_l2_tiles=l2_tiles, **layout,
-                                        **_launch_options(extras))
+                                        prefetch_old="prefetch" in extras, **layout, **_launch_options(extras))
             finally:
                 kernels.TMA_REDUCE = reduce
         return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,

@@ -671,9 +671,6 @@ def main(argv=None) -> None:
         parser.add_argument(flag, choices=["on", "off"], default="on" if default else "off",
                             help=f"{module.rsplit('.', 1)[-1]}.{constant} ({'default' if default else 'experiment'}):"
                                  f" {effect}")
-    parser.add_argument("--wgrad-prefetch-l2-tiles", type=int, default=0, metavar="N",
-                        help="fp8_grouped_gemm_triton.WGRAD_PREFETCH_L2_TILES (experiment): the accumulating FP8 "
-                             "expert weight gradient prefetches into L2 the old .grad values N tiles ahead; 0: off")
     parser.add_argument("--single-group-chunk-rows", type=int, default=0, metavar="N",
                         help="fp8_delayed_triton.SINGLE_GROUP_CHUNK_ROWS (experiment): a dense operand's both-layout "
                              "cast in runs of N rows per program on the Triton kernel; 0: one program per column "
@@ -734,12 +731,6 @@ def main(argv=None) -> None:
         on = getattr(args, flag[2:].replace("-", "_")) == "on"
         if on != default:  # imported only when asked to change it
             setattr(importlib.import_module(module), constant, on)
-    if args.wgrad_prefetch_l2_tiles < 0:
-        raise SystemExit(f"--wgrad-prefetch-l2-tiles {args.wgrad_prefetch_l2_tiles}: give 0 (off) or more tiles")
-    if args.wgrad_prefetch_l2_tiles:
-        import lightning_moe.kernels.fp8_grouped_gemm_triton as fp8_grouped_gemm_triton
-
-        fp8_grouped_gemm_triton.WGRAD_PREFETCH_L2_TILES = args.wgrad_prefetch_l2_tiles
     if args.single_group_chunk_rows < 0 or args.single_group_chunk_rows % 16:
         raise SystemExit(f"--single-group-chunk-rows {args.single_group_chunk_rows}: give a multiple of 16 rows, "
                          "or 0 for off")

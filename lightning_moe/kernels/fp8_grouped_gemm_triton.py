@@ -153,11 +153,6 @@ WGRAD_FP32_STORE_WHOLE = True
 # fc1 and at Mixtral's (7.16 against 6.33 ms).
 WGRAD_COLUMNS_FIRST = False
 
-# Experiment toggle (benchmarks patch it): the accumulating weight gradient prefetches into L2 the
-# old `.grad` values of the tile this many tiles ahead of each program's current one
-# (`_grouped_wgrad_kernel`'s ``PREFETCH_L2_TILES``); 0: off.
-WGRAD_PREFETCH_L2_TILES = 0
-
 
 def _tma_reduce() -> bool:
     return (TMA_REDUCE and hasattr(getattr(tl.core, "tensor_descriptor_base", None), "atomic_add")
@@ -263,24 +258,6 @@ def _tile_origin(t, per_expert, m_tiles, n_tiles, BLOCK_M: tl.constexpr, BLOCK_N
     return e, (local % m_tiles) * BLOCK_M, (local // m_tiles) * BLOCK_N
 
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    @triton.jit
-    def _prefetch_old_into_l2(out_ptr, e, M, N, E, row0, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pass  # the interpreter runs no PTX; a prefetch changes no value
-else:
-    @triton.jit
-    def _prefetch_old_into_l2(out_ptr, e, M, N, E, row0, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # PTX prefetch.global.L2 of each 128-byte line of expert e's fp32 tile [row0:, col0:] (nothing
-        # for a tile past the last expert): no registers held, no value returned
-        lines = col0 + tl.arange(0, BLOCK_N // 32) * 32
-        rows = row0 + tl.arange(0, BLOCK_M)
-        ok = (e < E) & (rows < M)[:, None] & (lines < N)[None, :]
-        ptrs = out_ptr + (e * M + rows[:, None]).to(tl.int64) * N + lines[None, :]
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, ends_ptr, E, M, N,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -288,8 +265,7 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
                           out_desc=None, FLATTEN: tl.constexpr = True, WARP_SPECIALIZE: tl.constexpr = False,
                           PRECISE: tl.constexpr = False, ACCUMULATE: tl.constexpr = False,
                           TMA_REDUCE: tl.constexpr = False, PREFETCH_OLD: tl.constexpr = False,
-                          STORE_HALVES: tl.constexpr = True, COLUMNS_FIRST: tl.constexpr = False,
-                          PREFETCH_L2_TILES: tl.constexpr = 0):
+                          STORE_HALVES: tl.constexpr = True, COLUMNS_FIRST: tl.constexpr = False):
     """Tiles of every expert's ``[M, N]`` output dealt round-robin to the persistent programs,
     expert by expert (the tiles running together share the expert's operands in L2). The
     contraction runs over the expert's aligned columns; one loop over all tiles that the compiler
@@ -302,21 +278,13 @@ def _grouped_wgrad_kernel(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, end
     ``STORE_HALVES`` (with ``TMA_STORE``): the tile leaves in two column halves through half a tile
     of staging, else whole (``out_desc``'s block is then the whole tile). ``COLUMNS_FIRST``: an
     expert's tiles are dealt along the output's rows first (neighbouring programs write
-    neighbouring columns of the same rows) instead of down its columns. ``PREFETCH_L2_TILES``
-    (with ``ACCUMULATE``): at each tile's start, the old values of this program's tile that many
-    tiles later are prefetched into L2, so that memory reads them while the tiles before it run and
-    their loads find them in L2; 0: none."""
+    neighbouring columns of the same rows) instead of down its columns."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     per_expert = m_tiles * n_tiles
     for t in tl.range(pid, E * per_expert, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         e, row0, col0 = _tile_origin(t, per_expert, m_tiles, n_tiles, BLOCK_M, BLOCK_N, COLUMNS_FIRST)
-        if ACCUMULATE and PREFETCH_L2_TILES > 0:
-            ahead = t + PREFETCH_L2_TILES * NUM_PROGRAMS
-            e_ahead, row_ahead, col_ahead = _tile_origin(ahead, per_expert, m_tiles, n_tiles, BLOCK_M, BLOCK_N,
-                                                         COLUMNS_FIRST)
-            _prefetch_old_into_l2(out_ptr, e_ahead, M, N, E, row_ahead, col_ahead, BLOCK_M, BLOCK_N)
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(ends_ptr + e)
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -379,8 +347,7 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
                      out_dtype: torch.dtype = torch.bfloat16, tma_store: bool = False,
                      warp_specialize: bool = False, precise: bool = False,
                      accumulate_into: Optional[Tensor] = None, prefetch_old: Optional[bool] = None,
-                     store_halves: Optional[bool] = None, columns_first: Optional[bool] = None,
-                     prefetch_l2_tiles: Optional[int] = None) -> Tensor:
+                     store_halves: Optional[bool] = None, columns_first: Optional[bool] = None) -> Tensor:
     """``out_dtype`` (bf16 or fp32) ``[E, M, N]``: ``dw[e] = (a[:, cols of e] @ b[:, cols of e]^T) * scale_a[e, i] *
     scale_b[e, j]``.
 
@@ -401,8 +368,7 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
     after an fp32 ``dw``. ``prefetch_old`` (default `WGRAD_PREFETCH_OLD`): its old values loaded
     before each tile's contraction instead of after. ``store_halves`` (default: False for fp32
     tiles under `WGRAD_FP32_STORE_WHOLE`, else True) and ``columns_first`` (default
-    `WGRAD_COLUMNS_FIRST`): the kernel's ``STORE_HALVES`` and ``COLUMNS_FIRST``; ``prefetch_l2_tiles`` (default `WGRAD_PREFETCH_L2_TILES`, with
-    ``accumulate_into``): its ``PREFETCH_L2_TILES``."""
+    `WGRAD_COLUMNS_FIRST`): the kernel's ``STORE_HALVES`` and ``COLUMNS_FIRST``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, r = a_MR.shape
@@ -448,7 +414,6 @@ def grouped_mm_wgrad(a_MR: Tensor, scale_a_EM: Tensor, b_NR: Tensor, scale_b_EN:
            # The epilogue's old + product must stay a multiply then an add, each rounded, as the
            # unfused store and add: no contraction into a fused multiply-add.
            **({"ACCUMULATE": True, "TMA_REDUCE": tma_store and _tma_reduce(), "enable_fp_fusion": False,
-               "PREFETCH_OLD": prefetch_old if prefetch_old is not None else WGRAD_PREFETCH_OLD,
-               "PREFETCH_L2_TILES": prefetch_l2_tiles if prefetch_l2_tiles is not None else WGRAD_PREFETCH_L2_TILES}
+               "PREFETCH_OLD": prefetch_old if prefetch_old is not None else WGRAD_PREFETCH_OLD}
               if accumulate_into is not None else {}))
     return out

@@ -20,22 +20,19 @@ pytestmark = [
 ]
 
 
-# `fp8_grouped_gemm_triton.WGRAD_PREFETCH_OLD`, `WGRAD_FP32_STORE_WHOLE`, `WGRAD_COLUMNS_FIRST`,
-# `WGRAD_PREFETCH_L2_TILES`, `TMA_REDUCE`
-@pytest.mark.parametrize("prefetch_old, store_halves, columns_first, l2_tiles, reduce",
-                         [(False, True, False, 0, False), (True, True, False, 0, False), (True, False, False, 0, False),
-                          (True, False, True, 0, False), (True, True, False, 1, False), (True, False, False, 2, False),
-                          (False, False, False, 0, True)])
+# `fp8_grouped_gemm_triton.WGRAD_PREFETCH_OLD`, `WGRAD_FP32_STORE_WHOLE`, `WGRAD_COLUMNS_FIRST`, `TMA_REDUCE`
+@pytest.mark.parametrize("prefetch_old, store_halves, columns_first, reduce",
+                         [(False, True, False, False), (True, True, False, False), (True, False, False, False),
+                          (True, False, True, False), (False, False, False, True)])
 @pytest.mark.parametrize("precise", [False, True])
 def test_wgrad_kernel_adds_into_the_gradient_with_autograds_bits(monkeypatch, precise, prefetch_old, store_halves,
-                                                                 columns_first, l2_tiles, reduce):
+                                                                 columns_first, reduce):
     from lightning_moe.kernels import fp8_grouped_gemm_triton
     from lightning_moe.precision.native_gemms import group_weight_gradient
 
     monkeypatch.setattr(fp8_grouped_gemm_triton, "WGRAD_PREFETCH_OLD", prefetch_old)
     monkeypatch.setattr(fp8_grouped_gemm_triton, "WGRAD_FP32_STORE_WHOLE", not store_halves)
     monkeypatch.setattr(fp8_grouped_gemm_triton, "WGRAD_COLUMNS_FIRST", columns_first)
-    monkeypatch.setattr(fp8_grouped_gemm_triton, "WGRAD_PREFETCH_L2_TILES", l2_tiles)
     monkeypatch.setattr(fp8_grouped_gemm_triton, "TMA_REDUCE", reduce)
     g = torch.Generator(device="cuda").manual_seed(0)
     m, n = 2048, 1536

@@ -83,7 +83,7 @@ def _wgrad(tiles: tuple, precise: bool, fp32_accumulate: bool, prefetch_old: boo
                  "TMA_STORE": True, "FLATTEN": True, "WARP_SPECIALIZE": False, "PRECISE": precise,
                  "ACCUMULATE": fp32_accumulate, "TMA_REDUCE": fp32_accumulate and kernels.TMA_REDUCE,
                  "PREFETCH_OLD": prefetch_old, "STORE_HALVES": halves,
-                 "COLUMNS_FIRST": kernels.WGRAD_COLUMNS_FIRST, "PREFETCH_L2_TILES": kernels.WGRAD_PREFETCH_L2_TILES}
+                 "COLUMNS_FIRST": kernels.WGRAD_COLUMNS_FIRST}
     signature.update({name: "constexpr" for name in constants})
     # the accumulating epilogue compiles without fused multiply-adds (`grouped_mm_wgrad`)
     return _resources(kernels._grouped_wgrad_kernel, signature, constants, warps, stages,
