@@ -124,10 +124,12 @@ WGRAD_FP32_OR_PRECISE_TILES = (128, 128, 128, 8, 4, 1)
 # Experiment toggle (benchmarks patch it): the weight gradient's accumulation into ``.grad`` with
 # TMA stores adds by TMA's reduce-add (`_grouped_wgrad_kernel`'s ``TMA_REDUCE``) instead of the
 # warps loading the old values and storing the sum. The same bits in the GPU test of the
-# accumulation (normal values: whether the bulk reduce keeps fp32 subnormals is not checked), but no
-# faster: on an H100 at Mixtral's fc1 weight gradient 613 against 619 TFLOP/s, at Qwen3's 378
-# against 412 (`fp8_grouped_tune.py --precise`), so off. It needs a Triton whose device descriptors
-# have ``atomic_add``; Triton's interpreter has no reduce-add.
+# accumulation (normal values: whether the bulk reduce keeps fp32 subnormals is not checked). On an
+# H100 with the tiles in halves it was no faster (Mixtral's fc1 weight gradient 613 against 619
+# TFLOP/s, Qwen3's 378 against 412, `fp8_grouped_tune.py --precise`); with whole tiles it ran
+# Mixtral's fc1 in 5.95 against 6.33 ms and qwen3's training shapes no faster (1.82 against 1.73,
+# 0.94 against 0.93 ms; `--epilogue`). Off until the step shows it. It needs a Triton whose device
+# descriptors have ``atomic_add``; Triton's interpreter has no reduce-add.
 TMA_REDUCE = False
 
 
