@@ -106,3 +106,19 @@ def test_the_default_weight_gradient_launch_shape_for_fp32_gradients_does_not_sp
     assert not _fits(wide[:5] + (2,), _wgrad(wide, precise=True, fp32_accumulate=True))
     # `WGRAD_PREFETCH_OLD` (the default): the old values' registers held through the contraction fit too
     assert _fits(wide, _wgrad(wide, precise=True, fp32_accumulate=True, prefetch_old=True))
+
+
+def test_stages_not_given_fit_shared_memory_beside_the_epilogues_staging():
+    # (block_m, block_n, block_k, warps, stages, programs): stages left to the wrapper's rule, which
+    # keeps the operand stages and the epilogue's staging within sm90's 227 KB; programs given, so no
+    # device is asked for its multiprocessors
+    given = (None, None, None, None, None, 132)
+    wide = kernels.WGRAD_FP32_OR_PRECISE_TILES
+    # fp32 128 x 128 tiles: 4 stages of 32 KB beside half a tile (32 KB) or a whole one (64 KB)
+    assert kernels._launch_shape(given, wide, 4, 0, staged_fraction=0.5)[4] == 4
+    assert kernels._launch_shape(given, wide, 4, 0, staged_fraction=1.0)[4] == 4
+    # bf16 128 x 256 tiles: a whole tile's 64 KB of staging leaves room for 3 stages of 48 KB, not 4
+    assert kernels._launch_shape(given, kernels.WGRAD_TILES, 2, 0, staged_fraction=0.5)[4] == 4
+    assert kernels._launch_shape(given, kernels.WGRAD_TILES, 2, 0, staged_fraction=1.0)[4] == 3
+    # stages the caller gives are kept (the compiler reports what does not fit)
+    assert kernels._launch_shape(given[:4] + (4, 132), kernels.WGRAD_TILES, 2, 0, staged_fraction=1.0)[4] == 4
