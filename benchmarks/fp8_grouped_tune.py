@@ -244,28 +244,26 @@ def wgrad_case(name: str, iters: int, overlap: bool, precise: bool = False, epil
     zeroed_for = set()
 
     def ours(bm: int, bn: int, bk: int, warps: int, stages: int, extras: tuple) -> torch.Tensor:
-        layout = {"store_halves": "whole" not in extras, "columns_first": "cols" in extras}
-        if precise and "write" in extras:  # the first micro-batch's call: a new fp32 gradient
-            return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
-                                    block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
-                                    out_dtype=torch.float32, precise=True, **layout, **_launch_options(extras))
-        if precise:  # the step's call: split accumulation added into an fp32 .grad
-            key = (bm, bn, bk, warps, stages, extras)
-            if key not in zeroed_for:  # a configuration's first call (its error check) adds into zeros;
-                zeroed_for.add(key)  # the timed calls keep adding, as micro-batches do (no memset timed)
-                grad.zero_()
-            reduce = kernels.TMA_REDUCE
-            kernels.TMA_REDUCE = "reduce" in extras
-            try:
-                return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn,
-                                        block_k=bk, num_warps=warps, num_stages=stages, tma_store="tma" in extras,
-                                        out_dtype=torch.float32, precise=True, accumulate_into=grad,
-                                        prefetch_old="prefetch" in extras, **layout, **_launch_options(extras))
-            finally:
-                kernels.TMA_REDUCE = reduce
-        return grouped_mm_wgrad(a_aligned, sa, b_aligned, sb, aligned_ends, block_m=bm, block_n=bn, block_k=bk,
-                                num_warps=warps, num_stages=stages, tma_store="tma" in extras,
-                                **_launch_options(extras))
+        operands = (a_aligned, sa, b_aligned, sb, aligned_ends)
+        launch = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                      tma_store="tma" in extras, store_halves="whole" not in extras, columns_first="cols" in extras,
+                      **_launch_options(extras))
+        if not precise:
+            return grouped_mm_wgrad(*operands, **launch)
+        if "write" in extras:  # the first micro-batch's call: a new fp32 gradient
+            return grouped_mm_wgrad(*operands, out_dtype=torch.float32, precise=True, **launch)
+        # the step's call: split accumulation added into an fp32 .grad
+        key = (bm, bn, bk, warps, stages, extras)
+        if key not in zeroed_for:  # a configuration's first call (its error check) adds into zeros;
+            zeroed_for.add(key)  # the timed calls keep adding, as micro-batches do (no memset timed)
+            grad.zero_()
+        reduce = kernels.TMA_REDUCE
+        kernels.TMA_REDUCE = "reduce" in extras
+        try:
+            return grouped_mm_wgrad(*operands, out_dtype=torch.float32, precise=True, accumulate_into=grad,
+                                    prefetch_old="prefetch" in extras, **launch)
+        finally:
+            kernels.TMA_REDUCE = reduce
 
     if precise:
         configs = EPILOGUE_WGRAD_CONFIGS if epilogue else PRECISE_WGRAD_CONFIGS
